@@ -1,0 +1,141 @@
+//! Where tine keeps its files, which artifacts a VM boots from, and the
+//! machine shape (vCPUs, memory, accelerator).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Directories tine uses. `data_dir` holds artifacts (kernel, images),
+/// snapshots and one directory per VM (QMP socket, console log, disk
+/// overlay: on the same filesystem as snapshots, so sealing a disk into a
+/// snapshot is a rename); `shm_dir` holds guest RAM files (tmpfs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Paths {
+    pub data_dir: PathBuf,
+    pub shm_dir: PathBuf,
+}
+
+fn env_dir(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| PathBuf::from(default))
+}
+
+impl Paths {
+    /// From `TINE_DATA_DIR` (`/var/lib/tine`) and `TINE_SHM_DIR`
+    /// (`/dev/shm/tine`).
+    pub fn from_env() -> Self {
+        Self {
+            data_dir: env_dir("TINE_DATA_DIR", "/var/lib/tine"),
+            shm_dir: env_dir("TINE_SHM_DIR", "/dev/shm/tine"),
+        }
+    }
+
+    pub fn vms_dir(&self) -> PathBuf {
+        self.data_dir.join("vms")
+    }
+    pub fn vm_dir(&self, id: &str) -> PathBuf {
+        self.vms_dir().join(id)
+    }
+    pub fn vm_ram_dir(&self, id: &str) -> PathBuf {
+        self.shm_dir.join("vms").join(id)
+    }
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.data_dir.join("snapshots")
+    }
+    pub fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.snapshots_dir().join(id)
+    }
+    /// Frozen RAM of a snapshot lives on tmpfs next to the running VMs'
+    /// RAM, so freezing a VM's RAM is a rename, not a copy.
+    pub fn snapshot_ram(&self, id: &str) -> PathBuf {
+        self.shm_dir.join("snapshots").join(id).join("ram")
+    }
+
+    /// The kernel, initramfs and base rootfs that `scripts/setup-host.sh`
+    /// last built (symlinks under `<data_dir>/current`).
+    pub fn current_artifacts(&self) -> Artifacts {
+        let cur = self.data_dir.join("current");
+        Artifacts {
+            kernel: cur.join("vmlinuz"),
+            initramfs: cur.join("initramfs.cpio"),
+            rootfs: cur.join("rootfs-base.ext4"),
+        }
+    }
+}
+
+/// What a VM boots from. Paths are canonicalized by [`Artifacts::resolve`]
+/// so a snapshot records the exact files, not the moving `current` links.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Artifacts {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// Read-only base image; each VM writes to its own qcow2 overlay on it.
+    pub rootfs: PathBuf,
+}
+
+impl Artifacts {
+    pub fn resolve(&self) -> Result<Self> {
+        let check = |what: &'static str, p: &Path| -> Result<PathBuf> {
+            std::fs::canonicalize(p).map_err(|_| Error::MissingArtifact { what, path: p.to_path_buf() })
+        };
+        Ok(Self {
+            kernel: check("guest kernel", &self.kernel)?,
+            initramfs: check("initramfs", &self.initramfs)?,
+            rootfs: check("rootfs image", &self.rootfs)?,
+        })
+    }
+}
+
+/// Which QEMU accelerator runs the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    /// KVM only when the CPU has hardware virtualization (vmx/svm in
+    /// `/proc/cpuinfo`) and `/dev/kvm` opens; otherwise TCG. `TINE_ACCEL`
+    /// (`kvm` or `tcg`) overrides the probe.
+    pub fn probe() -> Self {
+        match std::env::var("TINE_ACCEL").ok().as_deref() {
+            Some("kvm") => return Accel::Kvm,
+            Some("tcg") => return Accel::Tcg,
+            _ => {}
+        }
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let hw = cpuinfo
+            .lines()
+            .filter(|l| l.starts_with("flags"))
+            .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
+        let kvm_opens = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+        if hw && kvm_opens {
+            Accel::Kvm
+        } else {
+            Accel::Tcg
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// The shape of a VM. Snapshots record it; clones must match it exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Machine {
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub accel: Accel,
+}
+
+impl Default for Machine {
+    fn default() -> Self {
+        Self { vcpus: 1, memory_mib: 512, accel: Accel::probe() }
+    }
+}

@@ -1,0 +1,118 @@
+//! The QEMU process of a VM: spawned in the VM's network namespace and its
+//! own session (so it outlives the tine process that started it and can be
+//! adopted after a restart), watched until it exits.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Stdio;
+
+use nix::sched::{setns, CloneFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::watch;
+
+use crate::error::{Error, IoContext, Result};
+use crate::netns::Netns;
+
+/// A running (or exited) QEMU process.
+#[derive(Debug)]
+pub struct QemuProcess {
+    pid: i32,
+    /// `None` while running; then a description of how it ended.
+    exit: watch::Receiver<Option<String>>,
+}
+
+impl QemuProcess {
+    /// Start `binary args` inside `netns`, its stdout and stderr going to
+    /// `log`.
+    pub fn spawn(binary: &str, args: &[String], netns: &Netns, log: &Path) -> Result<Self> {
+        let log_file = std::fs::File::create(log).ctx(|| format!("creating {}", log.display()))?;
+        let log_err = log_file.try_clone().ctx(|| "duplicating the log fd".into())?;
+        let ns_fd = netns.file().as_raw_fd();
+        let mut cmd = std::process::Command::new(binary);
+        cmd.args(args).stdin(Stdio::null()).stdout(log_file).stderr(log_err);
+        // SAFETY: the closure runs in the forked child before exec and only
+        // makes async-signal-safe system calls (setsid, setns).
+        unsafe {
+            cmd.pre_exec(move || {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                // SAFETY: ns_fd is the namespace file the parent holds open
+                // for the whole spawn; fork copied the descriptor.
+                let fd = std::os::fd::BorrowedFd::borrow_raw(ns_fd);
+                setns(fd, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+        let mut child = tokio::process::Command::from(cmd)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|source| Error::Spawn { binary: binary.to_string(), source })?;
+        let pid = child.id().expect("a just-spawned child has a pid") as i32;
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(async move {
+            let how = match child.wait().await {
+                Ok(status) => status.to_string(),
+                Err(e) => format!("wait failed: {e}"),
+            };
+            let _ = tx.send(Some(how));
+        });
+        Ok(Self { pid, exit: rx })
+    }
+
+    /// Watch a QEMU process this tine process did not start (after a
+    /// restart). Fails when `pid` is gone.
+    pub fn adopt(pid: i32) -> Result<Self> {
+        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd
+        // or -1; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error()).ctx(|| format!("pidfd_open({pid})"));
+        }
+        // SAFETY: fd is a fresh descriptor owned by nobody else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // SAFETY: the OwnedFd is moved into the AsyncFd and stays open and
+        // unchanged for the AsyncFd's whole life.
+        let async_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)
+            .ctx(|| "registering the pidfd".into())?;
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(async move {
+            // A pidfd becomes readable when the process exits.
+            let _ = async_fd.readable().await;
+            let _ = tx.send(Some("exited (adopted process, status unknown)".into()));
+        });
+        Ok(Self { pid, exit: rx })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// How the process ended, or `None` while it runs.
+    pub fn exit_status(&self) -> Option<String> {
+        self.exit.borrow().clone()
+    }
+
+    /// Wait until the process has exited; returns how it ended.
+    pub async fn wait(&self) -> String {
+        let mut rx = self.exit.clone();
+        loop {
+            if let Some(s) = rx.borrow_and_update().clone() {
+                return s;
+            }
+            if rx.changed().await.is_err() {
+                return "exited".into();
+            }
+        }
+    }
+
+    /// SIGKILL and wait for the exit.
+    pub async fn kill(&self) -> String {
+        if self.exit_status().is_none() {
+            let _ = kill(Pid::from_raw(self.pid), Signal::SIGKILL);
+        }
+        self.wait().await
+    }
+}

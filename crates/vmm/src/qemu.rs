@@ -1,0 +1,159 @@
+//! The QEMU command line for a microVM (pure: easy to test and to read).
+
+use std::path::PathBuf;
+
+use crate::config::{Accel, Artifacts, Machine};
+use crate::netns::{GUEST_IP, HOST_IP, PREFIX_LEN, TAP_NAME};
+
+/// Binary to run; `TINE_QEMU` overrides (tests use it to point at a missing
+/// binary).
+pub fn binary() -> String {
+    std::env::var("TINE_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".to_string())
+}
+
+/// Everything that differs between one launch and the next.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub machine: Machine,
+    pub artifacts: Artifacts,
+    /// This VM's qcow2 overlay.
+    pub disk: PathBuf,
+    pub ram: PathBuf,
+    /// `share=on` (a booting VM, whose RAM file can later be frozen) or
+    /// `share=off` (a clone: MAP_PRIVATE over a frozen RAM file).
+    pub ram_shared: bool,
+    pub qmp_socket: PathBuf,
+    pub console_log: PathBuf,
+    pub pidfile: PathBuf,
+    /// Start with `-incoming defer` to restore device state over QMP.
+    pub incoming: bool,
+    /// Extra kernel command-line words (tests use this to break a boot).
+    pub extra_cmdline: Vec<String>,
+}
+
+/// Kernel command line. The `tine.*` words are read by our agent.
+pub fn kernel_cmdline(extra: &[String]) -> String {
+    let mut words = vec![
+        "console=ttyS0".to_string(),
+        "reboot=t".into(),
+        "panic=-1".into(),
+        "quiet".into(),
+        "loglevel=4".into(),
+        "8250.nr_uarts=1".into(),
+        "i8042.noaux".into(),
+        "i8042.nomux".into(),
+        "i8042.nopnp".into(),
+        "i8042.dumbkbd".into(),
+        "random.trust_cpu=on".into(),
+        "rw".into(),
+        format!("tine.ip={GUEST_IP}/{PREFIX_LEN}"),
+        format!("tine.gw={HOST_IP}"),
+    ];
+    words.extend(extra.iter().cloned());
+    words.join(" ")
+}
+
+pub fn args(l: &Launch) -> Vec<String> {
+    let m = &l.machine;
+    let (accel, cpu) = match m.accel {
+        Accel::Kvm => ("kvm".to_string(), "host"),
+        // tb-size bounds TCG's translated-code cache per process (it would
+        // otherwise dominate a small guest's host memory).
+        Accel::Tcg => ("tcg,tb-size=64".to_string(), "max"),
+    };
+    let p = |p: &PathBuf| p.display().to_string();
+    let mut a: Vec<String> = vec![
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        "-no-reboot".into(),
+        "-M".into(),
+        "microvm,acpi=on,memory-backend=mem".into(),
+        "-accel".into(),
+        accel,
+        "-cpu".into(),
+        cpu.into(),
+        "-smp".into(),
+        m.vcpus.to_string(),
+        "-m".into(),
+        format!("{}M", m.memory_mib),
+        "-object".into(),
+        format!(
+            "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
+            m.memory_mib,
+            p(&l.ram),
+            if l.ram_shared { "on" } else { "off" }
+        ),
+        "-kernel".into(),
+        p(&l.artifacts.kernel),
+        "-initrd".into(),
+        p(&l.artifacts.initramfs),
+        "-append".into(),
+        kernel_cmdline(&l.extra_cmdline),
+        "-drive".into(),
+        format!("id=root,file={},format=qcow2,if=none,cache=writeback,discard=unmap", p(&l.disk)),
+        "-device".into(),
+        "virtio-blk-device,drive=root".into(),
+        "-netdev".into(),
+        format!("tap,id=net0,ifname={TAP_NAME},script=no,downscript=no"),
+        "-device".into(),
+        "virtio-net-device,netdev=net0,mac=52:54:00:74:69:6e".into(),
+        "-object".into(),
+        "rng-random,id=rng0,filename=/dev/urandom".into(),
+        "-device".into(),
+        "virtio-rng-device,rng=rng0".into(),
+        "-chardev".into(),
+        format!("file,id=console,path={},append=on", p(&l.console_log)),
+        "-serial".into(),
+        "chardev:console".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", p(&l.qmp_socket)),
+        "-pidfile".into(),
+        p(&l.pidfile),
+    ];
+    if l.incoming {
+        a.push("-incoming".into());
+        a.push("defer".into());
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(incoming: bool, shared: bool) -> Launch {
+        Launch {
+            machine: Machine { vcpus: 2, memory_mib: 256, accel: Accel::Tcg },
+            artifacts: Artifacts { kernel: "/k".into(), initramfs: "/i".into(), rootfs: "/r".into() },
+            disk: "/vm/disk.qcow2".into(),
+            ram: "/shm/ram".into(),
+            ram_shared: shared,
+            qmp_socket: "/vm/qmp.sock".into(),
+            console_log: "/vm/console.log".into(),
+            pidfile: "/vm/qemu.pid".into(),
+            incoming,
+            extra_cmdline: vec!["tine.hostname=x".into()],
+        }
+    }
+
+    #[test]
+    fn boot_command_line() {
+        let a = args(&launch(false, true)).join(" ");
+        assert!(a.contains("-M microvm,acpi=on,memory-backend=mem"));
+        assert!(a.contains("mem-path=/shm/ram,share=on"));
+        assert!(a.contains("-accel tcg,tb-size=64 -cpu max -smp 2 -m 256M"));
+        assert!(a.contains("tine.hostname=x"));
+        assert!(!a.contains("-incoming"));
+        // QEMU's microvm must keep its option ROMs or the kernel won't boot.
+        assert!(!a.contains("x-option-roms"));
+    }
+
+    #[test]
+    fn clone_command_line() {
+        let a = args(&launch(true, false)).join(" ");
+        assert!(a.contains("share=off"));
+        assert!(a.ends_with("-incoming defer"));
+    }
+}

@@ -1,0 +1,519 @@
+//! One microVM: its lifecycle (boot, pause/resume, snapshot, restore,
+//! kill) and its files.
+//!
+//! ```text
+//!            boot / restore
+//!                 │
+//!                 ▼      pause        
+//!            ┌─Running ◀──────▶ Paused
+//!   snapshot │    │     resume     │
+//!  (stop,save│    │ kill           │ kill
+//!  restart as│    ▼                ▼
+//!   a clone) └▶ Running         Stopped (process gone, files removed)
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::config::{Artifacts, Machine, Paths};
+use crate::disk::{self, BackingFormat};
+use crate::error::{Error, IoContext, Result};
+use crate::guest;
+use crate::netns::Netns;
+use crate::process::QemuProcess;
+use crate::qemu::{self, Launch};
+use crate::qmp::Qmp;
+use crate::snapshot::{Snapshot, SnapshotMeta, META_VERSION};
+
+/// How long a cold boot may take until the agent answers (TCG: 2–3 s).
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a restored VM may take until the agent answers again.
+pub const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long QEMU may take to open its QMP socket.
+const QMP_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    Paused,
+    Stopped,
+}
+
+impl VmState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmState::Running => "running",
+            VmState::Paused => "paused",
+            VmState::Stopped => "stopped",
+        }
+    }
+}
+
+/// What `vm.json` in the VM's directory records, enough to adopt the VM
+/// from another process (the CLI, or the server after a restart).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: String,
+    pub pid: i32,
+    pub netns: String,
+    pub machine: Machine,
+    pub artifacts: Artifacts,
+    pub extra_cmdline: Vec<String>,
+    /// RAM mapped `share=on` (booted) or MAP_PRIVATE over a snapshot's
+    /// frozen RAM (restored).
+    pub ram_shared: bool,
+    pub ram: PathBuf,
+    /// The snapshot this VM was restored from, if any.
+    pub parent: Option<String>,
+}
+
+/// Options for boot and restore.
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Extra kernel command-line words (boot only; a restore reuses the
+    /// snapshot's).
+    pub extra_cmdline: Vec<String>,
+    /// Overrides [`BOOT_TIMEOUT`] / [`RESTORE_TIMEOUT`].
+    pub ready_timeout: Option<Duration>,
+}
+
+pub struct Vm {
+    paths: Paths,
+    record: VmRecord,
+    netns: Netns,
+    process: QemuProcess,
+    qmp: Qmp,
+    state: VmState,
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0)
+}
+
+/// The last `max` bytes of a log file, as text.
+pub fn log_tail(path: &Path, max: usize) -> String {
+    let data = std::fs::read(path).unwrap_or_default();
+    let start = data.len().saturating_sub(max);
+    String::from_utf8_lossy(&data[start..]).trim().to_string()
+}
+
+fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data).ctx(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).ctx(|| format!("renaming {}", tmp.display()))
+}
+
+fn remove_dir(path: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::Io { context: format!("removing {}", path.display()), source: e }),
+    }
+}
+
+/// Files of one VM.
+struct VmFiles {
+    dir: PathBuf,
+}
+
+impl VmFiles {
+    fn disk(&self) -> PathBuf {
+        self.dir.join("disk.qcow2")
+    }
+    fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    fn qemu_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+    fn pidfile(&self) -> PathBuf {
+        self.dir.join("qemu.pid")
+    }
+    fn record(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+}
+
+impl Vm {
+    fn files(&self) -> VmFiles {
+        VmFiles { dir: self.paths.vm_dir(&self.record.id) }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.record.id
+    }
+    pub fn state(&self) -> VmState {
+        self.state
+    }
+    pub fn record(&self) -> &VmRecord {
+        &self.record
+    }
+    pub fn pid(&self) -> i32 {
+        self.process.pid()
+    }
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+    pub fn console_log(&self) -> PathBuf {
+        self.files().console()
+    }
+    pub fn dir(&self) -> PathBuf {
+        self.files().dir
+    }
+
+    /// Cold-boot a VM from kernel + initramfs + a read-only rootfs image,
+    /// and wait until its agent answers.
+    pub async fn boot(paths: &Paths, id: &str, machine: Machine, artifacts: &Artifacts, opts: StartOptions) -> Result<Vm> {
+        let artifacts = artifacts.resolve()?;
+        let files = VmFiles { dir: paths.vm_dir(id) };
+        let ram_dir = paths.vm_ram_dir(id);
+        prepare_dirs(&files.dir, &ram_dir)?;
+        let ram = ram_dir.join("ram");
+        let result = async {
+            disk::create_overlay(&artifacts.rootfs, BackingFormat::Raw, &files.disk()).await?;
+            let netns = Netns::create(id).await?;
+            let launch = Launch {
+                machine,
+                artifacts: artifacts.clone(),
+                disk: files.disk(),
+                ram: ram.clone(),
+                ram_shared: true,
+                qmp_socket: files.qmp(),
+                console_log: files.console(),
+                pidfile: files.pidfile(),
+                incoming: false,
+                extra_cmdline: opts.extra_cmdline.clone(),
+            };
+            let record = VmRecord {
+                id: id.to_string(),
+                pid: 0,
+                netns: netns.name().to_string(),
+                machine,
+                artifacts: artifacts.clone(),
+                extra_cmdline: opts.extra_cmdline.clone(),
+                ram_shared: true,
+                ram: ram.clone(),
+                parent: None,
+            };
+            let mut vm = Vm::launch(paths, record, netns, &launch, "during boot").await?;
+            vm.state = VmState::Running;
+            vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot").await?;
+            Ok(vm)
+        }
+        .await;
+        if result.is_err() {
+            cleanup(paths, id).await;
+        }
+        result
+    }
+
+    /// Start a clone of `snapshot`: its RAM file mapped MAP_PRIVATE, a new
+    /// overlay over its frozen disk, its device state loaded over QMP.
+    pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot, opts: StartOptions) -> Result<Vm> {
+        let files = VmFiles { dir: paths.vm_dir(id) };
+        prepare_dirs(&files.dir, &paths.vm_ram_dir(id))?;
+        let result = async {
+            let netns = Netns::create(id).await?;
+            let mut vm = Vm::launch_clone(paths, id, netns, snapshot).await?;
+            vm.wait_ready(opts.ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore").await?;
+            Ok(vm)
+        }
+        .await;
+        if result.is_err() {
+            cleanup(paths, id).await;
+        }
+        result
+    }
+
+    /// Spawn QEMU for a clone of `snapshot` in `netns`, load the device
+    /// state and let it run.
+    async fn launch_clone(paths: &Paths, id: &str, netns: Netns, snapshot: &Snapshot) -> Result<Vm> {
+        let files = VmFiles { dir: paths.vm_dir(id) };
+        let _ = std::fs::remove_file(files.disk());
+        disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
+        let meta = &snapshot.meta;
+        let launch = Launch {
+            machine: meta.machine,
+            artifacts: meta.artifacts.clone(),
+            disk: files.disk(),
+            ram: snapshot.ram.clone(),
+            ram_shared: false,
+            qmp_socket: files.qmp(),
+            console_log: files.console(),
+            pidfile: files.pidfile(),
+            incoming: true,
+            extra_cmdline: meta.extra_cmdline.clone(),
+        };
+        let record = VmRecord {
+            id: id.to_string(),
+            pid: 0,
+            netns: netns.name().to_string(),
+            machine: meta.machine,
+            artifacts: meta.artifacts.clone(),
+            extra_cmdline: meta.extra_cmdline.clone(),
+            ram_shared: false,
+            ram: snapshot.ram.clone(),
+            parent: Some(meta.id.clone()),
+        };
+        let mut vm = Vm::launch(paths, record, netns, &launch, "while restoring").await?;
+        let state = snapshot.state_path();
+        let loaded = async {
+            vm.qmp.set_migrate_capability("x-ignore-shared", true).await?;
+            vm.qmp
+                .run("migrate-incoming", Some(json!({ "uri": format!("file:{}", state.display()) })))
+                .await?;
+            vm.qmp.wait_migration("loading the device state").await?;
+            vm.qmp.run("cont", None).await
+        }
+        .await;
+        if let Err(e) = loaded {
+            // QEMU usually exits when a stream is bad; report its own words.
+            let _ = tokio::time::timeout(Duration::from_secs(2), vm.process.wait()).await;
+            return Err(Error::Snapshot {
+                path: snapshot.dir.clone(),
+                detail: format!(
+                    "QEMU could not load the device state: {e}; QEMU said: {:?}",
+                    log_tail(&vm.files().qemu_log(), 600)
+                ),
+            });
+        }
+        vm.state = VmState::Running;
+        Ok(vm)
+    }
+
+    /// Spawn QEMU and connect to its QMP socket.
+    async fn launch(paths: &Paths, mut record: VmRecord, netns: Netns, launch: &Launch, during: &'static str) -> Result<Vm> {
+        let files = VmFiles { dir: paths.vm_dir(&record.id) };
+        let _ = std::fs::remove_file(files.qmp());
+        let process = QemuProcess::spawn(&qemu::binary(), &qemu::args(launch), &netns, &files.qemu_log())?;
+        record.pid = process.pid();
+        write_atomic(&files.record(), &serde_json::to_vec_pretty(&record).expect("record serializes"))?;
+        let deadline = Instant::now() + QMP_TIMEOUT;
+        let qmp = loop {
+            if let Some(status) = process.exit_status() {
+                return Err(exited(&record.id, &files, status, during));
+            }
+            match Qmp::connect(&files.qmp()).await {
+                Ok(q) => break q,
+                Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(1)).await,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        Ok(Vm { paths: paths.clone(), record, netns, process, qmp, state: VmState::Paused })
+    }
+
+    async fn wait_ready(&mut self, timeout: Duration, during: &'static str) -> Result<()> {
+        let process = &self.process;
+        let ok = guest::wait_healthy(&self.netns, timeout, || process.exit_status().is_some()).await;
+        if ok {
+            return Ok(());
+        }
+        let files = self.files();
+        if let Some(status) = self.process.exit_status() {
+            return Err(exited(self.id(), &files, status, during));
+        }
+        Err(Error::AgentTimeout {
+            vm: self.id().to_string(),
+            secs: timeout.as_secs(),
+            console: log_tail(&files.console(), 1500),
+        })
+    }
+
+    /// Stop the vCPUs (the VM keeps its memory and process).
+    pub async fn pause(&mut self) -> Result<()> {
+        self.require(&[VmState::Running], "pause")?;
+        self.qmp.run("stop", None).await?;
+        self.state = VmState::Paused;
+        Ok(())
+    }
+
+    /// Run the vCPUs again after [`Vm::pause`].
+    pub async fn resume(&mut self) -> Result<()> {
+        self.require(&[VmState::Paused], "resume")?;
+        self.qmp.run("cont", None).await?;
+        self.state = VmState::Running;
+        Ok(())
+    }
+
+    fn require(&self, allowed: &[VmState], op: &'static str) -> Result<()> {
+        if let Some(status) = self.process.exit_status() {
+            return Err(exited(self.id(), &self.files(), status, "unexpectedly"));
+        }
+        if allowed.contains(&self.state) {
+            Ok(())
+        } else {
+            Err(Error::InvalidState { vm: self.id().to_string(), state: self.state.as_str(), op })
+        }
+    }
+
+    /// Capture the VM as snapshot `snap_id`: stop it, save its device state
+    /// (RAM stays in its file thanks to `x-ignore-shared`), seal its disk
+    /// overlay and RAM file into the snapshot, then continue this VM as a
+    /// clone of that snapshot (its RAM MAP_PRIVATE over the frozen file).
+    ///
+    /// A VM that is itself a clone maps its RAM privately, so QEMU writes
+    /// all of its RAM into the device state instead, and clones of that
+    /// snapshot load it from there (incremental RAM layers are future work).
+    pub async fn snapshot(&mut self, snap_id: &str) -> Result<Snapshot> {
+        self.require(&[VmState::Running, VmState::Paused], "snapshot")?;
+        let snap_dir = self.paths.snapshot_dir(snap_id);
+        let snap_ram = self.paths.snapshot_ram(snap_id);
+        if snap_dir.exists() {
+            return Err(Error::Snapshot { path: snap_dir, detail: "already exists".into() });
+        }
+        std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
+        std::fs::create_dir_all(snap_ram.parent().unwrap()).ctx(|| "creating the snapshot RAM dir".into())?;
+        let state_tmp = snap_dir.join("state.partial");
+
+        if self.state == VmState::Running {
+            self.qmp.run("stop", None).await?;
+            self.state = VmState::Paused;
+        }
+        let saved = async {
+            self.qmp.set_migrate_capability("x-ignore-shared", true).await?;
+            self.qmp
+                .run("migrate", Some(json!({ "uri": format!("file:{}", state_tmp.display()) })))
+                .await?;
+            self.qmp.wait_migration("saving the device state").await?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        if let Err(e) = saved {
+            let _ = Snapshot::delete(&self.paths, snap_id);
+            return Err(e);
+        }
+        // The state is saved; QEMU's exit closes the disk (flushed when the
+        // migration completed) and leaves the RAM file as it is.
+        let _ = self.qmp.run("quit", None).await;
+        if tokio::time::timeout(Duration::from_secs(10), self.process.wait()).await.is_err() {
+            self.process.kill().await;
+        }
+        self.state = VmState::Stopped;
+
+        let files = self.files();
+        std::fs::rename(files.disk(), snap_dir.join("disk.qcow2")).ctx(|| "sealing the disk overlay".into())?;
+        if self.record.ram_shared {
+            std::fs::rename(&self.record.ram, &snap_ram).ctx(|| "freezing the RAM file".into())?;
+        } else {
+            // RAM is in the device state; clones map an empty file of the
+            // right size privately and QEMU fills it from the stream.
+            let f = std::fs::File::create(&snap_ram).ctx(|| "creating the snapshot RAM file".into())?;
+            f.set_len(u64::from(self.record.machine.memory_mib) << 20).ctx(|| "sizing the RAM file".into())?;
+        }
+        std::fs::rename(&state_tmp, snap_dir.join("state")).ctx(|| "finishing the device state".into())?;
+        let meta = SnapshotMeta {
+            version: META_VERSION,
+            id: snap_id.to_string(),
+            source_vm: self.id().to_string(),
+            machine: self.record.machine,
+            artifacts: self.record.artifacts.clone(),
+            extra_cmdline: self.record.extra_cmdline.clone(),
+            created_unix_ms: unix_ms(),
+        };
+        write_atomic(&snap_dir.join("meta.json"), &serde_json::to_vec_pretty(&meta).expect("meta serializes"))?;
+        let snapshot = Snapshot::open(&self.paths, snap_id)?;
+
+        // Continue as a clone of the snapshot, in the same namespace.
+        let netns = Netns::open(&self.record.netns)?;
+        let id = self.id().to_string();
+        let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
+        *self = clone;
+        self.wait_ready(RESTORE_TIMEOUT, "after snapshot").await?;
+        Ok(snapshot)
+    }
+
+    /// Kill QEMU and remove everything that belongs to this VM: process,
+    /// namespace (with its tap), directory and RAM file. Snapshots taken
+    /// from it stay.
+    pub async fn kill(self) -> Result<()> {
+        self.process.kill().await;
+        drop(self.qmp);
+        let id = self.record.id.clone();
+        let paths = self.paths.clone();
+        self.netns.delete().await?;
+        remove_dir(&paths.vm_dir(&id))?;
+        remove_dir(&paths.vm_ram_dir(&id))?;
+        Ok(())
+    }
+
+    /// Take over a VM that another process started (its `vm.json`).
+    pub async fn adopt(paths: &Paths, id: &str) -> Result<Vm> {
+        let files = VmFiles { dir: paths.vm_dir(id) };
+        let bytes = std::fs::read(files.record()).ctx(|| format!("no VM {id} ({})", files.record().display()))?;
+        let record: VmRecord = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Io { context: format!("{} is corrupt", files.record().display()), source: e.into() })?;
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", record.pid)).unwrap_or_default();
+        let needle = files.qmp().display().to_string();
+        if !String::from_utf8_lossy(&cmdline).contains(&needle) {
+            return Err(Error::QemuExited {
+                vm: id.to_string(),
+                status: format!("pid {} is gone", record.pid),
+                during: "before it was adopted",
+                qemu_log: log_tail(&files.qemu_log(), 600),
+                console: log_tail(&files.console(), 600),
+            });
+        }
+        let process = QemuProcess::adopt(record.pid)?;
+        let netns = Netns::open(&record.netns)?;
+        let mut qmp = Qmp::connect(&files.qmp()).await?;
+        let status: serde_json::Value = qmp.execute("query-status", None).await?;
+        let state = if status["running"].as_bool() == Some(true) { VmState::Running } else { VmState::Paused };
+        Ok(Vm { paths: paths.clone(), record, netns, process, qmp, state })
+    }
+}
+
+fn prepare_dirs(dir: &Path, ram_dir: &Path) -> Result<()> {
+    if dir.exists() {
+        return Err(Error::Io {
+            context: format!("VM directory {}", dir.display()),
+            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        });
+    }
+    std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir_all(ram_dir).ctx(|| format!("creating {}", ram_dir.display()))
+}
+
+fn exited(id: &str, files: &VmFiles, status: String, during: &'static str) -> Error {
+    Error::QemuExited {
+        vm: id.to_string(),
+        status,
+        during,
+        qemu_log: log_tail(&files.qemu_log(), 800),
+        console: log_tail(&files.console(), 1500),
+    }
+}
+
+/// Remove whatever VM `id` left behind (process, namespace, files), for
+/// failed starts and for cleaning up after a crash.
+pub async fn cleanup(paths: &Paths, id: &str) {
+    let dir = paths.vm_dir(id);
+    if let Ok(pid) = std::fs::read_to_string(dir.join("qemu.pid")) {
+        if let Ok(pid) = pid.trim().parse::<i32>() {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&dir.display().to_string()) {
+                if let Ok(p) = QemuProcess::adopt(pid) {
+                    p.kill().await;
+                }
+            }
+        }
+    }
+    let _ = crate::netns::delete_by_name(&format!("{}{id}", crate::netns::NAME_PREFIX)).await;
+    let _ = remove_dir(&dir);
+    let _ = remove_dir(&paths.vm_ram_dir(id));
+}
+
+/// IDs of all VMs that have a directory.
+pub fn list(paths: &Paths) -> Vec<String> {
+    let mut ids: Vec<String> = std::fs::read_dir(paths.vms_dir())
+        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.file_name().into_string().ok()).collect())
+        .unwrap_or_default();
+    ids.sort();
+    ids
+}
