@@ -1,1 +1,42 @@
-fn main() {}
+//! `tine`: the command-line interface.
+//!
+//! `tine vm ...` drives single microVMs by hand (boot, exec, snapshot,
+//! clone, kill), for debugging and for the foundation's own checks;
+//! `tine run` boots the default template and runs one command in it.
+
+mod vm;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "tine", version, about = "Self-hosted microVM sandboxes for agentic RL, speaking the E2B API")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Drive single microVMs by hand.
+    #[command(subcommand)]
+    Vm(vm::VmCommand),
+    /// Boot the base template, run one command in it, print its output and
+    /// remove the VM.
+    Run(vm::RunArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TINE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let code = runtime.block_on(async move {
+        match cli.command {
+            Command::Vm(cmd) => vm::run(cmd).await,
+            Command::Run(args) => vm::run_once(args).await,
+        }
+    })?;
+    std::process::exit(code);
+}

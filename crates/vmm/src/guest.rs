@@ -66,3 +66,72 @@ pub async fn wait_healthy(netns: &Netns, timeout: Duration, mut give_up: impl Fn
     }
     false
 }
+
+/// What a command run through the agent produced.
+#[derive(Debug, Clone, Default)]
+pub struct ExecOutput {
+    pub pid: u32,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub exit_code: i32,
+    pub status: String,
+}
+
+/// Run `cmd` with `bash -l -c` as `user` through the agent's
+/// `process.Process/Start` (the call `commands.run` of the E2B SDK makes),
+/// collecting its output until it ends or `timeout` passes.
+pub async fn exec(netns: &Netns, user: &str, cmd: &str, timeout: Duration) -> Result<ExecOutput, String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let body = tine_connect::encode_message(&serde_json::json!({
+        "process": { "cmd": "/bin/bash", "args": ["-l", "-c", cmd] },
+        "stdin": false,
+    }))
+    .map_err(|e| e.to_string())?;
+    let req = Request::post("/process.Process/Start")
+        .header("host", "agent")
+        .header("content-type", tine_connect::CONTENT_TYPE_STREAM_JSON)
+        .header(tine_connect::HEADER_TIMEOUT_MS, timeout.as_millis().to_string())
+        .header("authorization", format!("Basic {}", b64.encode(format!("{user}:"))))
+        .body(Full::new(body))
+        .expect("request is valid");
+    let (status, body) = tokio::time::timeout(timeout + Duration::from_secs(5), request(netns, req))
+        .await
+        .map_err(|_| format!("no answer within {timeout:?}"))?
+        .map_err(|e| format!("request failed: {e}"))?;
+    if status != StatusCode::OK {
+        let err = tine_connect::Error::from_unary_response(status.as_u16(), &body);
+        return Err(format!("HTTP {status}: {err}"));
+    }
+    let mut decoder = tine_connect::Decoder::new(64 << 20);
+    decoder.push(&body);
+    let mut out = ExecOutput::default();
+    let mut ended = false;
+    while let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
+        match frame {
+            tine_connect::Frame::Message(json) => {
+                let msg: serde_json::Value = serde_json::from_slice(&json).map_err(|e| e.to_string())?;
+                let event = &msg["event"];
+                if let Some(start) = event.get("start") {
+                    out.pid = start["pid"].as_u64().unwrap_or(0) as u32;
+                } else if let Some(data) = event.get("data") {
+                    for (key, sink) in [("stdout", &mut out.stdout), ("stderr", &mut out.stderr)] {
+                        if let Some(s) = data.get(key).and_then(|v| v.as_str()) {
+                            sink.extend(b64.decode(s).map_err(|e| e.to_string())?);
+                        }
+                    }
+                } else if let Some(end) = event.get("end") {
+                    out.exit_code = end["exitCode"].as_i64().unwrap_or(0) as i32;
+                    out.status = end["status"].as_str().unwrap_or_default().to_string();
+                    ended = true;
+                }
+            }
+            tine_connect::Frame::End(end) => end.into_result().map_err(|e| e.to_string())?,
+        }
+    }
+    decoder.finish().map_err(|e| e.to_string())?;
+    if !ended {
+        return Err("the process stream ended without an end event".into());
+    }
+    Ok(out)
+}

@@ -517,3 +517,12 @@ pub fn list(paths: &Paths) -> Vec<String> {
     ids.sort();
     ids
 }
+
+impl Vm {
+    /// Run a shell command in the guest as `user` (see [`guest::exec`]).
+    pub async fn exec(&self, user: &str, cmd: &str, timeout: Duration) -> Result<guest::ExecOutput> {
+        guest::exec(&self.netns, user, cmd, timeout)
+            .await
+            .map_err(|detail| Error::Agent { vm: self.id().to_string(), detail })
+    }
+}
