@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# test.sh: install what is missing, then run every test of tine.
+#
+#   1. host setup (packages, kernel, base rootfs)   scripts/setup-host.sh
+#   2. the guest agent and its initramfs            scripts/build-agent.sh
+#   3. the E2B SDKs used by end-to-end tests        tests/e2e/setup.sh
+#   4. Rust tests (unit + real QEMU VMs)            cargo test --workspace
+#   5. the agent against the real E2B SDKs          tests/e2e/agent/run.sh
+#
+# Must run as root (network namespaces, tap devices, QEMU).
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$TINE_SCRIPTS_DIR/.."
+need_root
+
+"$TINE_SCRIPTS_DIR/setup-host.sh"
+"$TINE_SCRIPTS_DIR/build-agent.sh"
+if [[ -x tests/e2e/setup.sh ]]; then
+    tests/e2e/setup.sh
+fi
+
+log "cargo test --workspace"
+start=$(now)
+cargo test --workspace --locked 2>&1
+info "cargo tests passed in $(elapsed "$start")"
+
+if [[ -x tests/e2e/agent/run.sh ]]; then
+    log "end-to-end: the agent with the real E2B SDKs"
+    tests/e2e/agent/run.sh
+fi
+log "all tests passed"
