@@ -1,0 +1,262 @@
+//! Connect RPC on the server side: reading requests (unary JSON, one
+//! enveloped message, a client stream), answering (unary JSON, a stream of
+//! envelopes flushed one by one), and the per-call context (user, deadline,
+//! keepalive interval) taken from the headers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tine_connect::{Decoder, EndStream, Frame};
+use tokio::sync::mpsc;
+
+use super::error::{EnvdError, Result};
+use super::user::User;
+use super::Envd;
+
+/// Largest request message accepted (a `SendInput` chunk is the biggest).
+pub const MAX_MESSAGE: usize = 16 << 20;
+
+/// What every handler gets.
+pub struct Ctx {
+    pub envd: Arc<Envd>,
+    pub user: User,
+    /// `Connect-Timeout-Ms`.
+    pub timeout: Option<Duration>,
+    /// `Keepalive-Ping-Interval` (seconds in the header).
+    pub keepalive: Option<Duration>,
+}
+
+impl Ctx {
+    pub fn new(envd: Arc<Envd>, headers: &HeaderMap) -> Result<Ctx> {
+        let user = envd.user_from_headers(headers, None)?;
+        let timeout = headers
+            .get(tine_connect::HEADER_TIMEOUT_MS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(tine_connect::parse_timeout_ms)
+            .map(Duration::from_millis);
+        let keepalive = headers
+            .get("keepalive-ping-interval")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|s| *s > 0)
+            .map(Duration::from_secs);
+        Ok(Ctx { envd, user, timeout, keepalive })
+    }
+}
+
+/// The user named by `Authorization: Basic base64("user:")`, if any.
+pub fn basic_auth_user(headers: &HeaderMap) -> Result<Option<String>> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let bad = || EnvdError::Unauthenticated("invalid Authorization header: expected Basic base64(\"user:\")".into());
+    let value = value.to_str().map_err(|_| bad())?;
+    let (scheme, creds) = value.trim().split_once(' ').ok_or_else(bad)?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return Err(bad());
+    }
+    let decoded = base64::engine::general_purpose::STANDARD.decode(creds.trim()).map_err(|_| bad())?;
+    let decoded = String::from_utf8(decoded).map_err(|_| bad())?;
+    let name = decoded.split_once(':').map(|(u, _)| u).unwrap_or(&decoded);
+    Ok(Some(name.to_string()))
+}
+
+fn media_type(headers: &HeaderMap) -> String {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+/// Refuses a content type other than `want` (binary protobuf is not
+/// served: both SDKs use JSON).
+pub fn check_content_type(headers: &HeaderMap, want: &str) -> Result<()> {
+    let got = media_type(headers);
+    if got == want || (got.is_empty() && want == tine_connect::CONTENT_TYPE_UNARY_JSON) {
+        return Ok(());
+    }
+    Err(EnvdError::UnsupportedMediaType(format!("unsupported content type {got:?}, expected {want:?}")))
+}
+
+async fn read_body(body: Body) -> Result<Bytes> {
+    axum::body::to_bytes(body, MAX_MESSAGE + 5)
+        .await
+        .map_err(|e| EnvdError::InvalidArgument(format!("reading the request: {e}")))
+}
+
+fn parse_json<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
+    let payload: &[u8] = if payload.iter().all(u8::is_ascii_whitespace) { b"{}" } else { payload };
+    serde_json::from_slice(payload).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
+}
+
+/// The message of a unary call.
+pub async fn read_unary<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T> {
+    check_content_type(headers, tine_connect::CONTENT_TYPE_UNARY_JSON)?;
+    parse_json(&read_body(body).await?)
+}
+
+/// The single enveloped message of a server-streaming call.
+pub async fn read_stream_request<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T> {
+    check_content_type(headers, tine_connect::CONTENT_TYPE_STREAM_JSON)?;
+    let bytes = read_body(body).await?;
+    let mut dec = Decoder::new(MAX_MESSAGE);
+    dec.push(&bytes);
+    let frame = dec.next_frame().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+    let msg = match frame {
+        Some(Frame::Message(m)) => m,
+        Some(Frame::End(_)) | None => {
+            dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+            return Err(EnvdError::InvalidArgument("request has no message".into()));
+        }
+    };
+    match dec.next_frame() {
+        Ok(None) => dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
+        _ => return Err(EnvdError::InvalidArgument("server-streaming request has more than one message".into())),
+    }
+    parse_json(&msg)
+}
+
+/// Reads the messages of a client stream one by one.
+pub struct ClientStream {
+    body: axum::body::BodyDataStream,
+    dec: Decoder,
+    done: bool,
+}
+
+impl ClientStream {
+    pub fn new(headers: &HeaderMap, body: Body) -> Result<ClientStream> {
+        check_content_type(headers, tine_connect::CONTENT_TYPE_STREAM_JSON)?;
+        Ok(ClientStream { body: body.into_data_stream(), dec: Decoder::new(MAX_MESSAGE), done: false })
+    }
+
+    /// The next message; `Ok(None)` at the end of the stream.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>> {
+        let bad = |e: tine_connect::FrameError| EnvdError::InvalidArgument(e.to_string());
+        loop {
+            match self.dec.next_frame().map_err(bad)? {
+                Some(Frame::Message(m)) => return parse_json(&m).map(Some),
+                Some(Frame::End(_)) => {
+                    self.done = true;
+                    return Ok(None);
+                }
+                None if self.done => {
+                    self.dec.finish().map_err(bad)?;
+                    return Ok(None);
+                }
+                None => match self.body.next().await {
+                    Some(Ok(chunk)) => self.dec.push(&chunk),
+                    Some(Err(e)) => return Err(EnvdError::InvalidArgument(format!("reading the request: {e}"))),
+                    None => self.done = true,
+                },
+            }
+        }
+    }
+}
+
+/// A unary answer: the JSON message, or the Connect error JSON with the
+/// code's HTTP status.
+pub fn unary_response<R: Serialize>(result: Result<R>) -> Response {
+    match result {
+        Ok(msg) => match serde_json::to_vec(&msg) {
+            Ok(json) => json_response(StatusCode::OK, json),
+            Err(e) => unary_error(&EnvdError::Internal(format!("encoding the response: {e}"))),
+        },
+        Err(e) => unary_error(&e),
+    }
+}
+
+pub fn unary_error(err: &EnvdError) -> Response {
+    if let EnvdError::UnsupportedMediaType(_) = err {
+        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
+    }
+    let status = StatusCode::from_u16(err.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, err.to_connect().to_json())
+}
+
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// Sending half of a streaming response. Each message is one envelope,
+/// handed to hyper as its own body chunk so it is flushed at once.
+pub struct StreamTx {
+    tx: mpsc::Sender<Bytes>,
+}
+
+/// The client went away (the response body was dropped).
+#[derive(Debug)]
+pub struct Disconnected;
+
+impl StreamTx {
+    pub async fn send<M: Serialize>(&self, msg: &M) -> Result<(), Disconnected> {
+        let frame = tine_connect::encode_message(msg).map_err(|_| Disconnected)?;
+        self.tx.send(frame).await.map_err(|_| Disconnected)
+    }
+
+    /// Ends the stream with the end-of-stream message.
+    pub async fn finish(self, result: Result<()>) {
+        let end = match result {
+            Ok(()) => EndStream::ok(),
+            Err(e) => EndStream::err(e.to_connect()),
+        };
+        let _ = self.tx.send(tine_connect::encode_end_stream(&end)).await;
+    }
+
+    /// Resolves when the client has gone away.
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
+/// A streaming response (always HTTP 200) and its sender.
+pub fn stream_response() -> (StreamTx, Response) {
+    // A small channel keeps backpressure: a slow client slows the producer.
+    let (tx, rx) = mpsc::channel::<Bytes>(8);
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(tine_connect::CONTENT_TYPE_STREAM_JSON));
+    (StreamTx { tx }, resp)
+}
+
+/// A stream that fails before its first message: 200 with only the
+/// end-of-stream error (what connect-go does), except for content types we
+/// do not speak, which get 415.
+pub fn stream_error(err: EnvdError) -> Response {
+    if let EnvdError::UnsupportedMediaType(_) = err {
+        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
+    }
+    let frame = tine_connect::encode_end_stream(&EndStream::err(err.to_connect()));
+    let mut resp = Response::new(Body::from(frame));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(tine_connect::CONTENT_TYPE_STREAM_JSON));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn basic_auth() {
+        let mut h = HeaderMap::new();
+        assert_eq!(basic_auth_user(&h).unwrap(), None);
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic cm9vdDo=")); // "root:"
+        assert_eq!(basic_auth_user(&h).unwrap().as_deref(), Some("root"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer x"));
+        assert!(basic_auth_user(&h).is_err());
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic !!!"));
+        assert!(basic_auth_user(&h).is_err());
+    }
+}
