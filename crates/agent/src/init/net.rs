@@ -41,10 +41,12 @@ fn sockaddr(addr: Ipv4Addr) -> libc::sockaddr {
     unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
 }
 
-fn ioctl(fd: &OwnedFd, request: libc::Ioctl, arg: *mut libc::c_void, what: &str) -> anyhow::Result<()> {
+// The SIOC* constants are `c_ulong` while `ioctl` takes `Ioctl` (`c_int`
+// on musl, `c_ulong` on glibc), hence the cast at the call.
+fn ioctl(fd: &OwnedFd, request: libc::c_ulong, arg: *mut libc::c_void, what: &str) -> anyhow::Result<()> {
     // SAFETY: `arg` points to a live, correctly typed struct for `request`
     // (ifreq or rtentry), owned by the caller for the duration of the call.
-    if unsafe { libc::ioctl(fd.as_raw_fd(), request, arg) } < 0 {
+    if unsafe { libc::ioctl(fd.as_raw_fd(), request as libc::Ioctl, arg) } < 0 {
         return Err(std::io::Error::last_os_error()).context(what.to_string());
     }
     Ok(())
