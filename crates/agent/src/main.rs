@@ -41,6 +41,8 @@ fn run(is_init: bool) -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // The guest's stderr is the serial console log: no colour codes.
+        .with_ansi(!is_init)
         .init();
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
