@@ -1,8 +1,216 @@
-//! `GET /files` and `POST /files` (placeholder while being written).
+//! `GET /files` (download) and `POST /files` (multipart or raw upload).
+//!
+//! Both directions stream: a download is the file read in chunks, an
+//! upload is written chunk by chunk by a blocking-pool writer fed through
+//! a small channel, so neither ever holds a whole file in memory. Files and
+//! missing parent directories are created with the caller's credentials,
+//! so they belong to the caller.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use axum::Router;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::Response;
+use axum::routing::get;
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use super::error::{EnvdError, Result};
+use super::user::{run_as, User};
 use super::Envd;
 
 pub fn routes() -> Router<Arc<Envd>> {
-    Router::new()
+    Router::new().route("/files", get(download).post(upload).layer(DefaultBodyLimit::disable()))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+    signature: Option<String>,
+    signature_expiration: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct UploadedEntry {
+    name: String,
+    path: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// Authorizes and resolves the caller of a `/files` request.
+fn authorize(envd: &Envd, headers: &HeaderMap, q: &FilesQuery, operation: &str) -> Result<User> {
+    let expiration = match q.signature_expiration.as_deref() {
+        Some(s) => Some(s.parse::<i64>().map_err(|_| EnvdError::InvalidArgument(format!("invalid signature_expiration {s:?}")))?),
+        None => None,
+    };
+    envd.auth.check_signature(headers, q.path.as_deref().unwrap_or(""), operation, q.username.as_deref(), q.signature.as_deref(), expiration)?;
+    envd.user_from_headers(headers, q.username.as_deref())
+}
+
+fn resolve(envd: &Envd, user: &User, path: &str) -> Result<PathBuf> {
+    if path.is_empty() {
+        return Err(EnvdError::InvalidArgument("path is required".into()));
+    }
+    user.resolve(path, envd.defaults().workdir.as_deref())
+}
+
+fn parse_query(raw: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>) -> Result<FilesQuery> {
+    raw.map(|Query(q)| q).map_err(|e| EnvdError::InvalidArgument(format!("invalid query: {e}")))
+}
+
+async fn download(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>, headers: HeaderMap) -> Result<Response> {
+    let q = parse_query(query)?;
+    let user = authorize(&envd, &headers, &q, "read")?;
+    let path = resolve(&envd, &user, q.path.as_deref().unwrap_or(""))?;
+    let (file, len) = run_as(&user, move || {
+        let file = File::open(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        let meta = file.metadata().map_err(|e| EnvdError::io(&e, path.display()))?;
+        if meta.is_dir() {
+            return Err(EnvdError::InvalidArgument(format!("path {} is a directory", path.display())));
+        }
+        Ok((file, meta.len()))
+    })
+    .await?;
+    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 << 10);
+    let mut resp = Response::new(Body::from_stream(stream));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    Ok(resp)
+}
+
+async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>, req: Request) -> Result<Json<Vec<UploadedEntry>>> {
+    let q = parse_query(query)?;
+    let headers = req.headers().clone();
+    let user = authorize(&envd, &headers, &q, "write")?;
+    let media = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .unwrap_or_default();
+    let written = match media.as_str() {
+        "multipart/form-data" => upload_multipart(&envd, &user, q.path.as_deref(), req).await?,
+        "application/octet-stream" => {
+            let path = resolve(&envd, &user, q.path.as_deref().unwrap_or(""))?;
+            let gzip = match headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase()) {
+                None => false,
+                Some(e) if e.is_empty() || e == "identity" => false,
+                Some(e) if e == "gzip" => true,
+                Some(e) => return Err(EnvdError::InvalidArgument(format!("unsupported Content-Encoding {e:?}"))),
+            };
+            let mut sink = Sink::open(&user, path.clone(), gzip).await?;
+            let mut body = req.into_body().into_data_stream();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| EnvdError::InvalidArgument(format!("reading the upload: {e}")))?;
+                sink.write(chunk).await?;
+            }
+            sink.finish().await?;
+            vec![uploaded(&path)]
+        }
+        other => return Err(EnvdError::InvalidArgument(format!("unsupported content type {other:?}: use multipart/form-data or application/octet-stream"))),
+    };
+    Ok(Json(written))
+}
+
+fn uploaded(path: &Path) -> UploadedEntry {
+    UploadedEntry { name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), path: path.display().to_string(), kind: "file" }
+}
+
+async fn upload_multipart(envd: &Envd, user: &User, query_path: Option<&str>, req: Request) -> Result<Vec<UploadedEntry>> {
+    let bad = |e: axum::extract::multipart::MultipartError| EnvdError::InvalidArgument(format!("invalid multipart body: {e}"));
+    let mut form = axum::extract::Multipart::from_request(req, &()).await.map_err(|e| EnvdError::InvalidArgument(format!("invalid multipart body: {e}")))?;
+    let mut written = Vec::new();
+    while let Some(mut field) = form.next_field().await.map_err(bad)? {
+        let file_name = field.file_name().map(str::to_string);
+        if field.name() != Some("file") && file_name.is_none() {
+            continue; // not a file part
+        }
+        let dest = match (query_path.filter(|p| !p.is_empty()), file_name.as_deref().filter(|f| !f.is_empty())) {
+            (Some(p), _) => p.to_string(),
+            (None, Some(f)) => f.to_string(),
+            (None, None) => return Err(EnvdError::InvalidArgument("a file part has no filename and there is no path parameter".into())),
+        };
+        let path = resolve(envd, user, &dest)?;
+        let mut sink = Sink::open(user, path.clone(), false).await?;
+        while let Some(chunk) = field.chunk().await.map_err(bad)? {
+            sink.write(chunk).await?;
+        }
+        sink.finish().await?;
+        written.push(uploaded(&path));
+    }
+    if written.is_empty() {
+        return Err(EnvdError::InvalidArgument("the request has no file".into()));
+    }
+    Ok(written)
+}
+
+/// A file being written by a blocking-pool thread.
+struct Sink {
+    tx: Option<mpsc::Sender<Bytes>>,
+    writer: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl Sink {
+    async fn open(user: &User, path: PathBuf, gzip: bool) -> Result<Sink> {
+        let p = path.clone();
+        let file = run_as(user, move || {
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
+            }
+            if p.is_dir() {
+                return Err(EnvdError::InvalidArgument(format!("path {} is a directory", p.display())));
+            }
+            File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))
+        })
+        .await?;
+        let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+        let writer = tokio::task::spawn_blocking(move || {
+            let fail = |e: std::io::Error| EnvdError::io(&e, path.display());
+            if gzip {
+                let mut dec = flate2::write::GzDecoder::new(std::io::BufWriter::with_capacity(256 << 10, file));
+                while let Some(chunk) = rx.blocking_recv() {
+                    dec.write_all(&chunk).map_err(|e| EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display())))?;
+                }
+                dec.try_finish().map_err(|e| EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display())))?;
+                dec.get_mut().flush().map_err(fail)?;
+            } else {
+                let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
+                while let Some(chunk) = rx.blocking_recv() {
+                    out.write_all(&chunk).map_err(fail)?;
+                }
+                out.flush().map_err(fail)?;
+            }
+            Ok(())
+        });
+        Ok(Sink { tx: Some(tx), writer })
+    }
+
+    async fn write(&mut self, chunk: Bytes) -> Result<()> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(chunk).await.is_ok(),
+            None => false,
+        };
+        if sent {
+            return Ok(());
+        }
+        // The writer stopped: report its error.
+        self.tx = None;
+        match (&mut self.writer).await {
+            Ok(Err(e)) => Err(e),
+            _ => Err(EnvdError::Internal("the file writer stopped".into())),
+        }
+    }
+
+    async fn finish(mut self) -> Result<()> {
+        self.tx = None;
+        (&mut self.writer).await.map_err(|e| EnvdError::Internal(format!("file writer: {e}")))?
+    }
 }

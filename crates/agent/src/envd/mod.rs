@@ -129,6 +129,7 @@ async fn rpc_call(State(envd): State<Arc<Envd>>, Path((service, method)): Path<(
 
 /// Serve the API on `listener` until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener) -> anyhow::Result<()> {
+    tracing::info!(envd_version = ENVD_VERSION, "envd API ready");
     axum::serve(listener, router()).await?;
     Ok(())
 }

@@ -1,13 +1,172 @@
-//! `filesystem.Filesystem` (placeholder while being written).
+//! `filesystem.Filesystem`: stat, list, make, move and remove entries, and
+//! watch directories. Every operation runs with the caller's filesystem
+//! credentials ([`crate::envd::user::run_as`]).
+
+pub mod entry;
+mod watch;
+
+use std::path::{Path, PathBuf};
+
 use axum::body::Body;
 use axum::http::HeaderMap;
 use axum::response::Response;
-use super::error::Result;
-use super::rpc::Ctx;
+use serde::{Deserialize, Serialize};
 
-#[derive(Default)]
-pub struct Watchers {}
+pub use self::watch::Watchers;
+use self::entry::{entry_info, EntryInfo, Names};
+use super::error::{EnvdError, Result};
+use super::rpc::{self, Ctx};
+use super::user::run_as;
 
-pub async fn handle(_method: &str, _ctx: Result<Ctx>, _headers: &HeaderMap, _body: Body) -> Option<Response> {
-    None
+#[derive(Debug, Default, Deserialize)]
+struct PathRequest {
+    #[serde(default)]
+    path: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ListDirRequest {
+    #[serde(default)]
+    path: String,
+    #[serde(default, deserialize_with = "crate::envd::proto::de_u32")]
+    depth: u32,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct MoveRequest {
+    #[serde(default)]
+    source: String,
+    #[serde(default)]
+    destination: String,
+}
+
+#[derive(Debug, Serialize)]
+struct EntryResponse {
+    entry: EntryInfo,
+}
+
+#[derive(Debug, Serialize)]
+struct ListDirResponse {
+    entries: Vec<EntryInfo>,
+}
+
+#[derive(Debug, Serialize)]
+struct Empty {}
+
+/// Dispatches one `filesystem.Filesystem` call.
+pub async fn handle(method: &str, ctx: Result<Ctx>, headers: &HeaderMap, body: Body) -> Option<Response> {
+    let resp = match method {
+        "Stat" => rpc::unary_response(unary(ctx, headers, body, stat).await),
+        "MakeDir" => rpc::unary_response(unary(ctx, headers, body, make_dir).await),
+        "Move" => rpc::unary_response(unary(ctx, headers, body, move_entry).await),
+        "ListDir" => rpc::unary_response(unary(ctx, headers, body, list_dir).await),
+        "Remove" => rpc::unary_response(unary(ctx, headers, body, remove).await),
+        "CreateWatcher" => rpc::unary_response(unary(ctx, headers, body, watch::create_watcher).await),
+        "GetWatcherEvents" => rpc::unary_response(unary(ctx, headers, body, watch::get_watcher_events).await),
+        "RemoveWatcher" => rpc::unary_response(unary(ctx, headers, body, watch::remove_watcher).await),
+        "WatchDir" => match ctx {
+            Ok(ctx) => match rpc::read_stream_request(headers, body).await {
+                Ok(req) => watch::watch_dir(ctx, req).await,
+                Err(e) => rpc::stream_error(e),
+            },
+            Err(e) => rpc::stream_error(e),
+        },
+        _ => return None,
+    };
+    Some(resp)
+}
+
+async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, headers: &HeaderMap, body: Body, f: F) -> Result<Resp>
+where
+    Req: serde::de::DeserializeOwned,
+    F: FnOnce(Ctx, Req) -> Fut,
+    Fut: std::future::Future<Output = Result<Resp>>,
+{
+    let ctx = ctx?;
+    let req = rpc::read_unary(headers, body).await?;
+    f(ctx, req).await
+}
+
+/// Resolves a request path for the caller; an empty path is refused.
+pub fn resolve(ctx: &Ctx, path: &str) -> Result<PathBuf> {
+    if path.is_empty() {
+        return Err(EnvdError::InvalidArgument("path is empty".into()));
+    }
+    ctx.user.resolve(path, ctx.envd.defaults().workdir.as_deref())
+}
+
+async fn stat(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
+    let path = resolve(&ctx, &req.path)?;
+    run_as(&ctx.user, move || Ok(EntryResponse { entry: entry_info(&path, &mut Names::default())? })).await
+}
+
+async fn make_dir(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
+    let path = resolve(&ctx, &req.path)?;
+    run_as(&ctx.user, move || {
+        if std::fs::symlink_metadata(&path).is_ok() {
+            return Err(EnvdError::AlreadyExists(format!("{} already exists", path.display())));
+        }
+        std::fs::create_dir_all(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        Ok(EntryResponse { entry: entry_info(&path, &mut Names::default())? })
+    })
+    .await
+}
+
+async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
+    let src = resolve(&ctx, &req.source)?;
+    let dst = resolve(&ctx, &req.destination)?;
+    run_as(&ctx.user, move || {
+        std::fs::symlink_metadata(&src).map_err(|e| EnvdError::io(&e, src.display()))?;
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
+        }
+        std::fs::rename(&src, &dst).map_err(|e| EnvdError::io(&e, format!("moving {} to {}", src.display(), dst.display())))?;
+        Ok(EntryResponse { entry: entry_info(&dst, &mut Names::default())? })
+    })
+    .await
+}
+
+async fn remove(ctx: Ctx, req: PathRequest) -> Result<Empty> {
+    let path = resolve(&ctx, &req.path)?;
+    run_as(&ctx.user, move || {
+        let meta = std::fs::symlink_metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        let r = if meta.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        r.map_err(|e| EnvdError::io(&e, path.display()))?;
+        Ok(Empty {})
+    })
+    .await
+}
+
+async fn list_dir(ctx: Ctx, req: ListDirRequest) -> Result<ListDirResponse> {
+    let path = resolve(&ctx, &req.path)?;
+    let depth = req.depth.max(1);
+    run_as(&ctx.user, move || {
+        // A symlink to a directory lists the directory.
+        let meta = std::fs::metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        if !meta.is_dir() {
+            return Err(EnvdError::InvalidArgument(format!("path {} is not a directory", path.display())));
+        }
+        let mut entries = Vec::new();
+        walk(&path, depth, &mut Names::default(), &mut entries)?;
+        Ok(ListDirResponse { entries })
+    })
+    .await
+}
+
+/// Lists `dir` and, while `depth` allows, its subdirectories (not through
+/// symlinks). Unreadable subdirectories are skipped; an unreadable `dir`
+/// itself is an error.
+fn walk(dir: &Path, depth: u32, names: &mut Names, out: &mut Vec<EntryInfo>) -> Result<()> {
+    let rd = std::fs::read_dir(dir).map_err(|e| EnvdError::io(&e, dir.display()))?;
+    let mut children: Vec<_> = rd.filter_map(|e| e.ok()).collect();
+    children.sort_by_key(|e| e.file_name());
+    for child in children {
+        let path = child.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        out.push(entry::entry_from_meta(&path, &meta, names));
+        if depth > 1 && meta.is_dir() {
+            let _ = walk(&path, depth - 1, names, out);
+        }
+    }
+    Ok(())
 }

@@ -130,10 +130,6 @@ impl Output {
         self.produced.send_modify(|v| *v += 1);
     }
 
-    pub fn ended(&self) -> Option<Ended> {
-        self.lock().ended.clone()
-    }
-
     /// Attaches a reader starting at the oldest buffered chunk.
     pub fn subscribe(self: &Arc<Self>) -> Subscriber {
         let mut st = self.lock();

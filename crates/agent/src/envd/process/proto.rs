@@ -131,8 +131,6 @@ pub struct StreamInputRequest {
     pub start: Option<SelectorRequest>,
     #[serde(default)]
     pub data: Option<StreamInputData>,
-    #[serde(default)]
-    pub keepalive: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
