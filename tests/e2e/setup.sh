@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# setup.sh: what the end-to-end tests need on the host, installed once.
+#
+#   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest
+#   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
+#   - the account `user` (E2B images have it; it is the SDKs' default user)
+#
+# Idempotent: each step is skipped when already done.
+set -euo pipefail
+
+E2B_PY_VERSION=2.63.0
+PY_PACKAGES=("e2b==${E2B_PY_VERSION}" "pytest==9.2.0" "pytest-asyncio==1.5.0")
+
+TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="$TINE_DATA_DIR/venv"
+
+log() { printf '==> %s\n' "$*" >&2; }
+info() { printf '    %s\n' "$*" >&2; }
+
+apt_install() {
+    if [[ ${EUID:-$(id -u)} -ne 0 ]]; then
+        echo "error: missing $*; install it (as root: apt-get install $*)" >&2
+        exit 1
+    fi
+    info "apt-get install $*"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# ---- Python SDK ----
+log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
+if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    apt_install python3-venv
+fi
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" - "${PY_PACKAGES[@]}" <<'PY' >/dev/null 2>&1; then
+import sys
+from importlib.metadata import version
+for spec in sys.argv[1:]:
+    name, want = spec.split("==")
+    assert version(name) == want, spec
+PY
+    info "already installed"
+else
+    mkdir -p "$TINE_DATA_DIR"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "${PY_PACKAGES[@]}"
+    info "installed: ${PY_PACKAGES[*]}"
+fi
+
+# ---- JS SDK ----
+log "JS E2B SDK (tests/e2e/js, pinned by package-lock.json)"
+if ! command -v npm >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
+    apt_install nodejs npm
+fi
+lock="$HERE/js/package-lock.json"
+stamp="$HERE/js/node_modules/.tine-lock.sha256"
+want="$(sha256sum "$lock" | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    info "already installed"
+else
+    (cd "$HERE/js" && npm ci --no-audit --no-fund --loglevel=error)
+    echo "$want" >"$stamp"
+    info "installed $(node -p "require('$HERE/js/node_modules/e2b/package.json').version" 2>/dev/null || echo '?')"
+fi
+
+# ---- the default sandbox user ----
+log "account 'user'"
+if id user >/dev/null 2>&1; then
+    info "exists (uid $(id -u user))"
+elif [[ ${EUID:-$(id -u)} -ne 0 ]]; then
+    echo "error: the account 'user' is missing; create it as root: useradd -m -s /bin/bash user" >&2
+    exit 1
+else
+    uid_opt=()
+    if ! getent passwd 1000 >/dev/null && ! getent group 1000 >/dev/null; then
+        uid_opt=(-u 1000)
+    fi
+    useradd -m -d /home/user -s /bin/bash "${uid_opt[@]}" user
+    info "created (uid $(id -u user), home /home/user)"
+fi
