@@ -31,8 +31,21 @@ pub struct Launch {
     pub extra_cmdline: Vec<String>,
 }
 
+/// The host CPU's clock in kHz, from the first `cpu MHz` line of
+/// `/proc/cpuinfo`.
+pub fn host_cpu_khz() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz: f64 = info.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse().ok()?;
+    Some((mhz * 1000.0) as u64)
+}
+
 /// Kernel command line. The `tine.*` words are read by our agent.
-pub fn kernel_cmdline(extra: &[String]) -> String {
+///
+/// Under TCG the guest's early TSC calibration measures an emulated PIT
+/// against an emulated TSC; on a busy host it fails and the kernel can hang
+/// in early boot (seen here with two busy cores). Telling it the TSC rate
+/// (TCG's TSC runs at the host's rate) skips the calibration.
+pub fn kernel_cmdline(accel: Accel, extra: &[String]) -> String {
     let mut words = vec![
         "console=ttyS0".to_string(),
         "reboot=t".into(),
@@ -49,6 +62,11 @@ pub fn kernel_cmdline(extra: &[String]) -> String {
         format!("tine.ip={GUEST_IP}/{PREFIX_LEN}"),
         format!("tine.gw={HOST_IP}"),
     ];
+    if accel == Accel::Tcg {
+        if let Some(khz) = host_cpu_khz() {
+            words.push(format!("tsc_early_khz={khz}"));
+        }
+    }
     words.extend(extra.iter().cloned());
     words.join(" ")
 }
@@ -90,7 +108,7 @@ pub fn args(l: &Launch) -> Vec<String> {
         "-initrd".into(),
         p(&l.artifacts.initramfs),
         "-append".into(),
-        kernel_cmdline(&l.extra_cmdline),
+        kernel_cmdline(m.accel, &l.extra_cmdline),
         "-drive".into(),
         format!("id=root,file={},format=qcow2,if=none,cache=writeback,discard=unmap", p(&l.disk)),
         "-device".into(),
@@ -145,6 +163,7 @@ mod tests {
         assert!(a.contains("mem-path=/shm/ram,share=on"));
         assert!(a.contains("-accel tcg,tb-size=64 -cpu max -smp 2 -m 256M"));
         assert!(a.contains("tine.hostname=x"));
+        assert!(a.contains("tsc_early_khz="), "TCG boots get the TSC rate");
         assert!(!a.contains("-incoming"));
         // QEMU's microvm must keep its option ROMs or the kernel won't boot.
         assert!(!a.contains("x-option-roms"));

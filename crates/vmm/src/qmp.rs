@@ -18,6 +18,8 @@ use tokio::net::UnixStream;
 
 /// How long one QMP command may take before we call QEMU wedged.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long to wait for the greeting before calling the socket busy.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
@@ -25,6 +27,8 @@ pub enum QmpError {
     Connect { path: String, source: std::io::Error },
     #[error("I/O on the QMP socket: {0}")]
     Io(#[from] std::io::Error),
+    #[error("no QMP greeting on {0}: another process (a tine server?) controls this VM")]
+    Busy(String),
     #[error("QEMU closed the QMP socket")]
     Closed,
     #[error("no reply to {0} within {REPLY_TIMEOUT:?}")]
@@ -51,7 +55,11 @@ impl Qmp {
         })?;
         let (r, w) = stream.into_split();
         let mut qmp = Self { reader: BufReader::new(r), writer: w, events: Vec::new() };
-        let greeting = qmp.read_message("greeting").await?;
+        // QEMU serves one QMP client at a time; a second one is accepted
+        // but gets no greeting until the first leaves.
+        let greeting = tokio::time::timeout(GREETING_TIMEOUT, qmp.read_message("greeting"))
+            .await
+            .map_err(|_| QmpError::Busy(path.display().to_string()))??;
         if greeting.get("QMP").is_none() {
             return Err(QmpError::Protocol { line: greeting.to_string(), detail: "expected the QMP greeting".into() });
         }

@@ -118,10 +118,16 @@ async fn boot_snapshot_clone_kill() {
     assert_eq!(sh(&grandchild, "cat /root/mine").await.0, "clone0");
     clones.push(grandchild);
 
-    // Adopting from another handle (as the CLI or a restarted server does).
-    let adopted = Vm::adopt(&paths, clones[1].id()).await.expect("adopt");
+    // Another process can take a VM over (as the CLI or a restarted server
+    // does) once the one controlling it lets go; not while it holds QMP.
+    let id1 = clones[1].id().to_string();
+    let err = Vm::adopt(&paths, &id1).await.err().expect("QMP is held by clones[1]");
+    assert!(err.to_string().contains("another process"), "{err}");
+    drop(clones.remove(1));
+    let adopted = Vm::adopt(&paths, &id1).await.expect("adopt");
     assert_eq!(adopted.state(), VmState::Running);
-    drop(adopted);
+    assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
+    clones.push(adopted);
 
     let mut ids: Vec<String> = clones.iter().map(|v| v.id().to_string()).collect();
     ids.push(src.id().to_string());
