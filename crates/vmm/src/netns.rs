@@ -92,6 +92,12 @@ impl Netns {
         PathBuf::from("/run/netns").join(name)
     }
 
+    /// A second handle on the same namespace (for connecting to the guest
+    /// without holding the VM).
+    pub fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(Self { name: self.name.clone(), file: self.file.try_clone()? })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

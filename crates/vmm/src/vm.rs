@@ -158,6 +158,10 @@ impl Vm {
     pub fn pid(&self) -> i32 {
         self.process.pid()
     }
+    /// How QEMU ended, or `None` while it runs.
+    pub fn exit_status(&self) -> Option<String> {
+        self.process.exit_status()
+    }
     pub fn netns(&self) -> &Netns {
         &self.netns
     }
@@ -362,6 +366,26 @@ impl Vm {
     /// all of its RAM into the device state instead, and clones of that
     /// snapshot load it from there (incremental RAM layers are future work).
     pub async fn snapshot(&mut self, snap_id: &str) -> Result<Snapshot> {
+        let snapshot = self.capture(snap_id).await?;
+        // Continue as a clone of the snapshot, in the same namespace.
+        let netns = Netns::open(&self.record.netns)?;
+        let id = self.id().to_string();
+        let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
+        *self = clone;
+        self.wait_ready(RESTORE_TIMEOUT, "after snapshot").await?;
+        Ok(snapshot)
+    }
+
+    /// Capture the VM as snapshot `snap_id` (as [`Vm::snapshot`]), then
+    /// remove the VM instead of continuing it (building a template).
+    pub async fn capture_and_kill(mut self, snap_id: &str) -> Result<Snapshot> {
+        let captured = self.capture(snap_id).await;
+        self.kill().await?;
+        captured
+    }
+
+    /// Stop, save and seal; leaves the VM `Stopped` with its QEMU gone.
+    async fn capture(&mut self, snap_id: &str) -> Result<Snapshot> {
         self.require(&[VmState::Running, VmState::Paused], "snapshot")?;
         let snap_dir = self.paths.snapshot_dir(snap_id);
         let snap_ram = self.paths.snapshot_ram(snap_id);
@@ -419,13 +443,6 @@ impl Vm {
         };
         write_atomic(&snap_dir.join("meta.json"), &serde_json::to_vec_pretty(&meta).expect("meta serializes"))?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
-
-        // Continue as a clone of the snapshot, in the same namespace.
-        let netns = Netns::open(&self.record.netns)?;
-        let id = self.id().to_string();
-        let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
-        *self = clone;
-        self.wait_ready(RESTORE_TIMEOUT, "after snapshot").await?;
         Ok(snapshot)
     }
 

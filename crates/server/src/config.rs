@@ -1,0 +1,119 @@
+//! Server configuration: a TOML file (all keys optional), then flags.
+//!
+//! ```toml
+//! listen = "127.0.0.1:3000"
+//! domain = "localhost:3000"       # for get_host(): <port>-<id>.<domain>
+//! default_timeout_secs = 300
+//! max_timeout_secs = 86400
+//! default_cpu_count = 2
+//! default_memory_mb = 512
+//! max_cpu_count = 8
+//! max_memory_mb = 8192
+//! max_sandboxes = 256
+//! max_body_bytes = 1048576
+//! ```
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// Returned as `domain` so the SDK's `get_host(port)` names
+    /// `<port>-<id>.<domain>`; `None` means `localhost:<listen port>`.
+    pub domain: Option<String>,
+    pub default_timeout_secs: u64,
+    pub max_timeout_secs: u64,
+    pub default_cpu_count: u32,
+    pub max_cpu_count: u32,
+    pub default_memory_mb: u32,
+    pub min_memory_mb: u32,
+    pub max_memory_mb: u32,
+    /// Sandboxes alive at once; creates beyond it get 429.
+    pub max_sandboxes: usize,
+    /// Largest REST request body.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: ([127, 0, 0, 1], 3000).into(),
+            domain: None,
+            default_timeout_secs: 300,
+            max_timeout_secs: 24 * 3600,
+            default_cpu_count: 2,
+            max_cpu_count: 8,
+            default_memory_mb: 512,
+            min_memory_mb: 128,
+            max_memory_mb: 8192,
+            max_sandboxes: 256,
+            max_body_bytes: 1 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Parse { path: String, source: toml::de::Error },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else { return Ok(Self::default()) };
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        let cfg: Config =
+            toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.display().to_string(), source })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        if self.default_cpu_count == 0 || self.default_cpu_count > self.max_cpu_count {
+            return bad("default_cpu_count must be between 1 and max_cpu_count");
+        }
+        if self.default_memory_mb < self.min_memory_mb || self.default_memory_mb > self.max_memory_mb {
+            return bad("default_memory_mb must be between min_memory_mb and max_memory_mb");
+        }
+        if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
+            return bad("default_timeout_secs must be between 1 and max_timeout_secs");
+        }
+        Ok(())
+    }
+
+    pub fn domain(&self) -> String {
+        self.domain.clone().unwrap_or_else(|| format!("localhost:{}", self.listen.port()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_overrides_defaults_and_rejects_unknown_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tine.toml");
+        std::fs::write(&p, "listen = \"127.0.0.1:4000\"\nmax_sandboxes = 3\n").unwrap();
+        let c = Config::load(Some(&p)).unwrap();
+        assert_eq!(c.listen.port(), 4000);
+        assert_eq!(c.max_sandboxes, 3);
+        assert_eq!(c.default_timeout_secs, 300);
+        assert_eq!(c.domain(), "localhost:4000");
+
+        std::fs::write(&p, "listne = \"x\"\n").unwrap();
+        assert!(Config::load(Some(&p)).unwrap_err().to_string().contains("listne"));
+        std::fs::write(&p, "default_cpu_count = 99\n").unwrap();
+        assert!(matches!(Config::load(Some(&p)), Err(ConfigError::Invalid(_))));
+    }
+}

@@ -1,0 +1,87 @@
+//! API keys. Only a SHA-256 of each key is stored: keys are 32 random
+//! bytes, so a fast unsalted hash is safe and lets lookups use an index.
+
+use rusqlite::{params, OptionalExtension};
+use sha2::{Digest, Sha256};
+
+use super::{now_ms, Db, Result};
+
+/// Every key starts with this, so leaked keys are easy to recognise.
+pub const KEY_PREFIX: &str = "tine_";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    pub id: String,
+    pub name: String,
+    /// The first characters of the key, to tell keys apart in listings.
+    pub prefix: String,
+    pub created_ms: i64,
+    pub revoked_ms: Option<i64>,
+}
+
+/// A key just created: the only time its plaintext is known.
+#[derive(Debug)]
+pub struct NewKey {
+    pub key: ApiKey,
+    pub plaintext: String,
+}
+
+fn hash(key: &str) -> String {
+    Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Db {
+    pub fn create_key(&self, name: &str) -> Result<NewKey> {
+        let plaintext = format!("{KEY_PREFIX}{}", crate::ids::random_hex(32));
+        let key = ApiKey {
+            id: format!("key_{}", crate::ids::random_hex(6)),
+            name: name.to_string(),
+            prefix: plaintext[..KEY_PREFIX.len() + 6].to_string(),
+            created_ms: now_ms(),
+            revoked_ms: None,
+        };
+        self.conn().execute(
+            "INSERT INTO api_keys (id, name, hash, prefix, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![key.id, key.name, hash(&plaintext), key.prefix, key.created_ms],
+        )?;
+        Ok(NewKey { key, plaintext })
+    }
+
+    /// The key with this plaintext, if it exists and is not revoked.
+    pub fn verify_key(&self, plaintext: &str) -> Result<Option<ApiKey>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys WHERE hash = ?1 AND revoked_ms IS NULL",
+                [hash(plaintext)],
+                |r| {
+                    Ok(ApiKey {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        prefix: r.get(2)?,
+                        created_ms: r.get(3)?,
+                        revoked_ms: r.get(4)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    pub fn list_keys(&self) -> Result<Vec<ApiKey>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys ORDER BY created_ms")?;
+        let rows = stmt.query_map([], |r| {
+            Ok(ApiKey { id: r.get(0)?, name: r.get(1)?, prefix: r.get(2)?, created_ms: r.get(3)?, revoked_ms: r.get(4)? })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Revoke key `id`; returns false when there is no such active key.
+    pub fn revoke_key(&self, id: &str) -> Result<bool> {
+        let n = self.conn().execute(
+            "UPDATE api_keys SET revoked_ms = ?2 WHERE id = ?1 AND revoked_ms IS NULL",
+            params![id, now_ms()],
+        )?;
+        Ok(n == 1)
+    }
+}

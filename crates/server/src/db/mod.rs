@@ -1,0 +1,115 @@
+//! Durable state in one SQLite file: sandboxes, API keys, events.
+//!
+//! One connection behind a mutex: every statement here is a point lookup
+//! or a small write (WAL mode, `synchronous=NORMAL`), far shorter than any
+//! VM operation, and SQLite serializes writers anyway. The CLI (`tine
+//! keys`) opens the same file while the server runs; `busy_timeout` makes
+//! the two wait for each other instead of failing.
+
+mod events;
+mod keys;
+mod sandboxes;
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rusqlite::Connection;
+
+pub use events::Event;
+pub use keys::{ApiKey, NewKey};
+pub use sandboxes::ListFilter;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("database {path}: {source}")]
+    Open { path: String, source: rusqlite::Error },
+    #[error("database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    #[error("database holds a corrupt value in {0}")]
+    Corrupt(String),
+}
+
+pub type Result<T> = std::result::Result<T, DbError>;
+
+pub struct Db {
+    conn: Mutex<Connection>,
+}
+
+/// Schema migrations, applied in order; `user_version` counts those done.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE sandboxes (
+    id                TEXT PRIMARY KEY,
+    template_id       TEXT NOT NULL,
+    alias             TEXT,
+    client_id         TEXT NOT NULL,
+    state             TEXT NOT NULL,
+    metadata          TEXT NOT NULL,
+    env_vars          TEXT NOT NULL,
+    cpu_count         INTEGER NOT NULL,
+    memory_mb         INTEGER NOT NULL,
+    disk_size_mb      INTEGER NOT NULL,
+    envd_version      TEXT NOT NULL,
+    envd_access_token TEXT NOT NULL,
+    started_at_ms     INTEGER NOT NULL,
+    end_at_ms         INTEGER NOT NULL,
+    auto_pause        INTEGER NOT NULL,
+    error             TEXT
+);
+CREATE INDEX sandboxes_by_state ON sandboxes (state, started_at_ms, id);
+CREATE TABLE api_keys (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    hash        TEXT NOT NULL UNIQUE,
+    prefix      TEXT NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    revoked_ms  INTEGER
+);
+CREATE TABLE events (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id  TEXT NOT NULL,
+    at_ms       INTEGER NOT NULL,
+    kind        TEXT NOT NULL,
+    detail      TEXT NOT NULL
+);
+CREATE INDEX events_by_sandbox ON events (sandbox_id, seq);
+"#];
+
+impl Db {
+    pub fn open(path: &Path) -> Result<Self> {
+        let open_err = |source| DbError::Open { path: path.display().to_string(), source };
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let conn = Connection::open(path).map_err(open_err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(open_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(open_err)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(open_err)?;
+        let db = Self { conn: Mutex::new(conn) };
+        db.migrate()?;
+        Ok(db)
+    }
+
+    fn migrate(&self) -> Result<()> {
+        let mut conn = self.conn();
+        let done: usize = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        for (i, sql) in MIGRATIONS.iter().enumerate().skip(done) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(sql)?;
+            tx.pragma_update(None, "user_version", i + 1)?;
+            tx.commit()?;
+        }
+        Ok(())
+    }
+
+    fn conn(&self) -> MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

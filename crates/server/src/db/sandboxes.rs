@@ -1,0 +1,160 @@
+//! The `sandboxes` table.
+
+use std::collections::BTreeMap;
+
+use rusqlite::{params, OptionalExtension, Row};
+
+use super::{Db, DbError, Result};
+use crate::sandboxes::model::{SandboxRecord, SandboxState};
+
+const COLUMNS: &str = "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
+     disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error";
+
+fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
+    let state: String = row.get(4)?;
+    let metadata: String = row.get(5)?;
+    let env_vars: String = row.get(6)?;
+    let id: String = row.get(0)?;
+    let parse_map = |s: &str, what: &str| {
+        serde_json::from_str::<BTreeMap<String, String>>(s).map_err(|_| DbError::Corrupt(format!("{what} of {id}")))
+    };
+    let build = || -> std::result::Result<SandboxRecord, DbError> {
+        Ok(SandboxRecord {
+            id: id.clone(),
+            template_id: row.get(1)?,
+            alias: row.get(2)?,
+            client_id: row.get(3)?,
+            state: SandboxState::parse(&state).ok_or_else(|| DbError::Corrupt(format!("state of {id}")))?,
+            metadata: parse_map(&metadata, "metadata")?,
+            env_vars: parse_map(&env_vars, "env_vars")?,
+            cpu_count: row.get(7)?,
+            memory_mb: row.get(8)?,
+            disk_size_mb: row.get(9)?,
+            envd_version: row.get(10)?,
+            envd_access_token: row.get(11)?,
+            started_at_ms: row.get(12)?,
+            end_at_ms: row.get(13)?,
+            auto_pause: row.get(14)?,
+            error: row.get(15)?,
+        })
+    };
+    Ok(build())
+}
+
+/// Which sandboxes `list` returns, in `(started_at, id)` order.
+#[derive(Debug, Default, Clone)]
+pub struct ListFilter {
+    pub states: Vec<SandboxState>,
+    pub metadata: BTreeMap<String, String>,
+    pub template: Option<String>,
+    pub started_after_ms: Option<i64>,
+    /// Continue after this `(started_at_ms, id)` (the paging token).
+    pub after: Option<(i64, String)>,
+    pub descending: bool,
+    pub limit: usize,
+}
+
+impl Db {
+    pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
+        self.conn().execute(
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16)"),
+            params![
+                s.id,
+                s.template_id,
+                s.alias,
+                s.client_id,
+                s.state.as_str(),
+                serde_json::to_string(&s.metadata).expect("a string map serializes"),
+                serde_json::to_string(&s.env_vars).expect("a string map serializes"),
+                s.cpu_count,
+                s.memory_mb,
+                s.disk_size_mb,
+                s.envd_version,
+                s.envd_access_token,
+                s.started_at_ms,
+                s.end_at_ms,
+                s.auto_pause,
+                s.error,
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.conn()
+            .query_row(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"), [id], from_row)
+            .optional()?
+            .transpose()
+    }
+
+    /// Move `id` to `state` (recording `error`), if it is in one of `from`.
+    /// Returns whether it moved.
+    pub fn set_state(&self, id: &str, from: &[SandboxState], state: SandboxState, error: Option<&str>) -> Result<bool> {
+        let conn = self.conn();
+        let current: Option<String> =
+            conn.query_row("SELECT state FROM sandboxes WHERE id = ?1", [id], |r| r.get(0)).optional()?;
+        let Some(current) = current.as_deref().and_then(SandboxState::parse) else {
+            return Ok(false);
+        };
+        if !from.contains(&current) {
+            return Ok(false);
+        }
+        conn.execute(
+            "UPDATE sandboxes SET state = ?2, error = COALESCE(?3, error) WHERE id = ?1",
+            params![id, state.as_str(), error],
+        )?;
+        Ok(true)
+    }
+
+    pub fn set_end_at(&self, id: &str, end_at_ms: i64) -> Result<()> {
+        self.conn().execute("UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1", params![id, end_at_ms])?;
+        Ok(())
+    }
+
+    pub fn list_sandboxes(&self, f: &ListFilter) -> Result<Vec<SandboxRecord>> {
+        let mut sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE 1=1");
+        let mut args: Vec<rusqlite::types::Value> = Vec::new();
+        if !f.states.is_empty() {
+            let marks: Vec<String> = f
+                .states
+                .iter()
+                .map(|s| {
+                    args.push(s.as_str().to_string().into());
+                    format!("?{}", args.len())
+                })
+                .collect();
+            sql += &format!(" AND state IN ({})", marks.join(","));
+        }
+        if let Some(t) = &f.template {
+            args.push(t.clone().into());
+            sql += &format!(" AND template_id = ?{}", args.len());
+        }
+        if let Some(ms) = f.started_after_ms {
+            args.push(ms.into());
+            sql += &format!(" AND started_at_ms > ?{}", args.len());
+        }
+        for (k, v) in &f.metadata {
+            args.push(format!("$.\"{}\"", k.replace('"', "\"\"")).into());
+            let kp = args.len();
+            args.push(v.clone().into());
+            sql += &format!(" AND json_extract(metadata, ?{kp}) = ?{}", args.len());
+        }
+        let (cmp, order) = if f.descending { ("<", "DESC") } else { (">", "ASC") };
+        if let Some((ms, id)) = &f.after {
+            args.push((*ms).into());
+            let a = args.len();
+            args.push(id.clone().into());
+            sql += &format!(" AND (started_at_ms, id) {cmp} (?{a}, ?{})", args.len());
+        }
+        args.push((f.limit as i64).into());
+        sql += &format!(" ORDER BY started_at_ms {order}, id {order} LIMIT ?{}", args.len());
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(args), from_row)?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(row??);
+        }
+        Ok(out)
+    }
+}

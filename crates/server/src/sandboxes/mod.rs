@@ -1,0 +1,2 @@
+//! Sandbox lifecycle.
+pub mod model;

@@ -1,0 +1,110 @@
+//! A sandbox as the server records it, and its lifecycle.
+//!
+//! ```text
+//!  Starting ──▶ Running ◀──▶ Paused        (pause/resume: issue "Templates…")
+//!     │            │            │
+//!     ▼            ▼            ▼
+//!   Failed       Killed       Killed
+//! ```
+//! Only `Running` and `Paused` are visible through the E2B API (the SDK
+//! accepts no other `state`); `Killed` and `Failed` rows stay in the
+//! database as history.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Starting,
+    Running,
+    Paused,
+    Killed,
+    Failed,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Killed => "killed",
+            SandboxState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "starting" => SandboxState::Starting,
+            "running" => SandboxState::Running,
+            "paused" => SandboxState::Paused,
+            "killed" => SandboxState::Killed,
+            "failed" => SandboxState::Failed,
+            _ => return None,
+        })
+    }
+
+    /// The state as the E2B API names it, for sandboxes the API shows.
+    pub fn e2b(self) -> Option<&'static str> {
+        match self {
+            SandboxState::Running => Some("running"),
+            SandboxState::Paused => Some("paused"),
+            _ => None,
+        }
+    }
+
+    /// Whether the lifecycle allows going from `self` to `to`.
+    pub fn can_become(self, to: SandboxState) -> bool {
+        use SandboxState::*;
+        matches!(
+            (self, to),
+            (Starting, Running | Failed | Killed) | (Running, Paused | Killed) | (Paused, Running | Killed)
+        )
+    }
+}
+
+/// One sandbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template_id: String,
+    pub alias: Option<String>,
+    pub client_id: String,
+    pub state: SandboxState,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub envd_version: String,
+    pub envd_access_token: String,
+    /// Unix milliseconds.
+    pub started_at_ms: i64,
+    pub end_at_ms: i64,
+    pub auto_pause: bool,
+    /// Why it failed or was killed by the server, if it was.
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_transitions() {
+        use SandboxState::*;
+        assert!(Starting.can_become(Running));
+        assert!(Running.can_become(Killed));
+        assert!(Paused.can_become(Running));
+        assert!(!Killed.can_become(Running), "a killed sandbox stays dead");
+        assert!(!Failed.can_become(Running));
+        assert!(!Running.can_become(Starting));
+        for s in [Starting, Running, Paused, Killed, Failed] {
+            assert_eq!(SandboxState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(Running.e2b(), Some("running"));
+        assert_eq!(Starting.e2b(), None);
+    }
+}
