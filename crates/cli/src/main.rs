@@ -2,8 +2,10 @@
 //!
 //! `tine vm ...` drives single microVMs by hand (boot, exec, snapshot,
 //! clone, kill), for debugging and for the foundation's own checks;
-//! `tine run` boots the default template and runs one command in it.
+//! `tine run` boots the default template and runs one command in it;
+//! `tine serve` is the server, `tine keys` manages its API keys.
 
+mod server;
 mod vm;
 
 use clap::{Parser, Subcommand};
@@ -23,11 +25,16 @@ enum Command {
     /// Boot the base template, run one command in it, print its output and
     /// remove the VM.
     Run(vm::RunArgs),
+    /// Run the server: the E2B-compatible API and the sandbox proxy.
+    Serve(server::ServeArgs),
+    /// Manage API keys.
+    #[command(subcommand)]
+    Keys(server::KeysCommand),
 }
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TINE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TINE_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -36,6 +43,8 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Vm(cmd) => vm::run(cmd).await,
             Command::Run(args) => vm::run_once(args).await,
+            Command::Serve(args) => server::serve(args).await,
+            Command::Keys(cmd) => server::keys(cmd),
         }
     })?;
     std::process::exit(code);

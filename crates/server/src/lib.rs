@@ -1,6 +1,43 @@
-//! tine's server (work in progress).
+//! tine's server: one process per host that speaks the E2B REST API,
+//! proxies SDK traffic into sandboxes, runs their lifecycle and keeps its
+//! state in SQLite.
+//!
+//! Where a request goes: [`proxy`] (sandbox traffic, chosen by headers or
+//! Host) or [`api`] (REST routes) → [`sandboxes::Manager`] (lifecycle) →
+//! `tine_vmm` (VMs). [`db`] is the state, [`templates`] the snapshots
+//! sandboxes start from.
+
+pub mod api;
 pub mod config;
 pub mod db;
 pub mod ids;
+pub mod metrics;
+pub mod proxy;
 pub mod sandboxes;
 pub mod templates;
+
+use std::sync::Arc;
+
+use anyhow::Context;
+
+pub use config::Config;
+
+/// Open the database, re-adopt or clean up the sandboxes of a previous run,
+/// and serve until the process ends.
+pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
+    config.validate()?;
+    let artifacts = paths.current_artifacts().resolve().context("guest artifacts")?;
+    let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
+    let templates = templates::Templates::new(paths.clone(), artifacts);
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.listen))?;
+    let domain = config.domain();
+    let manager = Arc::new(sandboxes::Manager::new(config, db, paths, templates));
+    manager.recover().await.context("recovering sandboxes of the previous run")?;
+    tokio::spawn(manager.clone().sweep_loop());
+    let state = Arc::new(api::AppState { manager, metrics: Arc::new(metrics::Metrics::default()), domain });
+    tracing::info!(addr = %listener.local_addr()?, "tine server listening");
+    axum::serve(listener, api::router(state)).await?;
+    Ok(())
+}

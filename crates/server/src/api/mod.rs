@@ -1,0 +1,109 @@
+//! The HTTP surface: E2B-compatible REST routes (`sandboxes.rs`), the
+//! server's own routes (`system.rs`), API-key auth, and the proxy in front
+//! of them all (`crate::proxy`).
+
+mod error;
+mod sandboxes;
+mod system;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{FromRequestParts, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use http::request::Parts;
+use serde::de::DeserializeOwned;
+
+pub use error::ApiError;
+
+use crate::db::ApiKey;
+use crate::metrics::{Metrics, RouteLabels};
+use crate::sandboxes::Manager;
+
+pub struct AppState {
+    pub manager: Arc<Manager>,
+    pub metrics: Arc<Metrics>,
+    pub domain: String,
+}
+
+/// The router with every route, the proxy in front.
+pub fn router(state: Arc<AppState>) -> Router {
+    let api = Router::new()
+        .route("/health", get(system::health))
+        .route("/metrics", get(system::metrics))
+        .route("/openapi.yaml", get(system::openapi))
+        .route("/sandboxes", post(sandboxes::create).get(sandboxes::list_v1))
+        .route("/v2/sandboxes", post(sandboxes::create).get(sandboxes::list_v2))
+        .route("/sandboxes/{id}", get(sandboxes::get_one).delete(sandboxes::kill))
+        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
+        .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route("/sandboxes/{id}/logs", get(sandboxes::logs))
+        .route("/v2/sandboxes/{id}/logs", get(sandboxes::logs))
+        .fallback(system::not_found)
+        .method_not_allowed_fallback(system::method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .with_state(state.clone());
+    // An outer router with no routes of its own: its middleware sees every
+    // request before routing, so sandbox traffic never meets a REST route.
+    Router::new()
+        .fallback_service(api)
+        .layer(middleware::from_fn_with_state(state, crate::proxy::route))
+}
+
+/// Records the latency of every REST call by route.
+async fn observe(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = req.method().to_string();
+    let start = Instant::now();
+    let resp = next.run(req).await;
+    state
+        .metrics
+        .api_latency
+        .get_or_create(&RouteLabels { method, route, status: resp.status().as_u16() })
+        .observe(start.elapsed().as_secs_f64());
+    resp
+}
+
+/// A request with a valid API key (`X-API-KEY`, or `Authorization: Bearer`).
+pub struct Authed(#[allow(dead_code)] pub ApiKey);
+
+impl FromRequestParts<Arc<AppState>> for Authed {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        let key = parts
+            .headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| {
+                parts
+                    .headers
+                    .get(http::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+            })
+            .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))?;
+        match state.manager.db().verify_key(key.trim()) {
+            Ok(Some(k)) => Ok(Authed(k)),
+            Ok(None) => Err(ApiError::unauthorized("invalid API key")),
+            Err(e) => Err(ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
+        }
+    }
+}
+
+/// Read a JSON body of at most `max` bytes into `T`. An empty body is `{}`.
+pub async fn json_body<T: DeserializeOwned>(body: axum::body::Body, max: usize) -> Result<T, ApiError> {
+    let bytes = axum::body::to_bytes(body, max).await.map_err(|_| {
+        ApiError::new(http::StatusCode::PAYLOAD_TOO_LARGE, format!("request body larger than {max} bytes"))
+    })?;
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
+    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}

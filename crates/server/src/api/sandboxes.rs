@@ -1,0 +1,352 @@
+//! E2B REST routes for sandboxes (E2B-COMPAT.md section B). Handlers parse
+//! and shape JSON; the work is in [`crate::sandboxes::Manager`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use serde::{Deserialize, Serialize};
+
+use super::{json_body, ApiError, AppState, Authed};
+use crate::db::ListFilter;
+use crate::sandboxes::model::{SandboxRecord, SandboxState};
+use crate::sandboxes::CreateRequest;
+
+fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// `Sandbox`: what create (and connect) return.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SandboxOut {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    alias: Option<String>,
+    envd_version: String,
+    envd_access_token: String,
+    traffic_access_token: Option<String>,
+    domain: String,
+}
+
+/// `SandboxDetail` / `ListedSandbox`.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct DetailOut {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    alias: Option<String>,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    started_at: String,
+    end_at: String,
+    envd_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    envd_access_token: Option<String>,
+    cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    disk_size_mb: u32,
+    metadata: BTreeMap<String, String>,
+    state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    domain: Option<String>,
+}
+
+fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
+    DetailOut {
+        template_id: r.template_id,
+        alias: r.alias,
+        sandbox_id: r.id,
+        client_id: r.client_id,
+        started_at: rfc3339(r.started_at_ms),
+        end_at: rfc3339(r.end_at_ms),
+        envd_version: r.envd_version,
+        envd_access_token: with_secrets.map(|_| r.envd_access_token),
+        cpu_count: r.cpu_count,
+        memory_mb: r.memory_mb,
+        disk_size_mb: r.disk_size_mb,
+        metadata: r.metadata,
+        state: r.state.e2b().unwrap_or("running"),
+        domain: with_secrets.map(str::to_string),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<i64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    auto_pause: Option<bool>,
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u32>,
+}
+
+pub async fn create(_: Authed, State(s): State<Arc<AppState>>, body: axum::body::Body) -> Result<Response, ApiError> {
+    let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
+    let timeout = match req.timeout {
+        Some(t) if t < 0 => return Err(ApiError::bad_request(format!("timeout must not be negative, got {t}"))),
+        t => t.map(|t| t as u64),
+    };
+    let rec = s
+        .manager
+        .create(CreateRequest {
+            template_id: req.template_id.unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
+            timeout_secs: timeout,
+            metadata: req.metadata.unwrap_or_default(),
+            env_vars: req.env_vars.unwrap_or_default(),
+            auto_pause: req.auto_pause.unwrap_or(false),
+            cpu_count: req.cpu_count,
+            memory_mb: req.memory_mb,
+        })
+        .await?;
+    let out = SandboxOut {
+        template_id: rec.template_id,
+        sandbox_id: rec.id,
+        client_id: rec.client_id,
+        alias: rec.alias,
+        envd_version: rec.envd_version,
+        envd_access_token: rec.envd_access_token,
+        traffic_access_token: None,
+        domain: s.domain.clone(),
+    };
+    Ok((StatusCode::CREATED, Json(out)).into_response())
+}
+
+pub async fn get_one(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let rec = s.manager.get(&id)?;
+    Ok(Json(detail(rec, Some(&s.domain))).into_response())
+}
+
+pub async fn kill(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    s.manager.kill(&id, "killed through the API").await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: i64,
+}
+
+pub async fn set_timeout(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let b: TimeoutBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    if b.timeout < 0 {
+        return Err(ApiError::bad_request("timeout must not be negative"));
+    }
+    s.manager.set_timeout(&id, b.timeout as u64)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct RefreshBody {
+    duration: Option<i64>,
+}
+
+/// Extends the time to live by `duration` seconds (default 60) from now.
+pub async fn refresh(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let b: RefreshBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let d = b.duration.unwrap_or(60);
+    if !(0..=3600).contains(&d) {
+        return Err(ApiError::bad_request("duration must be between 0 and 3600 seconds"));
+    }
+    s.manager.set_timeout(&id, d as u64)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn metrics(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let m = s.manager.metrics(&id).await?;
+    Ok(Json(vec![m]).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct LogsQuery {
+    start: Option<i64>,
+    limit: Option<usize>,
+}
+
+pub async fn logs(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<LogsQuery>,
+) -> Result<Response, ApiError> {
+    let text = s.manager.console_log(&id)?;
+    let rec = s.manager.get(&id)?;
+    let ts = rfc3339(rec.started_at_ms);
+    let limit = q.limit.unwrap_or(1000);
+    let lines: Vec<&str> = text.lines().skip(q.start.unwrap_or(0).max(0) as usize).take(limit).collect();
+    let logs: Vec<_> = lines.iter().map(|l| serde_json::json!({ "timestamp": ts, "line": l })).collect();
+    let entries: Vec<_> = lines
+        .iter()
+        .map(|l| serde_json::json!({ "timestamp": ts, "level": "info", "message": l, "fields": {} }))
+        .collect();
+    Ok(Json(serde_json::json!({ "logs": logs, "logEntries": entries })).into_response())
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ListQuery {
+    metadata: Option<String>,
+    state: Option<String>,
+    template: Option<String>,
+    started_after: Option<String>,
+    order: Option<String>,
+    limit: Option<usize>,
+    next_token: Option<String>,
+}
+
+const MAX_PAGE: usize = 1000;
+
+fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFilter, ApiError> {
+    let mut f = ListFilter { limit: q.limit.unwrap_or(100).clamp(1, MAX_PAGE), ..Default::default() };
+    f.states = match q.state.as_deref().filter(|s| !s.is_empty()) {
+        None => default_states.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(|s| match s.trim() {
+                "running" => Ok(SandboxState::Running),
+                "paused" => Ok(SandboxState::Paused),
+                other => Err(ApiError::bad_request(format!("unknown state {other:?} (running, paused)"))),
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    if let Some(m) = q.metadata.as_deref().filter(|m| !m.is_empty()) {
+        // The SDK percent-encodes each key and value, joins them as a query
+        // string and sends that as one (encoded again) parameter.
+        let pairs: Vec<(String, String)> =
+            serde_urlencoded::from_str(m).map_err(|e| ApiError::bad_request(format!("bad metadata filter: {e}")))?;
+        f.metadata = pairs.into_iter().collect();
+    }
+    f.template = q.template.clone().filter(|t| !t.is_empty());
+    if let Some(t) = q.started_after.as_deref().filter(|t| !t.is_empty()) {
+        let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+            .map_err(|_| ApiError::bad_request(format!("startedAfter must be RFC 3339, got {t:?}")))?;
+        f.started_after_ms = Some((at.unix_timestamp_nanos() / 1_000_000) as i64);
+    }
+    f.descending = match q.order.as_deref() {
+        None | Some("") | Some("asc") => false,
+        Some("desc") => true,
+        Some(o) => return Err(ApiError::bad_request(format!("order must be asc or desc, got {o:?}"))),
+    };
+    if let Some(tok) = q.next_token.as_deref().filter(|t| !t.is_empty()) {
+        f.after = Some(decode_token(tok).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?);
+    }
+    Ok(f)
+}
+
+fn encode_token(r: &SandboxRecord) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", r.started_at_ms, r.id))
+}
+
+fn decode_token(t: &str) -> Option<(i64, String)> {
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(t).ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    let (ms, id) = s.split_once(':')?;
+    Some((ms.parse().ok()?, id.to_string()))
+}
+
+async fn list(s: &AppState, q: ListQuery, paged: bool) -> Result<Response, ApiError> {
+    let defaults = [SandboxState::Running, SandboxState::Paused];
+    let mut f = parse_filter(&q, if paged { &defaults } else { &defaults[..1] })?;
+    let page = f.limit;
+    if paged {
+        f.limit = page + 1; // one more tells whether there is a next page
+    } else {
+        f.limit = usize::MAX >> 1;
+    }
+    let mut rows = s.manager.list(&f)?;
+    let mut headers = HeaderMap::new();
+    if paged && rows.len() > page {
+        rows.truncate(page);
+        if let Some(last) = rows.last() {
+            headers.insert("x-next-token", HeaderValue::from_str(&encode_token(last)).expect("base64 is a valid header"));
+        }
+    }
+    let out: Vec<DetailOut> = rows.into_iter().map(|r| detail(r, None)).collect();
+    Ok((headers, Json(out)).into_response())
+}
+
+pub async fn list_v2(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+    list(&s, q, true).await
+}
+
+pub async fn list_v1(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+    list(&s, q, false).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paging_tokens_round_trip_and_reject_garbage() {
+        let mut r = test_record();
+        r.started_at_ms = 1234;
+        r.id = "iabc".into();
+        assert_eq!(decode_token(&encode_token(&r)), Some((1234, "iabc".into())));
+        assert_eq!(decode_token("!!!"), None);
+        assert_eq!(decode_token("bm90aGluZw"), None); // "nothing": no colon
+    }
+
+    #[test]
+    fn metadata_filter_is_decoded_once_more() {
+        // What arrives after the query string's own decoding.
+        let q = ListQuery { metadata: Some("user%3Dme=a%26b&env=prod".into()), ..Default::default() };
+        let f = parse_filter(&q, &[SandboxState::Running]).unwrap();
+        assert_eq!(f.metadata.get("user=me").map(String::as_str), Some("a&b"));
+        assert_eq!(f.metadata.get("env").map(String::as_str), Some("prod"));
+        let bad = ListQuery { state: Some("running,zombie".into()), ..Default::default() };
+        assert!(parse_filter(&bad, &[]).is_err());
+    }
+
+    fn test_record() -> SandboxRecord {
+        SandboxRecord {
+            id: String::new(),
+            template_id: "base".into(),
+            alias: None,
+            client_id: "tine".into(),
+            state: SandboxState::Running,
+            metadata: BTreeMap::new(),
+            env_vars: BTreeMap::new(),
+            cpu_count: 1,
+            memory_mb: 256,
+            disk_size_mb: 0,
+            envd_version: "0.6.4".into(),
+            envd_access_token: "t".into(),
+            started_at_ms: 0,
+            end_at_ms: 0,
+            auto_pause: false,
+            error: None,
+        }
+    }
+}
