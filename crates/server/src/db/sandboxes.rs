@@ -106,6 +106,14 @@ impl Db {
         Ok(true)
     }
 
+    pub fn set_times(&self, id: &str, started_at_ms: i64, end_at_ms: i64) -> Result<()> {
+        self.conn().execute(
+            "UPDATE sandboxes SET started_at_ms = ?2, end_at_ms = ?3 WHERE id = ?1",
+            params![id, started_at_ms, end_at_ms],
+        )?;
+        Ok(())
+    }
+
     pub fn set_end_at(&self, id: &str, end_at_ms: i64) -> Result<()> {
         self.conn().execute("UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1", params![id, end_at_ms])?;
         Ok(())

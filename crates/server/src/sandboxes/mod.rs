@@ -170,7 +170,7 @@ impl Manager {
         // The timeout runs from the moment the sandbox is ready.
         rec.started_at_ms = now_ms();
         rec.end_at_ms = rec.started_at_ms + (timeout as i64) * 1000;
-        self.db.set_end_at(&id, rec.end_at_ms)?;
+        self.db.set_times(&id, rec.started_at_ms, rec.end_at_ms)?;
         self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
         let live = Arc::new(Live {
