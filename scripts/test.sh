@@ -6,6 +6,7 @@
 #   3. the E2B SDKs used by end-to-end tests        tests/e2e/setup.sh
 #   4. Rust tests (unit + real QEMU VMs)            cargo test --workspace
 #   5. the agent against the real E2B SDKs          tests/e2e/agent/run.sh
+#   6. the server against the real E2B SDKs         tests/e2e/server/run.sh
 #
 # Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
@@ -28,5 +29,9 @@ info "cargo tests passed in $(elapsed "$start")"
 if [[ -x tests/e2e/agent/run.sh ]]; then
     log "end-to-end: the agent with the real E2B SDKs"
     tests/e2e/agent/run.sh
+fi
+if [[ -x tests/e2e/server/run.sh ]]; then
+    log "end-to-end: the server with the real E2B SDKs"
+    tests/e2e/server/run.sh
 fi
 log "all tests passed"
