@@ -366,13 +366,22 @@ impl Vm {
     /// all of its RAM into the device state instead, and clones of that
     /// snapshot load it from there (incremental RAM layers are future work).
     pub async fn snapshot(&mut self, snap_id: &str) -> Result<Snapshot> {
+        let t = Instant::now();
         let snapshot = self.capture(snap_id).await?;
+        let captured = t.elapsed();
         // Continue as a clone of the snapshot, in the same namespace.
         let netns = Netns::open(&self.record.netns)?;
         let id = self.id().to_string();
         let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
         *self = clone;
         self.wait_ready(RESTORE_TIMEOUT, "after snapshot").await?;
+        tracing::info!(
+            vm = self.id(),
+            snapshot = snap_id,
+            capture_ms = captured.as_secs_f64() * 1e3,
+            continued_ms = (t.elapsed() - captured).as_secs_f64() * 1e3,
+            "snapshot taken; the VM continues as its clone"
+        );
         Ok(snapshot)
     }
 
@@ -396,6 +405,7 @@ impl Vm {
         std::fs::create_dir_all(snap_ram.parent().unwrap()).ctx(|| "creating the snapshot RAM dir".into())?;
         let state_tmp = snap_dir.join("state.partial");
 
+        let t_save = Instant::now();
         if self.state == VmState::Running {
             self.qmp.run("stop", None).await?;
             self.state = VmState::Paused;
@@ -409,6 +419,7 @@ impl Vm {
             Ok::<_, Error>(())
         }
         .await;
+        tracing::debug!(vm = self.id(), state_saved_ms = t_save.elapsed().as_secs_f64() * 1e3, "device state saved");
         if let Err(e) = saved {
             let _ = Snapshot::delete(&self.paths, snap_id);
             return Err(e);
