@@ -36,6 +36,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TINE_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

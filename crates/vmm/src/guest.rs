@@ -54,8 +54,12 @@ pub async fn healthy(netns: &Netns) -> bool {
 pub async fn wait_healthy(netns: &Netns, timeout: Duration, mut give_up: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     let mut delay = Duration::from_millis(1);
+    let start = Instant::now();
     while Instant::now() < deadline {
-        if healthy(netns).await {
+        let t = Instant::now();
+        let ok = healthy(netns).await;
+        tracing::trace!(ok, attempt_ms = t.elapsed().as_secs_f64() * 1e3, since_ms = start.elapsed().as_secs_f64() * 1e3, "health probe");
+        if ok {
             return true;
         }
         if give_up() {

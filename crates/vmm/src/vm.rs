@@ -224,9 +224,19 @@ impl Vm {
         let files = VmFiles { dir: paths.vm_dir(id) };
         prepare_dirs(&files.dir, &paths.vm_ram_dir(id))?;
         let result = async {
+            let t = Instant::now();
             let netns = Netns::create(id).await?;
+            let t_netns = t.elapsed();
             let mut vm = Vm::launch_clone(paths, id, netns, snapshot).await?;
+            let t_running = t.elapsed();
             vm.wait_ready(opts.ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore").await?;
+            tracing::debug!(
+                vm = id,
+                netns_ms = t_netns.as_secs_f64() * 1e3,
+                running_ms = t_running.as_secs_f64() * 1e3,
+                ready_ms = t.elapsed().as_secs_f64() * 1e3,
+                "restored"
+            );
             Ok(vm)
         }
         .await;
@@ -240,8 +250,10 @@ impl Vm {
     /// state and let it run.
     async fn launch_clone(paths: &Paths, id: &str, netns: Netns, snapshot: &Snapshot) -> Result<Vm> {
         let files = VmFiles { dir: paths.vm_dir(id) };
+        let t = Instant::now();
         let _ = std::fs::remove_file(files.disk());
         disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
+        let t_overlay = t.elapsed();
         let meta = &snapshot.meta;
         let launch = Launch {
             machine: meta.machine,
@@ -267,6 +279,7 @@ impl Vm {
             parent: Some(meta.id.clone()),
         };
         let mut vm = Vm::launch(paths, record, netns, &launch, "while restoring").await?;
+        let t_qmp = t.elapsed();
         let state = snapshot.state_path();
         let loaded = async {
             vm.qmp.set_migrate_capability("x-ignore-shared", true).await?;
@@ -289,6 +302,13 @@ impl Vm {
             });
         }
         vm.state = VmState::Running;
+        tracing::debug!(
+            vm = id,
+            overlay_ms = t_overlay.as_secs_f64() * 1e3,
+            qemu_qmp_ms = (t_qmp - t_overlay).as_secs_f64() * 1e3,
+            migrate_cont_ms = (t.elapsed() - t_qmp).as_secs_f64() * 1e3,
+            "clone launched"
+        );
         Ok(vm)
     }
 
