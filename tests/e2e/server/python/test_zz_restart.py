@@ -1,0 +1,65 @@
+"""A server restart with live sandboxes: the new server adopts the running
+VMs, so they are still listed and usable through it. (Runs last: it
+restarts the server that the other tests use.)"""
+
+import os
+import subprocess
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from e2b import Sandbox, SandboxQuery, SandboxState
+
+from conftest import API, HERE, RUN
+
+SERVER_SH = os.path.join(os.path.dirname(HERE), "server.sh")
+
+
+def server(*args):
+    p = subprocess.run([SERVER_SH, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"server.sh {' '.join(args)}: {p.stderr}"
+
+
+def server_up():
+    try:
+        urllib.request.urlopen(API + "/health", timeout=2)
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.mark.parametrize("signal", ["TERM", "KILL"])
+def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
+    s = fresh(timeout=600, envs={"TINE_E2E_ENV": "restart"}, metadata={"group": f"restart-{signal}"})
+    mark = uuid.uuid4().hex
+    s.files.write("/tmp/tine-e2e-restart", mark)
+    bg = s.commands.run("sleep 3600", background=True)
+    end_before = s.get_info().end_at
+
+    server("stop", signal)
+    assert not server_up()
+    server("start")
+
+    q = SandboxQuery(metadata={"tine-e2e": RUN, "group": f"restart-{signal}"})
+    listed = Sandbox.list(query=q).next_items()
+    assert [i.sandbox_id for i in listed] == [s.sandbox_id]
+    assert listed[0].state == SandboxState.RUNNING
+    info = s.get_info()
+    assert info.state == SandboxState.RUNNING
+    assert info.end_at == end_before  # the timeout is kept, not reset
+    # The same VM, not a new one: its files and processes are still there.
+    assert s.files.read("/tmp/tine-e2e-restart") == mark
+    assert bg.pid in [p.pid for p in s.commands.list()]
+    assert s.commands.run("echo $TINE_E2E_ENV").stdout == "restart\n"
+    # The session's shared sandbox made it through as well.
+    assert sbx.commands.run("true").exit_code == 0
+    # And the new server manages them as usual.
+    assert s.get_metrics()
+    assert s.kill() is True
+    assert Sandbox.kill(s.sandbox_id) is False
+
+
+def test_create_after_restart(fresh):
+    s = fresh()
+    assert s.commands.run("echo fine").stdout == "fine\n"

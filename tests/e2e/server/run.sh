@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# run.sh: `tine serve` with real VMs against the real E2B SDKs.
+#
+# Builds tine, starts `tine serve` on 127.0.0.1:$TINE_E2E_PORT (3999) with a
+# small config (1 vCPU, 256 MiB per sandbox), creates a fresh API key, runs
+# the Python suite (pytest) and the JS suite (node --test), then kills every
+# sandbox the run made (through the API), stops the server and checks that
+# no QEMU process of the run is left. Exits non-zero if anything failed.
+# Run tests/e2e/setup.sh first. Idempotent.
+#
+# State: the server gets its own data dir, $TINE_DATA_DIR/e2e-server (kept
+# between runs so the template snapshot is captured once), whose `current`
+# is a link to $TINE_DATA_DIR/current (the guest artifacts). It must not
+# share tine.db with another server: at start a server adopts (or marks
+# dead) every sandbox in its database, and the restart test restarts it.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../../.." && pwd)"
+BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
+VENV="$BASE_DATA_DIR/venv"
+PORT="${TINE_E2E_PORT:-3999}"
+
+log() { printf '==> %s\n' "$*" >&2; }
+
+[[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
+[[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
+[[ -e "$BASE_DATA_DIR/current/vmlinuz" ]] || { echo "error: no guest artifacts in $BASE_DATA_DIR/current (scripts/test.sh builds them)" >&2; exit 1; }
+
+log "building tine"
+(cd "$ROOT" && cargo build --locked -p tine-cli 2>&1)
+export TINE_BIN="$ROOT/target/debug/tine"
+
+if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+    echo "error: something already listens on 127.0.0.1:$PORT (set TINE_E2E_PORT)" >&2
+    exit 1
+fi
+
+export TINE_DATA_DIR="$BASE_DATA_DIR/e2e-server"
+export TINE_SHM_DIR="${TINE_E2E_SHM_DIR:-/dev/shm/tine-e2e-server}"
+mkdir -p "$TINE_DATA_DIR"
+ln -sfn "$BASE_DATA_DIR/current" "$TINE_DATA_DIR/current"
+
+export TINE_E2E_STATE
+TINE_E2E_STATE="$(mktemp -d -t tine-e2e-server.XXXXXX)"
+export TINE_E2E_PORT="$PORT"
+export TINE_E2E_MAX_BODY=65536
+cat >"$TINE_E2E_STATE/config.toml" <<EOF
+default_cpu_count = 1
+default_memory_mb = 256
+default_timeout_secs = 600
+max_cpu_count = 4
+max_memory_mb = 4096
+max_sandboxes = 64
+max_body_bytes = $TINE_E2E_MAX_BODY
+EOF
+
+export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT"
+unset E2B_DEBUG E2B_DOMAIN
+E2B_API_KEY="$("$TINE_BIN" keys create --name "e2e-server-$(date +%s)" 2>/dev/null)"
+export E2B_API_KEY
+[[ -n "$E2B_API_KEY" ]] || { echo "error: tine keys create printed no key" >&2; exit 1; }
+
+# Kill what the run made: every sandbox this server knows (its database is
+# the run's own), then the server, then any QEMU of this data dir.
+cleanup() {
+    set +e
+    # (If the server died, start it again: its API is how sandboxes die.)
+    "$HERE/server.sh" start >/dev/null 2>&1
+    "$VENV/bin/python" "$HERE/cleanup.py"
+    "$HERE/server.sh" stop TERM
+    sleep 0.5
+    local left
+    left="$(pgrep -f "qemu-system.*$TINE_DATA_DIR/vms/" || true)"
+    if [[ -n "$left" ]]; then
+        echo "error: QEMU processes of this run are still alive: $left; killing them" >&2
+        for pid in $left; do kill -KILL "$pid" 2>/dev/null; done
+        return 1
+    fi
+    return 0
+}
+
+status=0
+finish() {
+    cleanup || status=1
+    if [[ $status -ne 0 ]]; then
+        echo "server end-to-end tests FAILED (server log: $TINE_E2E_STATE/server.log)" >&2
+        tail -40 "$TINE_E2E_STATE/server.log" >&2
+    else
+        log "server end-to-end tests passed"
+        rm -rf "$TINE_E2E_STATE"
+    fi
+    exit $status
+}
+trap finish EXIT
+trap 'status=130; exit' INT TERM
+
+log "starting tine serve on 127.0.0.1:$PORT (data dir $TINE_DATA_DIR, log $TINE_E2E_STATE/server.log)"
+"$HERE/server.sh" start
+# Sandboxes left by an earlier, interrupted run.
+"$VENV/bin/python" "$HERE/cleanup.py"
+
+log "Python SDK suite"
+(cd "$HERE/python" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1
+
+log "JS SDK suite"
+ln -sfn ../../js/node_modules "$HERE/js/node_modules"
+(cd "$HERE/js" && node --test --test-concurrency=1) || status=1
+
+if ! (cd "$HERE" && "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('$E2B_API_URL/health', timeout=5)"); then
+    echo "error: the server does not answer /health after the suites" >&2
+    status=1
+fi
