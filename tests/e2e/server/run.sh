@@ -6,7 +6,9 @@
 # the Python suite (pytest) and the JS suite (node --test), then kills every
 # sandbox the run made (through the API), stops the server and checks that
 # no QEMU process of the run is left. Exits non-zero if anything failed.
-# Run tests/e2e/setup.sh first. Idempotent.
+# Run tests/e2e/setup.sh first. Idempotent. Arguments go to pytest (e.g.
+# `-k list`); TINE_BIN=/path/to/tine skips the build; TINE_E2E_PORT
+# changes the port.
 #
 # State: the server gets its own data dir, $TINE_DATA_DIR/e2e-server (kept
 # between runs so the template snapshot is captured once), whose `current`
@@ -27,9 +29,14 @@ log() { printf '==> %s\n' "$*" >&2; }
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
 [[ -e "$BASE_DATA_DIR/current/vmlinuz" ]] || { echo "error: no guest artifacts in $BASE_DATA_DIR/current (scripts/test.sh builds them)" >&2; exit 1; }
 
-log "building tine"
-(cd "$ROOT" && cargo build --locked -p tine-cli 2>&1)
-export TINE_BIN="$ROOT/target/debug/tine"
+if [[ -n "${TINE_BIN:-}" ]]; then
+    log "using $TINE_BIN (TINE_BIN is set: not building)"
+else
+    log "building tine"
+    (cd "$ROOT" && cargo build --locked -p tine-cli 2>&1)
+    TINE_BIN="$ROOT/target/debug/tine"
+fi
+export TINE_BIN
 
 if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
     echo "error: something already listens on 127.0.0.1:$PORT (set TINE_E2E_PORT)" >&2

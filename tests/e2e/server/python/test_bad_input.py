@@ -155,6 +155,20 @@ def test_envd_for_an_unknown_sandbox_is_502_not_found(sbx):
     assert "was not found" in json.loads(body)["message"]
 
 
+def test_prometheus_metrics_count_what_happened(sbx):
+    status, headers, body = http("GET", "/metrics", key=None)
+    assert status == 200
+    text = body.decode()
+    assert headers["content-type"].startswith("text/plain")
+    # Sandboxes by state: at least the shared one is running.
+    running = [l for l in text.splitlines() if l.startswith("tine_sandboxes") and 'state="running"' in l]
+    assert running and float(running[0].split()[-1]) >= 1, running
+    # The 401s and 404s above were recorded by route and status.
+    assert 'status="401"' in text and 'status="404"' in text
+    assert "tine_api_request_duration_seconds" in text
+    assert "tine_proxy_bytes" in text
+
+
 def test_server_still_healthy():
     status, _, _ = http("GET", "/health", key=None)
     assert 200 <= status < 300

@@ -35,12 +35,18 @@ def test_metadata_filter(three):
         assert i.template_id == "base"
         assert i.cpu_count == 1 and i.memory_mb == 256
 
+    none = all_pages(Sandbox.list(query=SandboxQuery(metadata={**GROUP, "group": "other"})))
+    assert sum(len(p) for p in none) == 0
+
+
+def test_metadata_filter_with_characters_the_sdk_escapes(three):
+    # The SDK percent-encodes each key and value, urlencodes the pairs into
+    # one string, and the HTTP client encodes that string again as a query
+    # value: the server must undo all three.
+    assert three[2].get_info().metadata == {**GROUP, **ODD}  # stored as sent
     odd = [i for p in all_pages(Sandbox.list(query=SandboxQuery(metadata={**GROUP, **ODD}))) for i in p]
     assert [i.sandbox_id for i in odd] == [three[2].sandbox_id]
     assert odd[0].metadata == {**GROUP, **ODD}
-
-    none = all_pages(Sandbox.list(query=SandboxQuery(metadata={**GROUP, "group": "other"})))
-    assert sum(len(p) for p in none) == 0
 
 
 def test_state_filter(three):

@@ -2,6 +2,7 @@
 commands, files, pty, watch_dir, get_info, get_metrics, get_host, connect,
 set_timeout and kill."""
 
+import json
 import time
 import uuid
 from datetime import datetime, timezone
@@ -13,7 +14,6 @@ from e2b import (
     NotFoundException,
     PtySize,
     Sandbox,
-    SandboxException,
     SandboxState,
 )
 
@@ -181,8 +181,17 @@ def test_connect_from_a_second_handle(sbx):
     assert other.commands.run("echo $TINE_E2E_ENV").stdout == "from-create\n"
 
 
+def test_connect_route_for_a_running_sandbox(sbx):
+    # What Sandbox.connect sends (E2B-COMPAT.md B): 200 and a Sandbox.
+    status, _, body = http("POST", f"/v2/sandboxes/{sbx.sandbox_id}/connect", body={})
+    assert status == 200, body[:300]
+    doc = json.loads(body)
+    assert doc["sandboxID"] == sbx.sandbox_id
+    assert doc["envdAccessToken"] == sbx._envd_access_token
+
+
 def test_connect_to_an_unknown_sandbox_fails():
-    with pytest.raises(SandboxException):
+    with pytest.raises(NotFoundException):
         Sandbox.connect("nosuchsandbox0000")
 
 
