@@ -9,7 +9,7 @@ import urllib.request
 import uuid
 
 import pytest
-from e2b import Sandbox, SandboxQuery, SandboxState
+from e2b import NotFoundException, Sandbox, SandboxQuery, SandboxState
 
 from conftest import API, HERE, RUN
 
@@ -58,6 +58,27 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     assert s.get_metrics()
     assert s.kill() is True
     assert Sandbox.kill(s.sandbox_id) is False
+
+
+def test_a_vm_that_died_while_the_server_was_down_is_reported_dead(fresh):
+    s = fresh(timeout=600, metadata={"group": "restart-dead"})
+    assert s.commands.run("true").exit_code == 0
+    server("stop", "TERM")
+    # Kill this sandbox's QEMU (found by its id on the command line).
+    p = subprocess.run(["pgrep", "-f", f"qemu-system.*/vms/{s.sandbox_id}/"], capture_output=True, text=True)
+    pids = [int(x) for x in p.stdout.split()]
+    assert len(pids) == 1, f"expected one QEMU for {s.sandbox_id}, found {pids}"
+    os.kill(pids[0], 9)
+    server("start")
+
+    with pytest.raises(NotFoundException):
+        s.get_info()
+    q = SandboxQuery(metadata={"tine-e2e": RUN, "group": "restart-dead"})
+    assert Sandbox.list(query=q).next_items() == []
+    assert s.kill() is False
+    # Its envd traffic is refused by the proxy, not sent anywhere.
+    with pytest.raises(Exception):
+        s.commands.run("true", request_timeout=30)
 
 
 def test_create_after_restart(fresh):
