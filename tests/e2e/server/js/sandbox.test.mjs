@@ -2,7 +2,7 @@
 // list, connect and kill.
 import { test, after } from 'node:test'
 import assert from 'node:assert/strict'
-import { CommandExitError, Sandbox } from 'e2b'
+import { AuthenticationError, CommandExitError, NotFoundError, Sandbox } from 'e2b'
 
 import { RUN, newSandbox, listAll, tagged } from './helpers.mjs'
 
@@ -87,4 +87,10 @@ test('kill', async () => {
   await assert.rejects(s.getInfo())
   const { items } = await listAll({ query: { metadata: tagged() } })
   assert.ok(!items.some((i) => i.sandboxId === s.sandboxId))
+})
+
+test('a wrong API key and an unknown sandbox', async () => {
+  await assert.rejects(Sandbox.create({ apiKey: 'not-a-tine-key' }), AuthenticationError)
+  await assert.rejects(Sandbox.getInfo('nosuchsandbox0000000'), NotFoundError)
+  assert.equal(await Sandbox.kill('nosuchsandbox0000000'), false)
 })
