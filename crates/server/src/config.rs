@@ -11,6 +11,7 @@
 //! max_memory_mb = 8192
 //! max_sandboxes = 256
 //! max_body_bytes = 1048576
+//! max_fork_count = 32
 //! ```
 
 use std::net::SocketAddr;
@@ -36,6 +37,8 @@ pub struct Config {
     pub max_sandboxes: usize,
     /// Largest REST request body.
     pub max_body_bytes: usize,
+    /// Most children one fork call may ask for.
+    pub max_fork_count: usize,
 }
 
 impl Default for Config {
@@ -52,6 +55,7 @@ impl Default for Config {
             max_memory_mb: 8192,
             max_sandboxes: 256,
             max_body_bytes: 1 << 20,
+            max_fork_count: 32,
         }
     }
 }

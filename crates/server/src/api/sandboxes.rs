@@ -120,7 +120,11 @@ pub async fn create(_: Authed, State(s): State<Arc<AppState>>, body: axum::body:
             memory_mb: req.memory_mb,
         })
         .await?;
-    let out = SandboxOut {
+    Ok((StatusCode::CREATED, Json(sandbox_out(rec, &s.domain))).into_response())
+}
+
+fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
+    SandboxOut {
         template_id: rec.template_id,
         sandbox_id: rec.id,
         client_id: rec.client_id,
@@ -128,9 +132,8 @@ pub async fn create(_: Authed, State(s): State<Arc<AppState>>, body: axum::body:
         envd_version: rec.envd_version,
         envd_access_token: rec.envd_access_token,
         traffic_access_token: None,
-        domain: s.domain.clone(),
-    };
-    Ok((StatusCode::CREATED, Json(out)).into_response())
+        domain: domain.to_string(),
+    }
 }
 
 pub async fn get_one(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
@@ -349,4 +352,104 @@ mod tests {
             error: None,
         }
     }
+}
+
+pub async fn pause(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<StatusCode, ApiError> {
+    // `{memory?, requireHealthyGuest?}`: tine always captures memory.
+    let _: serde_json::Value = json_body(body, s.manager.config.max_body_bytes).await?;
+    s.manager.pause(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct ConnectBody {
+    timeout: Option<i64>,
+}
+
+/// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
+pub async fn connect(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+    let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let timeout = match b.timeout {
+        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
+        t => t.map(|t| t as u64),
+    };
+    let (rec, resumed) = s.manager.connect(&id, timeout).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(sandbox_out(rec, &s.domain))).into_response())
+}
+
+#[derive(Deserialize)]
+struct SnapshotBody {
+    name: Option<String>,
+}
+
+pub async fn create_snapshot(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+    let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let row = s.manager.snapshot(&id, b.name).await?;
+    Ok((StatusCode::CREATED, Json(serde_json::json!({ "snapshotID": row.id, "names": row.names }))).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotsQuery {
+    #[serde(rename = "sandboxID")]
+    sandbox_id: Option<String>,
+    limit: Option<usize>,
+    next_token: Option<String>,
+}
+
+pub async fn list_snapshots(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<SnapshotsQuery>) -> Result<Response, ApiError> {
+    let rows = s.manager.list_snapshots(q.sandbox_id.as_deref().filter(|x| !x.is_empty()))?;
+    let skip = match q.next_token.as_deref().filter(|t| !t.is_empty()) {
+        Some(t) => t.parse::<usize>().map_err(|_| ApiError::bad_request("invalid nextToken"))?,
+        None => 0,
+    };
+    let limit = q.limit.unwrap_or(100).clamp(1, MAX_PAGE);
+    let page: Vec<_> = rows
+        .iter()
+        .skip(skip)
+        .take(limit)
+        .map(|r| serde_json::json!({ "snapshotID": r.id, "names": r.names }))
+        .collect();
+    let mut headers = HeaderMap::new();
+    if skip + limit < rows.len() {
+        headers.insert("x-next-token", HeaderValue::from_str(&(skip + limit).to_string()).expect("digits"));
+    }
+    Ok((headers, Json(page)).into_response())
+}
+
+/// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
+pub async fn delete_snapshot(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    s.manager.delete_snapshot(&id)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+pub async fn fork(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+    let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let count = b.count.unwrap_or(1);
+    if count < 1 {
+        return Err(ApiError::bad_request(format!("count must be at least 1, got {count}")));
+    }
+    let timeout = match b.timeout {
+        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
+        t => t.map(|t| t as u64),
+    };
+    let results = s.manager.fork(&id, count as usize, timeout).await?;
+    let out: Vec<serde_json::Value> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(rec) => serde_json::json!({ "sandbox": sandbox_out(rec, &s.domain) }),
+            Err(e) => {
+                let e = ApiError::from(e);
+                serde_json::json!({ "error": { "code": e.status.as_u16(), "message": e.message } })
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(out)).into_response())
 }

@@ -9,6 +9,7 @@
 mod events;
 mod keys;
 mod sandboxes;
+mod snapshots;
 
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -18,6 +19,7 @@ use rusqlite::Connection;
 pub use events::Event;
 pub use keys::{ApiKey, NewKey};
 pub use sandboxes::ListFilter;
+pub use snapshots::{SnapshotKind, SnapshotRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -72,6 +74,22 @@ CREATE TABLE events (
     detail      TEXT NOT NULL
 );
 CREATE INDEX events_by_sandbox ON events (sandbox_id, seq);
+"#, r#"
+ALTER TABLE sandboxes ADD COLUMN snapshot_id TEXT;
+CREATE TABLE snapshots (
+    id            TEXT PRIMARY KEY,
+    kind          TEXT NOT NULL,
+    sandbox_id    TEXT NOT NULL,
+    parent_id     TEXT,
+    names         TEXT NOT NULL,
+    template_id   TEXT NOT NULL,
+    cpu_count     INTEGER NOT NULL,
+    memory_mb     INTEGER NOT NULL,
+    source_token  TEXT NOT NULL,
+    created_ms    INTEGER NOT NULL,
+    deleted_ms    INTEGER
+);
+CREATE INDEX snapshots_by_parent ON snapshots (parent_id);
 "#];
 
 impl Db {

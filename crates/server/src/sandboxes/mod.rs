@@ -2,6 +2,7 @@
 //! its identity), timeouts, kill, and re-adoption after a server restart.
 //! The REST handlers in [`crate::api`] are thin wrappers over [`Manager`].
 
+mod capture;
 pub mod guest;
 pub mod model;
 
@@ -64,11 +65,60 @@ pub struct Manager {
     paths: Paths,
     templates: Templates,
     live: RwLock<HashMap<String, Arc<Live>>>,
+    /// One lock per sandbox: lifecycle operations on it run one at a time.
+    ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Where a new sandbox's VM comes from.
+struct Source {
+    snapshot: tine_vmm::Snapshot,
+    /// The capture row, when it is not a template snapshot.
+    snapshot_id: Option<String>,
+    /// The token the guest already holds (it must be sent to replace it).
+    previous_token: Option<String>,
 }
 
 impl Manager {
     pub fn new(config: Config, db: Arc<Db>, paths: Paths, templates: Templates) -> Self {
-        Self { config, db, paths, templates, live: RwLock::new(HashMap::new()) }
+        Self {
+            config,
+            db,
+            paths,
+            templates,
+            live: RwLock::new(HashMap::new()),
+            ops: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = self.ops.lock().unwrap_or_else(|e| e.into_inner()).entry(id.to_string()).or_default().clone();
+        m.lock_owned().await
+    }
+
+    /// Restore `source` as VM `rec.id` and hand the guest its identity.
+    async fn start_vm(&self, rec: &SandboxRecord, source: &Source) -> Result<(Vm, Netns), String> {
+        let vm = Vm::restore(&self.paths, &rec.id, &source.snapshot, StartOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
+        if let Err(e) = guest::init(&netns, &guest_env(rec), &rec.envd_access_token, source.previous_token.as_deref()).await {
+            let _ = vm.kill().await;
+            return Err(e);
+        }
+        Ok((vm, netns))
+    }
+
+    fn add_live(&self, rec: &SandboxRecord, vm: Vm, netns: Netns) {
+        let live = Arc::new(Live {
+            vm: tokio::sync::Mutex::new(Some(vm)),
+            netns,
+            access_token: rec.envd_access_token.clone(),
+        });
+        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(rec.id.clone(), live);
+    }
+
+    fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
+        self.live.write().unwrap_or_else(|e| e.into_inner()).remove(id)
     }
 
     pub fn db(&self) -> &Db {
@@ -105,33 +155,44 @@ impl Manager {
                 return bad(format!("timeout must be at most {} seconds, got {t}", c.max_timeout_secs));
             }
         }
-        if !self.templates.exists(&req.template_id) {
-            return Err(TemplateError::NotFound(req.template_id.clone()).into());
-        }
         Ok(Machine { vcpus: cpus, memory_mib: mem, ..Machine::default() })
     }
 
-    /// Create a sandbox: restore the template, give the guest its env vars,
-    /// access token, clock and fresh entropy, and start its timeout.
-    pub async fn create(&self, req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
-        let machine = self.validate(&req)?;
-        let id = crate::ids::sandbox_id();
-        {
-            let live = self.live.read().unwrap_or_else(|e| e.into_inner());
-            if live.len() >= self.config.max_sandboxes {
-                return Err(SandboxError::Capacity(live.len()));
+    fn check_capacity(&self, more: usize) -> Result<(), SandboxError> {
+        let n = self.live_count();
+        if n + more > self.config.max_sandboxes {
+            return Err(SandboxError::Capacity(n));
+        }
+        Ok(())
+    }
+
+    /// A template name, or the id of a user snapshot (E2B's
+    /// `Sandbox.create(snapshot_id)`), with the machine shape to use.
+    async fn resolve(&self, template_id: &str, machine: Machine) -> Result<(Source, Machine), SandboxError> {
+        if let Some(row) = self.db.get_snapshot(template_id)? {
+            if row.kind == crate::db::SnapshotKind::Snapshot {
+                let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
+                    .map_err(|e| SandboxError::Vm { id: row.id.clone(), detail: e.to_string() })?;
+                let m = snapshot.meta.machine;
+                let source = Source { snapshot, snapshot_id: Some(row.id), previous_token: Some(row.source_token) };
+                return Ok((source, m));
             }
         }
+        let snapshot = self.templates.snapshot(template_id, machine).await?;
+        Ok((Source { snapshot, snapshot_id: None, previous_token: None }, machine))
+    }
+
+    fn new_record(&self, template_id: &str, machine: Machine, req: &CreateRequest) -> SandboxRecord {
         let now = now_ms();
         let timeout = req.timeout_secs.unwrap_or(self.config.default_timeout_secs);
-        let mut rec = SandboxRecord {
-            id: id.clone(),
-            template_id: req.template_id.clone(),
-            alias: Some(req.template_id.clone()),
+        SandboxRecord {
+            id: crate::ids::sandbox_id(),
+            template_id: template_id.to_string(),
+            alias: Some(template_id.to_string()),
             client_id: "tine".into(),
             state: SandboxState::Starting,
-            metadata: req.metadata,
-            env_vars: req.env_vars,
+            metadata: req.metadata.clone(),
+            env_vars: req.env_vars.clone(),
             cpu_count: machine.vcpus,
             memory_mb: machine.memory_mib,
             disk_size_mb: 0,
@@ -141,44 +202,44 @@ impl Manager {
             end_at_ms: now + (timeout as i64) * 1000,
             auto_pause: req.auto_pause,
             error: None,
-        };
-        let snapshot = self.templates.snapshot(&req.template_id, machine).await?;
-        rec.disk_size_mb = disk_size_mb(&snapshot.meta.artifacts.rootfs);
-        self.db.insert_sandbox(&rec)?;
-        self.event(&id, "create", &format!("template {}", req.template_id));
-
-        let started = async {
-            let vm = Vm::restore(&self.paths, &id, &snapshot, StartOptions::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
-            if let Err(e) = guest::init(&netns, &rec.env_vars, &rec.envd_access_token, None).await {
-                let _ = vm.kill().await;
-                return Err(e);
-            }
-            Ok((vm, netns))
         }
-        .await;
-        let (vm, netns) = match started {
+    }
+
+    /// Create a sandbox: restore the template (or snapshot), give the guest
+    /// its env vars, access token, clock and fresh entropy, and start its
+    /// timeout.
+    pub async fn create(&self, req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
+        let machine = self.validate(&req)?;
+        self.check_capacity(1)?;
+        let (source, machine) = self.resolve(&req.template_id, machine).await?;
+        let rec = self.new_record(&req.template_id, machine, &req);
+        self.launch(rec, &source, req.timeout_secs).await
+    }
+
+    /// Insert `rec`, start its VM from `source`, make it live.
+    async fn launch(&self, mut rec: SandboxRecord, source: &Source, timeout_secs: Option<u64>) -> Result<SandboxRecord, SandboxError> {
+        let id = rec.id.clone();
+        rec.disk_size_mb = disk_size_mb(&source.snapshot.meta.artifacts.rootfs);
+        self.db.insert_sandbox(&rec)?;
+        self.db.set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
+        self.event(&id, "create", &format!("from {}", source.snapshot.meta.id));
+        let (vm, netns) = match self.start_vm(&rec, source).await {
             Ok(v) => v,
             Err(detail) => {
                 self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Failed, Some(&detail))?;
                 self.event(&id, "failed", &detail);
+                self.gc();
                 return Err(SandboxError::Vm { id, detail });
             }
         };
         // The timeout runs from the moment the sandbox is ready.
+        let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs) as i64;
         rec.started_at_ms = now_ms();
-        rec.end_at_ms = rec.started_at_ms + (timeout as i64) * 1000;
+        rec.end_at_ms = rec.started_at_ms + timeout * 1000;
         self.db.set_times(&id, rec.started_at_ms, rec.end_at_ms)?;
         self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
-        let live = Arc::new(Live {
-            vm: tokio::sync::Mutex::new(Some(vm)),
-            netns,
-            access_token: rec.envd_access_token.clone(),
-        });
-        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), live);
+        self.add_live(&rec, vm, netns);
         self.event(&id, "running", "");
         Ok(rec)
     }
@@ -197,24 +258,43 @@ impl Manager {
 
     /// Kill a sandbox and free everything it held. `reason` is recorded.
     pub async fn kill(&self, id: &str, reason: &str) -> Result<(), SandboxError> {
-        let live = self.live.write().unwrap_or_else(|e| e.into_inner()).remove(id);
-        let Some(live) = live else {
-            // Paused sandboxes have no VM; anything else is unknown.
-            let rec = self.get(id)?;
-            self.db.set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
-            self.event(id, "killed", reason);
-            return Ok(());
-        };
-        let vm = live.vm.lock().await.take();
-        if let Some(vm) = vm {
-            if let Err(e) = vm.kill().await {
-                tracing::warn!(sandbox = id, "cleanup after kill: {e}");
-                tine_vmm::vm::cleanup(&self.paths, id).await;
+        let _op = self.lock(id).await;
+        let rec = self.get(id)?;
+        if let Some(live) = self.remove_live(id) {
+            let vm = live.vm.lock().await.take();
+            if let Some(vm) = vm {
+                if let Err(e) = vm.kill().await {
+                    tracing::warn!(sandbox = id, "cleanup after kill: {e}");
+                    tine_vmm::vm::cleanup(&self.paths, id).await;
+                }
             }
         }
-        self.db.set_state(id, &[SandboxState::Running, SandboxState::Paused], SandboxState::Killed, Some(reason))?;
+        self.db.set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
         self.event(id, "killed", reason);
+        self.gc();
         Ok(())
+    }
+
+    /// Delete the files of captures nothing depends on any more.
+    pub fn gc(&self) {
+        loop {
+            let ids = match self.db.collectable_snapshots() {
+                Ok(ids) if !ids.is_empty() => ids,
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!("snapshot gc: {e}");
+                    return;
+                }
+            };
+            for id in ids {
+                if let Err(e) = tine_vmm::Snapshot::delete(&self.paths, &id) {
+                    tracing::warn!(snapshot = %id, "deleting snapshot files: {e}");
+                    return;
+                }
+                let _ = self.db.remove_snapshot_row(&id);
+                tracing::debug!(snapshot = %id, "snapshot files deleted");
+            }
+        }
     }
 
     /// Let the sandbox live `secs` more seconds from now.
@@ -249,12 +329,19 @@ impl Manager {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         for (id, live) in ids {
-            let expired = matches!(self.db.get_sandbox(&id), Ok(Some(r)) if r.end_at_ms <= now);
+            let rec = self.db.get_sandbox(&id).ok().flatten();
+            let expired = rec.as_ref().is_some_and(|r| r.end_at_ms <= now);
+            let auto_pause = rec.as_ref().is_some_and(|r| r.auto_pause);
             let died = match live.vm.try_lock() {
                 Ok(guard) => guard.as_ref().and_then(|vm| vm.exit_status()),
                 Err(_) => None, // busy: someone is working on it
             };
-            if expired {
+            if expired && auto_pause {
+                if let Err(e) = self.pause(&id).await {
+                    tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
+                    let _ = self.kill(&id, &format!("timeout (auto-pause failed: {e})")).await;
+                }
+            } else if expired {
                 let _ = self.kill(&id, "timeout").await;
             } else if let Some(status) = died {
                 let _ = self.kill(&id, &format!("VM exited unexpectedly ({status})")).await;
@@ -278,12 +365,7 @@ impl Manager {
             };
             match adopted.and_then(|vm| Ok((vm.netns().try_clone().map_err(|e| e.to_string())?, vm))) {
                 Ok((netns, vm)) => {
-                    let live = Arc::new(Live {
-                        vm: tokio::sync::Mutex::new(Some(vm)),
-                        netns,
-                        access_token: rec.envd_access_token.clone(),
-                    });
-                    self.live.write().unwrap_or_else(|e| e.into_inner()).insert(rec.id.clone(), live);
+                    self.add_live(&rec, vm, netns);
                     self.event(&rec.id, "adopted", "after a server restart");
                     tracing::info!(sandbox = %rec.id, "adopted after restart");
                 }
@@ -315,6 +397,17 @@ impl Manager {
             .await
             .map_err(|detail| SandboxError::Vm { id: id.to_string(), detail })
     }
+}
+
+/// Env vars every sandbox gets (as E2B sets them), then the user's.
+fn guest_env(rec: &SandboxRecord) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::from([
+        ("E2B_SANDBOX".to_string(), "true".to_string()),
+        ("E2B_SANDBOX_ID".to_string(), rec.id.clone()),
+        ("E2B_TEMPLATE_ID".to_string(), rec.template_id.clone()),
+    ]);
+    env.extend(rec.env_vars.clone());
+    env
 }
 
 fn disk_size_mb(image: &std::path::Path) -> u32 {

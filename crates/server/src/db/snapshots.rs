@@ -1,0 +1,163 @@
+//! The `snapshots` table: captures of sandboxes. `pause` captures are what
+//! a paused sandbox resumes from, `fork` captures what forks start from,
+//! `snapshot` captures the ones users made (restorable by id).
+//!
+//! Each capture's disk is a qcow2 overlay backed by its parent's, so a
+//! capture's files may be deleted only when no sandbox runs on it, no
+//! paused sandbox resumes from it and no other capture has it as parent;
+//! [`Db::collectable_snapshots`] finds those.
+
+use rusqlite::{params, OptionalExtension, Row};
+
+use super::{now_ms, Db, DbError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    Pause,
+    Fork,
+    Snapshot,
+}
+
+impl SnapshotKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            SnapshotKind::Pause => "pause",
+            SnapshotKind::Fork => "fork",
+            SnapshotKind::Snapshot => "snapshot",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pause" => SnapshotKind::Pause,
+            "fork" => SnapshotKind::Fork,
+            "snapshot" => SnapshotKind::Snapshot,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub kind: SnapshotKind,
+    pub sandbox_id: String,
+    /// The capture (or template snapshot) the source ran on.
+    pub parent_id: Option<String>,
+    pub names: Vec<String>,
+    pub template_id: String,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    /// The access token the guest had when captured (needed to re-`/init`).
+    pub source_token: String,
+    pub created_ms: i64,
+}
+
+const COLUMNS: &str = "id, kind, sandbox_id, parent_id, names, template_id, cpu_count, memory_mb, source_token, created_ms";
+
+fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, DbError>> {
+    let id: String = r.get(0)?;
+    let kind: String = r.get(1)?;
+    let names: String = r.get(4)?;
+    let build = || -> std::result::Result<SnapshotRow, DbError> {
+        Ok(SnapshotRow {
+            kind: SnapshotKind::parse(&kind).ok_or_else(|| DbError::Corrupt(format!("kind of snapshot {id}")))?,
+            sandbox_id: r.get(2)?,
+            parent_id: r.get(3)?,
+            names: serde_json::from_str(&names).map_err(|_| DbError::Corrupt(format!("names of snapshot {id}")))?,
+            template_id: r.get(5)?,
+            cpu_count: r.get(6)?,
+            memory_mb: r.get(7)?,
+            source_token: r.get(8)?,
+            created_ms: r.get(9)?,
+            id: id.clone(),
+        })
+    };
+    Ok(build())
+}
+
+impl Db {
+    pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<()> {
+        self.conn().execute(
+            &format!("INSERT INTO snapshots ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)"),
+            params![
+                s.id,
+                s.kind.as_str(),
+                s.sandbox_id,
+                s.parent_id,
+                serde_json::to_string(&s.names).expect("strings serialize"),
+                s.template_id,
+                s.cpu_count,
+                s.memory_mb,
+                s.source_token,
+                s.created_ms
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// A snapshot that has not been deleted.
+    pub fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>> {
+        self.conn()
+            .query_row(&format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 AND deleted_ms IS NULL"), [id], from_row)
+            .optional()?
+            .transpose()
+    }
+
+    /// User snapshots, oldest first, optionally of one sandbox.
+    pub fn list_snapshots(&self, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE kind = 'snapshot' AND deleted_ms IS NULL \
+             AND (?1 IS NULL OR sandbox_id = ?1) ORDER BY created_ms, id"
+        ))?;
+        let rows = stmt.query_map([sandbox_id], from_row)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
+    }
+
+    /// Hide a user snapshot; its files go when nothing depends on them.
+    pub fn delete_snapshot(&self, id: &str) -> Result<bool> {
+        let n = self.conn().execute(
+            "UPDATE snapshots SET deleted_ms = ?2 WHERE id = ?1 AND kind = 'snapshot' AND deleted_ms IS NULL",
+            params![id, now_ms()],
+        )?;
+        Ok(n == 1)
+    }
+
+    pub fn set_sandbox_snapshot(&self, sandbox_id: &str, snapshot_id: Option<&str>) -> Result<()> {
+        self.conn()
+            .execute("UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1", params![sandbox_id, snapshot_id])?;
+        Ok(())
+    }
+
+    pub fn sandbox_snapshot(&self, sandbox_id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row("SELECT snapshot_id FROM sandboxes WHERE id = ?1", [sandbox_id], |r| r.get(0))
+            .optional()?
+            .flatten())
+    }
+
+    /// Captures whose files nothing needs any more: internal (pause, fork)
+    /// or deleted ones that no live sandbox and no other capture uses.
+    pub fn collectable_snapshots(&self) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT s.id FROM snapshots s WHERE (s.kind != 'snapshot' OR s.deleted_ms IS NOT NULL) \
+             AND NOT EXISTS (SELECT 1 FROM sandboxes b WHERE b.snapshot_id = s.id \
+                             AND b.state IN ('starting', 'running', 'paused')) \
+             AND NOT EXISTS (SELECT 1 FROM snapshots c WHERE c.parent_id = s.id)",
+        )?;
+        let rows = stmt.query_map([], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Forget a capture whose files are gone.
+    pub fn remove_snapshot_row(&self, id: &str) -> Result<()> {
+        self.conn().execute("DELETE FROM snapshots WHERE id = ?1", [id])?;
+        Ok(())
+    }
+}

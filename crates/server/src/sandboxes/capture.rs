@@ -1,0 +1,190 @@
+//! Captures of running sandboxes: pause / resume, snapshots, fork.
+//!
+//! A capture stops the VM, saves its device state and seals its disk
+//! overlay into a snapshot (see `tine_vmm::Vm::snapshot`). A pause then
+//! frees the VM; a snapshot or fork lets the source continue as a clone of
+//! the capture, re-`/init`ed with the current clock and fresh entropy
+//! because its RNG state now also lives in the capture.
+
+use std::time::Instant;
+
+use futures::future::join_all;
+
+use super::{guest, guest_env, CreateRequest, Manager, SandboxError, Source};
+use crate::db::{now_ms, SnapshotKind, SnapshotRow};
+use crate::sandboxes::model::{SandboxRecord, SandboxState};
+
+/// Outcome of one fork child.
+pub type ForkResult = Result<SandboxRecord, SandboxError>;
+
+impl Manager {
+    fn capture_row(&self, rec: &SandboxRecord, kind: SnapshotKind, id: String, names: Vec<String>) -> Result<SnapshotRow, SandboxError> {
+        Ok(SnapshotRow {
+            id,
+            kind,
+            sandbox_id: rec.id.clone(),
+            parent_id: self.db.sandbox_snapshot(&rec.id)?,
+            names,
+            template_id: rec.template_id.clone(),
+            cpu_count: rec.cpu_count,
+            memory_mb: rec.memory_mb,
+            source_token: rec.envd_access_token.clone(),
+            created_ms: now_ms(),
+        })
+    }
+
+    fn running(&self, id: &str, op: &str) -> Result<(SandboxRecord, std::sync::Arc<super::Live>), SandboxError> {
+        let rec = self.get(id)?;
+        if rec.state == SandboxState::Paused {
+            return Err(SandboxError::Conflict(format!("sandbox {id} is paused; cannot {op}")));
+        }
+        let live = self.live(id).ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
+        Ok((rec, live))
+    }
+
+    /// Capture the sandbox to disk and free its VM.
+    pub async fn pause(&self, id: &str) -> Result<(), SandboxError> {
+        let _op = self.lock(id).await;
+        let (rec, live) = self.running(id, "pause it again")?;
+        let vm = live.vm.lock().await.take().ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
+        let row = self.capture_row(&rec, SnapshotKind::Pause, format!("p-{id}-{}", crate::ids::random_hex(4)), vec![])?;
+        let t = Instant::now();
+        let captured = vm.capture_and_kill(&row.id).await;
+        self.remove_live(id);
+        if let Err(e) = captured {
+            let why = format!("pause failed, the VM is gone: {e}");
+            self.db.set_state(id, &[SandboxState::Running], SandboxState::Killed, Some(&why))?;
+            self.event(id, "killed", &why);
+            return Err(SandboxError::Vm { id: id.to_string(), detail: why });
+        }
+        self.db.insert_snapshot(&row)?;
+        self.db.set_sandbox_snapshot(id, Some(&row.id))?;
+        self.db.set_state(id, &[SandboxState::Running], SandboxState::Paused, None)?;
+        self.event(id, "paused", &format!("{} in {} ms", row.id, t.elapsed().as_millis()));
+        self.gc();
+        Ok(())
+    }
+
+    /// `connect`: a running sandbox is returned as is (its timeout moved to
+    /// `timeout_secs` from now if given); a paused one is restored.
+    /// Returns the record and whether it was resumed.
+    pub async fn connect(&self, id: &str, timeout_secs: Option<u64>) -> Result<(SandboxRecord, bool), SandboxError> {
+        let _op = self.lock(id).await;
+        let mut rec = self.get(id)?;
+        if let Some(t) = timeout_secs {
+            if t > self.config.max_timeout_secs {
+                return Err(SandboxError::InvalidArgument(format!("timeout must be at most {} seconds", self.config.max_timeout_secs)));
+            }
+        }
+        let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs) as i64;
+        if rec.state == SandboxState::Running {
+            if timeout_secs.is_some() {
+                rec.end_at_ms = rec.end_at_ms.max(now_ms() + timeout * 1000);
+                self.db.set_end_at(id, rec.end_at_ms)?;
+            }
+            return Ok((rec, false));
+        }
+        let snap_id = self
+            .db
+            .sandbox_snapshot(id)?
+            .ok_or_else(|| SandboxError::Vm { id: id.to_string(), detail: "paused without a capture".into() })?;
+        self.check_capacity(1)?;
+        let snapshot = tine_vmm::Snapshot::open(&self.paths, &snap_id)
+            .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: format!("cannot resume: {e}") })?;
+        let source = Source { snapshot, snapshot_id: Some(snap_id), previous_token: Some(rec.envd_access_token.clone()) };
+        let t = Instant::now();
+        let (vm, netns) = self
+            .start_vm(&rec, &source)
+            .await
+            .map_err(|detail| SandboxError::Vm { id: id.to_string(), detail: format!("resume failed (still paused): {detail}") })?;
+        rec.end_at_ms = now_ms() + timeout * 1000;
+        self.db.set_end_at(id, rec.end_at_ms)?;
+        self.db.set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
+        rec.state = SandboxState::Running;
+        self.add_live(&rec, vm, netns);
+        self.event(id, "resumed", &format!("in {} ms", t.elapsed().as_millis()));
+        Ok((rec, true))
+    }
+
+    /// Capture a running sandbox (it keeps running) as a snapshot of `kind`.
+    async fn capture_running(&self, id: &str, kind: SnapshotKind, names: Vec<String>) -> Result<SnapshotRow, SandboxError> {
+        let (rec, live) = self.running(id, "capture it")?;
+        let prefix = if kind == SnapshotKind::Fork { "f" } else { "snap" };
+        let row = self.capture_row(&rec, kind, format!("{prefix}-{}", crate::ids::random_hex(8)), names)?;
+        let mut guard = live.vm.lock().await;
+        let vm = guard.as_mut().ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
+        let t = Instant::now();
+        let vm_err = |detail: String| SandboxError::Vm { id: id.to_string(), detail };
+        vm.snapshot(&row.id).await.map_err(|e| vm_err(e.to_string()))?;
+        // The source's clock stood still and its RNG state is now shared
+        // with whatever starts from the capture: reseed it.
+        guest::init(&live.netns, &guest_env(&rec), &rec.envd_access_token, Some(&rec.envd_access_token))
+            .await
+            .map_err(vm_err)?;
+        drop(guard);
+        self.db.insert_snapshot(&row)?;
+        self.db.set_sandbox_snapshot(id, Some(&row.id))?;
+        self.event(id, "captured", &format!("{} in {} ms", row.id, t.elapsed().as_millis()));
+        Ok(row)
+    }
+
+    /// A user snapshot of a running sandbox, restorable by its id.
+    pub async fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRow, SandboxError> {
+        let _op = self.lock(id).await;
+        self.capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect()).await
+    }
+
+    pub fn list_snapshots(&self, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, SandboxError> {
+        Ok(self.db.list_snapshots(sandbox_id)?)
+    }
+
+    pub fn delete_snapshot(&self, id: &str) -> Result<(), SandboxError> {
+        if !self.db.delete_snapshot(id)? {
+            return Err(SandboxError::NotFound(format!("snapshot {id}")));
+        }
+        self.gc();
+        Ok(())
+    }
+
+    /// Capture the sandbox once and start `count` sandboxes from it, all at
+    /// once. Each child succeeds or fails on its own.
+    pub async fn fork(&self, id: &str, count: usize, timeout_secs: Option<u64>) -> Result<Vec<ForkResult>, SandboxError> {
+        let cap = self.config.max_fork_count;
+        if count == 0 || count > cap {
+            return Err(SandboxError::InvalidArgument(format!("count must be between 1 and {cap}, got {count}")));
+        }
+        if let Some(t) = timeout_secs {
+            if t > self.config.max_timeout_secs {
+                return Err(SandboxError::InvalidArgument(format!("timeout must be at most {} seconds", self.config.max_timeout_secs)));
+            }
+        }
+        self.check_capacity(count)?;
+        let source_rec = self.get(id)?;
+        let row = {
+            let _op = self.lock(id).await;
+            self.capture_running(id, SnapshotKind::Fork, vec![]).await?
+        };
+        let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
+            .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: e.to_string() })?;
+        let source = Source { snapshot, snapshot_id: Some(row.id.clone()), previous_token: Some(row.source_token.clone()) };
+        let req = CreateRequest {
+            template_id: source_rec.template_id.clone(),
+            timeout_secs,
+            metadata: source_rec.metadata.clone(),
+            env_vars: source_rec.env_vars.clone(),
+            auto_pause: source_rec.auto_pause,
+            cpu_count: Some(source_rec.cpu_count),
+            memory_mb: Some(source_rec.memory_mb),
+        };
+        let machine = source.snapshot.meta.machine;
+        let children = (0..count).map(|_| {
+            let rec = self.new_record(&source_rec.template_id, machine, &req);
+            self.launch(rec, &source, timeout_secs)
+        });
+        let results = join_all(children).await;
+        self.event(id, "forked", &format!("{count} children from {}", row.id));
+        // A fork capture nobody started from is deleted now.
+        self.gc();
+        Ok(results)
+    }
+}
