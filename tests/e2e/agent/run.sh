@@ -19,7 +19,7 @@ log() { printf '==> %s\n' "$*" >&2; }
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
 
 log "building tine-agent"
-(cd "$ROOT" && cargo build --locked -p tine-agent 2>&1)
+(cd "$ROOT" && cargo build -p tine-agent 2>&1)
 AGENT="$ROOT/target/debug/tine-agent"
 
 if (exec 3<>/dev/tcp/127.0.0.1/49983) 2>/dev/null; then

@@ -6,6 +6,7 @@
 //! missing parent directories are created with the caller's credentials,
 //! so they belong to the caller.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -43,6 +44,38 @@ struct UploadedEntry {
     path: String,
     #[serde(rename = "type")]
     kind: &'static str,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    metadata: BTreeMap<String, String>,
+}
+
+/// `X-Metadata-<key>: <value>` headers, keys lowercased.
+fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (name, value) in headers {
+        if let Some(key) = name.as_str().strip_prefix("x-metadata-") {
+            if key.is_empty() {
+                continue;
+            }
+            let value = value.to_str().map_err(|_| EnvdError::InvalidArgument(format!("metadata {key:?} is not valid text")))?;
+            out.insert(key.to_ascii_lowercase(), value.to_string());
+        }
+    }
+    Ok(out)
+}
+
+/// Stores the request's metadata on a written file (replacing any).
+async fn apply_metadata(user: &User, path: &Path, meta: &BTreeMap<String, String>) -> Result<()> {
+    if meta.is_empty() {
+        return Ok(());
+    }
+    let (p, m) = (path.to_path_buf(), meta.clone());
+    run_as(user, move || {
+        super::xattr::replace_metadata(&p, &m).map_err(|e| match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) => EnvdError::FailedPrecondition(format!("{}: the filesystem does not support file metadata (xattrs)", p.display())),
+            _ => EnvdError::io(&e, format!("setting metadata on {}", p.display())),
+        })
+    })
+    .await
 }
 
 /// Authorizes and resolves the caller of a `/files` request.
@@ -91,13 +124,14 @@ async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<
     let q = parse_query(query)?;
     let headers = req.headers().clone();
     let user = authorize(&envd, &headers, &q, "write")?;
+    let metadata = metadata_headers(&headers)?;
     let media = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
         .unwrap_or_default();
     let written = match media.as_str() {
-        "multipart/form-data" => upload_multipart(&envd, &user, q.path.as_deref(), req).await?,
+        "multipart/form-data" => upload_multipart(&envd, &user, q.path.as_deref(), &metadata, req).await?,
         "application/octet-stream" => {
             let path = resolve(&envd, &user, q.path.as_deref().unwrap_or(""))?;
             let gzip = match headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase()) {
@@ -113,18 +147,24 @@ async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<
                 sink.write(chunk).await?;
             }
             sink.finish().await?;
-            vec![uploaded(&path)]
+            apply_metadata(&user, &path, &metadata).await?;
+            vec![uploaded(&path, &metadata)]
         }
         other => return Err(EnvdError::InvalidArgument(format!("unsupported content type {other:?}: use multipart/form-data or application/octet-stream"))),
     };
     Ok(Json(written))
 }
 
-fn uploaded(path: &Path) -> UploadedEntry {
-    UploadedEntry { name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), path: path.display().to_string(), kind: "file" }
+fn uploaded(path: &Path, metadata: &BTreeMap<String, String>) -> UploadedEntry {
+    UploadedEntry {
+        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        path: path.display().to_string(),
+        kind: "file",
+        metadata: metadata.clone(),
+    }
 }
 
-async fn upload_multipart(envd: &Envd, user: &User, query_path: Option<&str>, req: Request) -> Result<Vec<UploadedEntry>> {
+async fn upload_multipart(envd: &Envd, user: &User, query_path: Option<&str>, metadata: &BTreeMap<String, String>, req: Request) -> Result<Vec<UploadedEntry>> {
     let bad = |e: axum::extract::multipart::MultipartError| EnvdError::InvalidArgument(format!("invalid multipart body: {e}"));
     let mut form = axum::extract::Multipart::from_request(req, &()).await.map_err(|e| EnvdError::InvalidArgument(format!("invalid multipart body: {e}")))?;
     let mut written = Vec::new();
@@ -144,7 +184,8 @@ async fn upload_multipart(envd: &Envd, user: &User, query_path: Option<&str>, re
             sink.write(chunk).await?;
         }
         sink.finish().await?;
-        written.push(uploaded(&path));
+        apply_metadata(user, &path, metadata).await?;
+        written.push(uploaded(&path, metadata));
     }
     if written.is_empty() {
         return Err(EnvdError::InvalidArgument("the request has no file".into()));

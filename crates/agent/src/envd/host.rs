@@ -95,7 +95,7 @@ fn sync_clock(ts: std::time::Duration) {
     if drift <= std::time::Duration::from_secs(1) || !nix::unistd::Uid::effective().is_root() {
         return;
     }
-    let spec = nix::sys::time::TimeSpec::new(ts.as_secs() as libc::time_t, ts.subsec_nanos() as libc::c_long);
+    let spec = nix::sys::time::TimeSpec::from(ts);
     match nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, spec) {
         Ok(()) => tracing::info!(drift_ms = drift.as_millis() as u64, "clock set from /init"),
         Err(e) => tracing::warn!(%e, "setting the clock failed"),

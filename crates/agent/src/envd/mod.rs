@@ -14,8 +14,11 @@ mod host;
 mod process;
 mod proto;
 mod rpc;
+#[cfg(test)]
+mod tests;
 mod time;
 mod user;
+mod xattr;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -34,7 +37,7 @@ use self::user::User;
 /// The envd version advertised to the SDKs (they enable features by it:
 /// 0.5.2 `close_stdin`, 0.5.7 raw uploads, 0.6.2 file metadata, 0.6.3
 /// entries in watch events, 0.6.4 the network-mount watch option).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The user calls run as when they name none (E2B images have `user`).
 pub const DEFAULT_USER: &str = "user";

@@ -159,3 +159,15 @@ def test_raw_http_gzip_upload(tmpdir_in_sandbox):
     assert status == 200, resp
     status, headers, got = http("GET", f"/files?path={tmpdir_in_sandbox}/raw.txt")
     assert status == 200 and got == b"zipped!"
+
+
+def test_metadata_headers_become_entry_metadata(sbx, tmpdir_in_sandbox):
+    p = f"{tmpdir_in_sandbox}/meta.txt"
+    info = sbx.files.write(p, "m", metadata={"Project": "tine", "k": "v"})
+    assert info.metadata == {"project": "tine", "k": "v"}
+    assert sbx.files.get_info(p).metadata == {"project": "tine", "k": "v"}
+    # Overwriting with other metadata replaces the whole set.
+    sbx.files.write(p, "m2", metadata={"only": "this"})
+    assert sbx.files.get_info(p).metadata == {"only": "this"}
+    listed = {e.name: e for e in sbx.files.list(tmpdir_in_sandbox)}
+    assert listed["meta.txt"].metadata == {"only": "this"}

@@ -74,3 +74,15 @@ async def test_watch_dir_async_stream(asbx, tmpdir_in_sandbox):
         assert ("async.txt", FilesystemEventType.WRITE) in [(e.name, e.type) for e in events]
     finally:
         await handle.stop()
+
+
+def test_watch_dir_include_entry(sbx, tmpdir_in_sandbox):
+    h = sbx.files.watch_dir(tmpdir_in_sandbox, include_entry=True)
+    try:
+        sbx.files.write(f"{tmpdir_in_sandbox}/e.txt", "12345")
+        seen = _wait_for(lambda s: any(e.name == "e.txt" and e.type == FilesystemEventType.WRITE for e in s), h.get_new_events)
+        writes = [e for e in seen if e.name == "e.txt" and e.type == FilesystemEventType.WRITE]
+        assert writes and writes[-1].entry is not None
+        assert writes[-1].entry.path == f"{tmpdir_in_sandbox}/e.txt"
+    finally:
+        h.stop()

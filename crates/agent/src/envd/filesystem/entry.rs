@@ -133,7 +133,7 @@ pub fn entry_from_meta(path: &Path, meta: &Metadata, names: &mut Names) -> Entry
         group: names.group(meta.gid()),
         modified_time: modified,
         symlink_target,
-        metadata: BTreeMap::new(),
+        metadata: if is_symlink { BTreeMap::new() } else { crate::envd::xattr::read_metadata(path) },
         is_symlink,
     }
 }

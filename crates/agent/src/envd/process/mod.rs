@@ -162,13 +162,13 @@ async fn send_input(ctx: Ctx, req: SendInputRequest) -> Result<Empty> {
 
 async fn send_signal(ctx: Ctx, req: SendSignalRequest) -> Result<Empty> {
     use nix::sys::signal::Signal;
-    let proc = ctx.envd.processes.find(req.process.as_ref())?;
     let num = req
         .signal
         .as_ref()
         .and_then(|s| s.resolve(&[("SIGNAL_UNSPECIFIED", 0), ("SIGNAL_SIGTERM", 15), ("SIGNAL_SIGKILL", 9)]))
         .ok_or_else(|| EnvdError::InvalidArgument("unknown or missing signal".into()))?;
     let sig = Signal::try_from(num as i32).map_err(|_| EnvdError::InvalidArgument(format!("invalid signal {num}")))?;
+    let proc = ctx.envd.processes.find(req.process.as_ref())?;
     proc.signal(sig)?;
     Ok(Empty {})
 }

@@ -1,0 +1,324 @@
+//! In-process tests of the whole API: the router served on a loopback
+//! port, driven with a plain hyper client and `tine_connect`'s client side.
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tine_connect::{Code, Decoder, Frame};
+
+/// One runtime for every test here: the reaper's SIGCHLD loop lives on the
+/// runtime that started it, so it must outlive all tests.
+fn rt() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            crate::reaper::global().start().unwrap();
+            // Another test module may have started the reaper on a runtime
+            // that is gone by now; `watch` drains exits, so poke it.
+            tokio::spawn(async {
+                loop {
+                    drop(crate::reaper::global().watch(i32::MIN));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
+        });
+        rt
+    })
+}
+
+struct Agent {
+    addr: SocketAddr,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+}
+
+async fn agent() -> Agent {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, super::router()).await });
+    Agent { addr, client: Client::builder(TokioExecutor::new()).build_http() }
+}
+
+const ROOT: &str = "Basic cm9vdDo="; // base64("root:")
+
+impl Agent {
+    async fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> (u16, Bytes) {
+        let mut req = http::Request::builder().method(method).uri(format!("http://{}{}", self.addr, path));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = self.client.request(req.body(Full::new(body.into())).unwrap()).await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    async fn unary(&self, path: &str, msg: Value) -> (u16, Value) {
+        let (status, body) = self.request("POST", path, &[("content-type", "application/json"), ("authorization", ROOT)], msg.to_string()).await;
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+
+    /// A server-streaming call: its messages and its end-of-stream error.
+    async fn stream(&self, path: &str, msg: Value, extra: &[(&str, &str)]) -> (Vec<Value>, Option<tine_connect::Error>) {
+        let mut headers = vec![("content-type", "application/connect+json"), ("authorization", ROOT)];
+        headers.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
+        headers.extend_from_slice(extra);
+        let (status, body) = self.request("POST", path, &headers, tine_connect::encode_message(&msg).unwrap()).await;
+        assert_eq!(status, 200);
+        decode_stream(&body)
+    }
+}
+
+fn decode_stream(body: &[u8]) -> (Vec<Value>, Option<tine_connect::Error>) {
+    let mut dec = Decoder::new(64 << 20);
+    dec.push(body);
+    let mut msgs = Vec::new();
+    loop {
+        match dec.next_frame().unwrap() {
+            Some(Frame::Message(m)) => msgs.push(serde_json::from_slice(&m).unwrap()),
+            Some(Frame::End(end)) => {
+                dec.finish().unwrap();
+                return (msgs, end.error);
+            }
+            None => panic!("stream without end-of-stream"),
+        }
+    }
+}
+
+fn stdout_of(events: &[Value]) -> Vec<u8> {
+    events
+        .iter()
+        .filter_map(|e| e["event"]["data"]["stdout"].as_str())
+        .flat_map(|s| crate::envd::proto::decode_bytes(s).unwrap())
+        .collect()
+}
+
+#[test]
+fn start_sends_start_data_end_in_order() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo out; echo err >&2; exit 3"]}}), &[]).await;
+        assert!(err.is_none());
+        assert!(events[0]["event"]["start"]["pid"].as_u64().unwrap() > 0);
+        assert_eq!(stdout_of(&events), b"out\n");
+        let stderr: Vec<_> = events.iter().filter_map(|e| e["event"]["data"]["stderr"].as_str()).collect();
+        assert_eq!(stderr, vec!["ZXJyCg=="]);
+        let end = &events.last().unwrap()["event"]["end"];
+        assert_eq!(end, &json!({"exitCode": 3, "exited": true, "status": "exit status 3", "error": "exit status 3"}));
+    });
+}
+
+#[test]
+fn fast_writer_output_is_complete_and_ordered() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "seq", "args": ["1", "300000"]}}), &[]).await;
+        assert!(err.is_none());
+        let expected: String = (1..=300000).map(|i| format!("{i}\n")).collect();
+        assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), expected);
+    });
+}
+
+#[test]
+fn deadline_kills_the_process_and_ends_with_deadline_exceeded() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "sleep", "args": ["30"]}}), &[("connect-timeout-ms", "300")]).await;
+        assert_eq!(err.unwrap().code, Code::DeadlineExceeded);
+        let end = &events.last().unwrap()["event"]["end"];
+        assert_eq!(end["exitCode"], -1);
+        assert_eq!(end["status"], "signal: killed");
+    });
+}
+
+#[test]
+fn keepalives_are_sent_while_idle() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (events, _) = a.stream("/process.Process/Start", json!({"process": {"cmd": "sleep", "args": ["2.5"]}}), &[("keepalive-ping-interval", "1")]).await;
+        assert!(events.iter().any(|e| e["event"].get("keepalive").is_some()));
+        assert!(events.last().unwrap()["event"].get("end").is_some());
+    });
+}
+
+#[test]
+fn users_get_their_ids_and_unknown_users_are_unauthenticated() {
+    rt().block_on(async {
+        let a = agent().await;
+        if nix::unistd::Uid::effective().is_root() && nix::unistd::User::from_name("nobody").ok().flatten().is_some() {
+            let nobody = "Basic bm9ib2R5Og=="; // base64("nobody:")
+            let (events, _) = a.stream("/process.Process/Start", json!({"process": {"cmd": "id", "args": ["-u"], "cwd": "/"}}), &[("authorization", nobody)]).await;
+            let uid = nix::unistd::User::from_name("nobody").unwrap().unwrap().uid.as_raw();
+            assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), format!("{uid}\n"));
+        }
+        let bogus = "Basic bm8tc3VjaC11c2VyOg=="; // base64("no-such-user:")
+        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "true"}}), &[("authorization", bogus)]).await;
+        assert!(events.is_empty());
+        assert_eq!(err.unwrap().code, Code::Unauthenticated);
+    });
+}
+
+#[test]
+fn bad_input_gets_the_right_errors() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (status, body) = a.unary("/process.Process/Frobnicate", json!({})).await;
+        assert_eq!((status, body["code"].as_str()), (404, Some("unimplemented")));
+        let (status, body) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json")], "{nope").await;
+        assert_eq!(status, 400);
+        assert_eq!(tine_connect::Error::from_unary_response(status, &body).code, Code::InvalidArgument);
+        let (status, body) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/nonexistent/tine"})).await;
+        assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+        let (status, body) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": 999_999}, "signal": "SIGNAL_SIGKILL"})).await;
+        assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+        let (status, _) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": 1}, "signal": "SIGNAL_BOGUS"})).await;
+        assert_eq!(status, 400);
+        let (status, body) = a.unary("/process.Process/Start", json!({"process": {"cmd": "/nonexistent/binary"}})).await;
+        assert_eq!(status, 415, "a stream method with a unary content type: {body}");
+
+        let stream_hdr = [("content-type", "application/connect+json"), ("authorization", ROOT)];
+        let full = tine_connect::encode_message(&json!({"process": {"cmd": "true"}})).unwrap();
+        let (status, body) = a.request("POST", "/process.Process/Start", &stream_hdr, full.slice(..full.len() - 2)).await;
+        assert_eq!(status, 200);
+        assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
+        let huge = tine_connect::encode_envelope(0, b"{}").slice(..1);
+        let mut oversized = huge.to_vec();
+        oversized.extend_from_slice(&u32::MAX.to_be_bytes());
+        let (_, body) = a.request("POST", "/process.Process/Start", &stream_hdr, oversized).await;
+        assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
+        let (_, body) = a.request("POST", "/process.Process/Start", &stream_hdr, tine_connect::encode_envelope(0, b"[1,2")).await;
+        assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
+        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "/nonexistent/binary"}}), &[]).await;
+        assert!(events.is_empty());
+        assert_eq!(err.unwrap().code, Code::InvalidArgument);
+        let (_, err) = a.stream("/process.Process/Connect", json!({"process": {"pid": 999_999}}), &[]).await;
+        assert_eq!(err.unwrap().code, Code::NotFound);
+
+        let (status, body) = a.request("GET", "/files?path=/nonexistent/tine", &[], "").await;
+        assert_eq!(status, 404);
+        assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 404);
+        let (status, _) = a.request("GET", "/files?path=/&signature_expiration=soon", &[], "").await;
+        assert_eq!(status, 400);
+    });
+}
+
+#[test]
+fn filesystem_calls_and_a_big_streamed_file() {
+    rt().block_on(async {
+        let a = agent().await;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let (status, body) = a.unary("/filesystem.Filesystem/MakeDir", json!({"path": format!("{d}/x/y")})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["entry"]["type"], "FILE_TYPE_DIRECTORY");
+        let (status, body) = a.unary("/filesystem.Filesystem/MakeDir", json!({"path": format!("{d}/x/y")})).await;
+        assert_eq!((status, body["code"].as_str()), (409, Some("already_exists")));
+
+        // 48 MiB through the raw upload and back through the download.
+        let data: Vec<u8> = (0..48u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let path = format!("{d}/x/big.bin");
+        let (status, body) = a.request("POST", &format!("/files?path={path}"), &[("content-type", "application/octet-stream"), ("authorization", ROOT)], data.clone()).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let written: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(written[0]["path"], path);
+        let (status, got) = a.request("GET", &format!("/files?path={path}&username=root"), &[], "").await;
+        assert_eq!(status, 200);
+        assert!(got == data, "downloaded bytes differ");
+
+        let (_, body) = a.unary("/filesystem.Filesystem/ListDir", json!({"path": d, "depth": 2})).await;
+        let paths: Vec<&str> = body["entries"].as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
+        assert_eq!(paths, vec![format!("{d}/x"), format!("{d}/x/big.bin"), format!("{d}/x/y")]);
+        let (_, body) = a.unary("/filesystem.Filesystem/Stat", json!({"path": path})).await;
+        assert_eq!(body["entry"]["size"], (48u64 << 20).to_string());
+        let (status, body) = a.unary("/filesystem.Filesystem/Move", json!({"source": path, "destination": format!("{d}/z/moved.bin")})).await;
+        assert_eq!((status, body["entry"]["name"].as_str()), (200, Some("moved.bin")));
+        let (status, _) = a.unary("/filesystem.Filesystem/Remove", json!({"path": format!("{d}/x")})).await;
+        assert_eq!(status, 200);
+        let (status, _) = a.unary("/filesystem.Filesystem/Remove", json!({"path": format!("{d}/x")})).await;
+        assert_eq!(status, 404);
+    });
+}
+
+#[test]
+fn polled_watcher_reports_recursive_events() {
+    rt().block_on(async {
+        let a = agent().await;
+        let dir = tempfile::tempdir().unwrap();
+        let (status, body) = a.unary("/filesystem.Filesystem/CreateWatcher", json!({"path": dir.path(), "recursive": true})).await;
+        assert_eq!(status, 200, "{body}");
+        let id = body["watcherId"].as_str().unwrap().to_string();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        // Wait until the new directory is watched (its create was seen).
+        let mut seen = Vec::new();
+        let poll = |want: &'static str| {
+            let a = &a;
+            let id = id.clone();
+            async move {
+                let mut got = Vec::new();
+                for _ in 0..200 {
+                    let (_, body) = a.unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id})).await;
+                    for e in body["events"].as_array().unwrap() {
+                        got.push((e["name"].as_str().unwrap().to_string(), e["type"].as_str().unwrap().to_string()));
+                    }
+                    if got.iter().any(|(n, _)| n == want) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+                got
+            }
+        };
+        seen.extend(poll("sub").await);
+        std::fs::write(dir.path().join("sub/f.txt"), b"x").unwrap();
+        std::fs::remove_file(dir.path().join("sub/f.txt")).unwrap();
+        seen.extend(poll("sub/f.txt").await);
+        for _ in 0..100 {
+            if seen.iter().any(|(n, t)| n == "sub/f.txt" && t == "EVENT_TYPE_REMOVE") {
+                break;
+            }
+            seen.extend(poll("never").await);
+        }
+        assert!(seen.contains(&("sub".into(), "EVENT_TYPE_CREATE".into())), "{seen:?}");
+        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_CREATE".into())), "{seen:?}");
+        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_WRITE".into())), "{seen:?}");
+        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_REMOVE".into())), "{seen:?}");
+        let (status, _) = a.unary("/filesystem.Filesystem/RemoveWatcher", json!({"watcherId": id})).await;
+        assert_eq!(status, 200);
+        let (status, body) = a.unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id})).await;
+        assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+    });
+}
+
+#[test]
+fn access_token_is_enforced_after_init() {
+    rt().block_on(async {
+        let a = agent().await;
+        let (status, _) = a.request("POST", "/init", &[("content-type", "application/json")], r#"{"accessToken":"sekrit","envVars":{"A":"1"}}"#).await;
+        assert_eq!(status, 204);
+        let (status, body) = a.request("GET", "/envs", &[], "").await;
+        assert_eq!(status, 401);
+        assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 401);
+        let (status, body) = a.request("GET", "/envs", &[("x-access-token", "sekrit")], "").await;
+        assert_eq!((status, serde_json::from_slice::<Value>(&body).unwrap()), (200, json!({"A": "1"})));
+        let (status, _) = a.unary("/process.Process/List", json!({})).await;
+        assert_eq!(status, 401);
+        let (status, _) = a.request("GET", "/health", &[], "").await;
+        assert_eq!(status, 204);
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), b"signed").unwrap();
+        let p = file.path().display().to_string();
+        let (status, _) = a.request("GET", &format!("/files?path={p}"), &[], "").await;
+        assert_eq!(status, 401);
+        let sig = crate::envd::auth::sign(&p, "read", "root", "sekrit", None);
+        let url = format!("/files?path={p}&username=root&signature={}", sig.replace('+', "%2B").replace('/', "%2F"));
+        let (status, body) = a.request("GET", &url, &[], "").await;
+        assert_eq!((status, &body[..]), (200, &b"signed"[..]));
+        let (status, _) = a.request("GET", &url.replace("username=root", "username=nobody"), &[], "").await;
+        assert_eq!(status, 401);
+    });
+}
