@@ -158,33 +158,44 @@ impl Reaper {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn reports_exit_codes_and_signals() {
-        global().start().unwrap();
-        let child = std::process::Command::new("sh")
-            .args(["-c", "exit 7"])
-            .spawn()
-            .unwrap();
-        let exit = global().watch(child.id() as i32).await.unwrap();
-        assert_eq!(exit, Exit::Code(7));
-        assert_eq!(exit.status_string(), "exit status 7");
-
-        let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        let rx = global().watch(child.id() as i32);
-        nix::sys::signal::kill(Pid::from_raw(child.id() as i32), nix::sys::signal::SIGKILL)
-            .unwrap();
-        let exit = rx.await.unwrap();
-        assert_eq!(exit, Exit::Signal(libc::SIGKILL));
-        assert_eq!(exit.code(), -1);
-        assert_eq!(exit.status_string(), "signal: killed");
+    /// One runtime for all tests: the SIGCHLD loop lives on the runtime
+    /// that started it, and a per-test runtime would take it down with it.
+    fn rt() -> &'static tokio::runtime::Runtime {
+        static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+        RT.get_or_init(|| tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap())
     }
 
-    #[tokio::test]
-    async fn a_child_that_exits_before_watch_is_not_lost() {
-        global().start().unwrap();
-        let child = std::process::Command::new("true").spawn().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        let exit = global().watch(child.id() as i32).await.unwrap();
-        assert_eq!(exit, Exit::Code(0));
+    #[test]
+    fn reports_exit_codes_and_signals() {
+        rt().block_on(async {
+            global().start().unwrap();
+            let child = std::process::Command::new("sh")
+                .args(["-c", "exit 7"])
+                .spawn()
+                .unwrap();
+            let exit = global().watch(child.id() as i32).await.unwrap();
+            assert_eq!(exit, Exit::Code(7));
+            assert_eq!(exit.status_string(), "exit status 7");
+
+            let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+            let rx = global().watch(child.id() as i32);
+            nix::sys::signal::kill(Pid::from_raw(child.id() as i32), nix::sys::signal::SIGKILL)
+                .unwrap();
+            let exit = rx.await.unwrap();
+            assert_eq!(exit, Exit::Signal(libc::SIGKILL));
+            assert_eq!(exit.code(), -1);
+            assert_eq!(exit.status_string(), "signal: killed");
+        })
+    }
+
+    #[test]
+    fn a_child_that_exits_before_watch_is_not_lost() {
+        rt().block_on(async {
+            global().start().unwrap();
+            let child = std::process::Command::new("true").spawn().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let exit = global().watch(child.id() as i32).await.unwrap();
+            assert_eq!(exit, Exit::Code(0));
+        })
     }
 }
