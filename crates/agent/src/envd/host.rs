@@ -36,6 +36,12 @@ pub struct InitRequest {
     /// for a restored snapshot, whose pool would otherwise repeat).
     #[serde(default)]
     pub entropy: Option<String>,
+    /// tine extension: the guest's new host name (each sandbox its own).
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// tine extension: the new `/etc/machine-id` (32 hex digits).
+    #[serde(default)]
+    pub machine_id: Option<String>,
     /// Accepted for compatibility; tine has no hyperloop server.
     #[serde(default, rename = "hyperloopIP")]
     pub hyperloop_ip: Option<String>,
@@ -85,6 +91,12 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
     if let Some(bytes) = entropy {
         add_entropy(&bytes);
     }
+    if let Some(name) = req.hostname.as_deref() {
+        set_hostname(name)?;
+    }
+    if let Some(id) = req.machine_id.as_deref() {
+        set_machine_id(id)?;
+    }
     let _ = req.hyperloop_ip;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -122,7 +134,41 @@ fn add_entropy(bytes: &[u8]) {
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) };
     if rc < 0 {
         tracing::warn!(err = %std::io::Error::last_os_error(), "RNDADDENTROPY failed");
+        return;
     }
+    // Credited entropy only reaches the CRNG at its next reseed (up to a
+    // minute away), and clones of one snapshot share the CRNG state until
+    // then: force the reseed so /dev/urandom and getrandom diverge now.
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207; // _IO('R', 0x07)
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(file.as_raw_fd(), RNDRESEEDCRNG as _) } < 0 {
+        tracing::warn!(err = %std::io::Error::last_os_error(), "RNDRESEEDCRNG failed");
+    }
+}
+
+/// A host name is 1–64 letters, digits, '-' and '.'.
+fn set_hostname(name: &str) -> Result<()> {
+    let valid = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    if !valid {
+        return Err(EnvdError::InvalidArgument(format!("invalid hostname {name:?}")));
+    }
+    if !nix::unistd::Uid::effective().is_root() {
+        return Ok(()); // on a host (tests), the agent leaves the host's name alone
+    }
+    nix::unistd::sethostname(name).map_err(|e| EnvdError::Internal(format!("sethostname: {e}")))?;
+    let _ = std::fs::write("/etc/hostname", format!("{name}\n"));
+    Ok(())
+}
+
+fn set_machine_id(id: &str) -> Result<()> {
+    if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(EnvdError::InvalidArgument("machineId must be 32 hex digits".into()));
+    }
+    if std::process::id() != 1 {
+        return Ok(()); // only the guest's init owns /etc/machine-id
+    }
+    std::fs::write("/etc/machine-id", format!("{}\n", id.to_ascii_lowercase()))
+        .map_err(|e| EnvdError::Internal(format!("writing /etc/machine-id: {e}")))
 }
 
 async fn envs(State(envd): State<Arc<Envd>>) -> Json<BTreeMap<String, String>> {
@@ -169,6 +215,7 @@ pub struct Metrics {
     disk_total: u64,
 }
 
+#[allow(clippy::unnecessary_cast)] // statvfs field types differ between libcs
 async fn metrics(State(envd): State<Arc<Envd>>) -> Json<Metrics> {
     let now = read_cpu();
     let cpu_used_pct = {

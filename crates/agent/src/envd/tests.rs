@@ -322,3 +322,28 @@ fn access_token_is_enforced_after_init() {
         assert_eq!(status, 401);
     });
 }
+
+#[test]
+fn a_full_disk_is_507() {
+    rt().block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = nix::mount::mount(Some("tmpfs"), dir.path(), Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"));
+        if mounted.is_err() {
+            return; // needs root (CI runs as root)
+        }
+        struct Unmount<'a>(&'a std::path::Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount2(self.0, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        let _guard = Unmount(dir.path());
+        let a = agent().await;
+        let path = dir.path().join("too-big.bin");
+        let (status, body) = a
+            .request("POST", &format!("/files?path={}", path.display()), &[("content-type", "application/octet-stream"), ("authorization", ROOT)], vec![7u8; 3 << 20])
+            .await;
+        assert_eq!(status, 507, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 507);
+    });
+}

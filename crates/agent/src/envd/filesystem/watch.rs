@@ -50,6 +50,7 @@ pub struct FilesystemEvent {
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
+#[allow(clippy::large_enum_variant)] // built one at a time, never stored
 enum WatchDirResponse {
     Start {},
     Filesystem(FilesystemEvent),
@@ -87,6 +88,7 @@ fn event_type(mask: EventMask) -> Option<&'static str> {
 }
 
 /// Filesystems whose events inotify cannot see reliably.
+#[allow(clippy::unnecessary_cast)] // f_type's integer type differs between libcs
 fn is_network_fs(path: &Path) -> bool {
     const NETWORK: [i64; 6] = [0x6969, 0x517B, 0xFF53_4D42u32 as i64, 0xFE53_4D42u32 as i64, 0x6573_5546, 0x0102_1997];
     nix::sys::statfs::statfs(path).map(|s| NETWORK.contains(&(s.filesystem_type().0 as i64))).unwrap_or(false)

@@ -167,7 +167,10 @@ async fn send_signal(ctx: Ctx, req: SendSignalRequest) -> Result<Empty> {
         .as_ref()
         .and_then(|s| s.resolve(&[("SIGNAL_UNSPECIFIED", 0), ("SIGNAL_SIGTERM", 15), ("SIGNAL_SIGKILL", 9)]))
         .ok_or_else(|| EnvdError::InvalidArgument("unknown or missing signal".into()))?;
-    let sig = Signal::try_from(num as i32).map_err(|_| EnvdError::InvalidArgument(format!("invalid signal {num}")))?;
+    let sig = i32::try_from(num)
+        .ok()
+        .and_then(|n| Signal::try_from(n).ok())
+        .ok_or_else(|| EnvdError::InvalidArgument(format!("invalid signal {num}")))?;
     let proc = ctx.envd.processes.find(req.process.as_ref())?;
     proc.signal(sig)?;
     Ok(Empty {})
