@@ -26,6 +26,7 @@ pub use config::Config;
 /// and serve until the process ends.
 pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
     config.validate()?;
+    let _lock = lock_data_dir(&paths.data_dir)?;
     let artifacts = paths.current_artifacts().resolve().context("guest artifacts")?;
     let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
     let templates = templates::Templates::new(paths.clone(), artifacts);
@@ -40,4 +41,16 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     axum::serve(listener, api::router(state)).await?;
     Ok(())
+}
+
+/// One server per data directory: a second one would adopt (and clean up
+/// after) the first one's sandboxes. The lock lasts as long as the returned
+/// handle, i.e. the process.
+fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("server.lock");
+    let file = std::fs::File::create(&path).with_context(|| format!("opening {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
+        anyhow::anyhow!("another tine server is using {} (it holds {})", dir.display(), path.display())
+    })
 }

@@ -12,6 +12,7 @@
 pub mod config;
 pub mod disk;
 pub mod error;
+mod flatten;
 pub mod guest;
 pub mod netns;
 pub mod process;

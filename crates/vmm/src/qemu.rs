@@ -18,6 +18,8 @@ pub struct Launch {
     pub artifacts: Artifacts,
     /// This VM's qcow2 overlay.
     pub disk: PathBuf,
+    /// Open the disk read-only (a QEMU that only converts a snapshot).
+    pub disk_readonly: bool,
     pub ram: PathBuf,
     /// `share=on` (a booting VM, whose RAM file can later be frozen) or
     /// `share=off` (a clone: MAP_PRIVATE over a frozen RAM file).
@@ -110,7 +112,11 @@ pub fn args(l: &Launch) -> Vec<String> {
         "-append".into(),
         kernel_cmdline(m.accel, &l.extra_cmdline),
         "-drive".into(),
-        format!("id=root,file={},format=qcow2,if=none,cache=writeback,discard=unmap", p(&l.disk)),
+        format!(
+            "id=root,file={},format=qcow2,if=none,cache=writeback,discard=unmap{}",
+            p(&l.disk),
+            if l.disk_readonly { ",readonly=on" } else { "" }
+        ),
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
         "-netdev".into(),
@@ -146,6 +152,7 @@ mod tests {
             machine: Machine { vcpus: 2, memory_mib: 256, accel: Accel::Tcg },
             artifacts: Artifacts { kernel: "/k".into(), initramfs: "/i".into(), rootfs: "/r".into() },
             disk: "/vm/disk.qcow2".into(),
+            disk_readonly: false,
             ram: "/shm/ram".into(),
             ram_shared: shared,
             qmp_socket: "/vm/qmp.sock".into(),

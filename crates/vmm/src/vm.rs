@@ -187,6 +187,7 @@ impl Vm {
                 machine,
                 artifacts: artifacts.clone(),
                 disk: files.disk(),
+                disk_readonly: false,
                 ram: ram.clone(),
                 ram_shared: true,
                 qmp_socket: files.qmp(),
@@ -259,6 +260,7 @@ impl Vm {
             machine: meta.machine,
             artifacts: meta.artifacts.clone(),
             disk: files.disk(),
+            disk_readonly: false,
             ram: snapshot.ram.clone(),
             ram_shared: false,
             qmp_socket: files.qmp(),
@@ -424,6 +426,9 @@ impl Vm {
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
         std::fs::create_dir_all(snap_ram.parent().unwrap()).ctx(|| "creating the snapshot RAM dir".into())?;
         let state_tmp = snap_dir.join("state.partial");
+        // A clone's RAM is private, so QEMU streams all of it into the state;
+        // that stream is then flattened into a RAM file (see `flatten`).
+        let stream = if self.record.ram_shared { state_tmp.clone() } else { snap_dir.join("state.full") };
 
         let t_save = Instant::now();
         if self.state == VmState::Running {
@@ -431,9 +436,12 @@ impl Vm {
             self.state = VmState::Paused;
         }
         let saved = async {
-            self.qmp.set_migrate_capability("x-ignore-shared", true).await?;
+            // Shared RAM stays in its file; private RAM is streamed without
+            // the capability, as `flatten` loads it (a QEMU with it on
+            // refuses pages for RAM it maps shared).
+            self.qmp.set_migrate_capability("x-ignore-shared", self.record.ram_shared).await?;
             self.qmp
-                .run("migrate", Some(json!({ "uri": format!("file:{}", state_tmp.display()) })))
+                .run("migrate", Some(json!({ "uri": format!("file:{}", stream.display()) })))
                 .await?;
             self.qmp.wait_migration("saving the device state").await?;
             Ok::<_, Error>(())
@@ -457,10 +465,21 @@ impl Vm {
         if self.record.ram_shared {
             std::fs::rename(&self.record.ram, &snap_ram).ctx(|| "freezing the RAM file".into())?;
         } else {
-            // RAM is in the device state; clones map an empty file of the
-            // right size privately and QEMU fills it from the stream.
-            let f = std::fs::File::create(&snap_ram).ctx(|| "creating the snapshot RAM file".into())?;
-            f.set_len(u64::from(self.record.machine.memory_mib) << 20).ctx(|| "sizing the RAM file".into())?;
+            let t = Instant::now();
+            let job = crate::flatten::Flatten {
+                netns: &self.netns,
+                machine: self.record.machine,
+                artifacts: &self.record.artifacts,
+                disk: &snap_dir.join("disk.qcow2"),
+                work_dir: &files.dir,
+            };
+            let flattened = job.run(&stream, &snap_ram, &state_tmp).await;
+            let _ = std::fs::remove_file(&stream);
+            if let Err(e) = flattened {
+                let _ = Snapshot::delete(&self.paths, snap_id);
+                return Err(e);
+            }
+            tracing::debug!(vm = self.id(), flatten_ms = t.elapsed().as_secs_f64() * 1e3, "RAM flattened into a file");
         }
         std::fs::rename(&state_tmp, snap_dir.join("state")).ctx(|| "finishing the device state".into())?;
         let meta = SnapshotMeta {

@@ -244,11 +244,20 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
             .collect::<Result<_, _>>()?,
     };
     if let Some(m) = q.metadata.as_deref().filter(|m| !m.is_empty()) {
-        // The SDK percent-encodes each key and value, joins them as a query
-        // string and sends that as one (encoded again) parameter.
+        // The SDKs percent-encode each key and value, join them as a query
+        // string (encoding them again) and send that as one parameter (a
+        // third time). Axum undid the last, this undoes the other two.
         let pairs: Vec<(String, String)> =
             serde_urlencoded::from_str(m).map_err(|e| ApiError::bad_request(format!("bad metadata filter: {e}")))?;
-        f.metadata = pairs.into_iter().collect();
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+                .map_err(|_| ApiError::bad_request("metadata filter is not UTF-8"))
+        };
+        for (k, v) in pairs {
+            f.metadata.insert(decode(&k)?, decode(&v)?);
+        }
     }
     f.template = q.template.clone().filter(|t| !t.is_empty());
     if let Some(t) = q.started_after.as_deref().filter(|t| !t.is_empty()) {
@@ -323,10 +332,11 @@ mod tests {
 
     #[test]
     fn metadata_filter_is_decoded_once_more() {
-        // What arrives after the query string's own decoding.
-        let q = ListQuery { metadata: Some("user%3Dme=a%26b&env=prod".into()), ..Default::default() };
+        // What arrives after the query string's own decoding, for
+        // metadata {"k y/é": "a&b=c %", "env": "prod"} (seen on the wire).
+        let q = ListQuery { metadata: Some("k%2520y%2F%25C3%25A9=a%2526b%253Dc%2520%2525&env=prod".into()), ..Default::default() };
         let f = parse_filter(&q, &[SandboxState::Running]).unwrap();
-        assert_eq!(f.metadata.get("user=me").map(String::as_str), Some("a&b"));
+        assert_eq!(f.metadata.get("k y/é").map(String::as_str), Some("a&b=c %"));
         assert_eq!(f.metadata.get("env").map(String::as_str), Some("prod"));
         let bad = ListQuery { state: Some("running,zombie".into()), ..Default::default() };
         assert!(parse_filter(&bad, &[]).is_err());

@@ -118,7 +118,7 @@ impl Manager {
         vm.snapshot(&row.id).await.map_err(|e| vm_err(e.to_string()))?;
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
-        guest::init(&live.netns, &guest_env(&rec), &rec.envd_access_token, Some(&rec.envd_access_token))
+        guest::init(&live.netns, &rec.id, &guest_env(&rec), &rec.envd_access_token, Some(&rec.envd_access_token))
             .await
             .map_err(vm_err)?;
         drop(guard);

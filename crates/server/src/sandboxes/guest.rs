@@ -20,14 +20,19 @@ fn rfc3339_now() -> String {
         .expect("now formats as RFC 3339")
 }
 
-/// `POST /init`: `previous_token` is the token the guest has now (none for
-/// a fresh template), needed to be allowed to replace it.
+/// `POST /init`: the guest's identity (`sandbox_id` becomes its host name
+/// and, hashed, its machine-id), env vars, access token, the current time
+/// and fresh entropy. `previous_token` is the token the guest has now (none
+/// for a fresh template), needed to be allowed to replace it.
 pub async fn init(
     netns: &Netns,
+    sandbox_id: &str,
     env_vars: &BTreeMap<String, String>,
     access_token: &str,
     previous_token: Option<&str>,
 ) -> Result<(), String> {
+    use sha2::Digest;
+    let machine_id: String = sha2::Sha256::digest(sandbox_id.as_bytes()).iter().take(16).map(|b| format!("{b:02x}")).collect();
     let mut entropy = [0u8; 64];
     getrandom::fill(&mut entropy).map_err(|e| format!("host entropy: {e}"))?;
     let body = serde_json::json!({
@@ -35,6 +40,8 @@ pub async fn init(
         "accessToken": access_token,
         "timestamp": rfc3339_now(),
         "entropy": base64::engine::general_purpose::STANDARD.encode(entropy),
+        "hostname": sandbox_id,
+        "machineId": machine_id,
     });
     let mut req = Request::post("/init").header("host", "agent").header("content-type", "application/json");
     if let Some(t) = previous_token {

@@ -101,7 +101,7 @@ impl Manager {
             .await
             .map_err(|e| e.to_string())?;
         let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
-        if let Err(e) = guest::init(&netns, &guest_env(rec), &rec.envd_access_token, source.previous_token.as_deref()).await {
+        if let Err(e) = guest::init(&netns, &rec.id, &guest_env(rec), &rec.envd_access_token, source.previous_token.as_deref()).await {
             let _ = vm.kill().await;
             return Err(e);
         }
