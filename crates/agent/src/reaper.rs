@@ -86,7 +86,9 @@ pub fn global() -> &'static Reaper {
 }
 
 impl Reaper {
-    /// Start the SIGCHLD loop on the current tokio runtime. Idempotent.
+    /// Start the SIGCHLD loop. Idempotent. It runs on a thread of its own
+    /// with its own small runtime, so it outlives whichever runtime first
+    /// called this (tests create one runtime per test).
     pub fn start(&'static self) -> std::io::Result<()> {
         {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -95,16 +97,33 @@ impl Reaper {
             }
             st.started = true;
         }
-        let mut sigchld = signal(SignalKind::child())?;
-        tokio::spawn(async move {
-            loop {
-                self.drain();
-                if sigchld.recv().await.is_none() {
-                    break;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new().name("reaper".into()).spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
                 }
-            }
-        });
-        Ok(())
+            };
+            runtime.block_on(async move {
+                let mut sigchld = match signal(SignalKind::child()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
+                loop {
+                    self.drain();
+                    if sigchld.recv().await.is_none() {
+                        break;
+                    }
+                }
+            });
+        })?;
+        ready_rx.recv().map_err(|_| std::io::Error::other("the reaper thread died"))?
     }
 
     /// Resolves with the exit of `pid`, which must be a child of this process.
