@@ -1,0 +1,189 @@
+"""Pause / resume, snapshots and fork through the real SDK (issue
+"Templates as warm snapshots; pause, resume, snapshots and fork")."""
+
+import os
+import subprocess
+import time
+import uuid
+
+import pytest
+from e2b import NotFoundException, Sandbox, SandboxException, SandboxState
+
+from conftest import HERE, assert_error, http, new_sandbox
+
+SERVER_SH = os.path.join(os.path.dirname(HERE), "server.sh")
+
+COUNTER = (
+    "python3 -c 'import time\n"
+    "while True:\n"
+    "    open(\"/tmp/counter\", \"a\").write(\"x\")\n"
+    "    time.sleep(0.2)'"
+)
+
+
+def wait_for_file(s, path, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if s.files.exists(path):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not appear")
+
+
+def count(s):
+    return int(s.commands.run("wc -c < /tmp/counter").stdout.strip())
+
+
+def grows(s):
+    """The counter process is alive: the file keeps growing."""
+    a = count(s)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        time.sleep(0.5)
+        if count(s) > a:
+            return True
+    return False
+
+
+def test_pause_then_resume_keeps_files_and_processes(fresh):
+    s = fresh(timeout=600)
+    mark = uuid.uuid4().hex
+    s.files.write("/home/user/mark", mark)
+    s.commands.run(COUNTER, background=True, timeout=0)
+    wait_for_file(s, "/tmp/counter")
+
+    assert s.pause() is True
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    # Pausing a paused sandbox: the SDK gets 409 and returns False.
+    assert s.pause() is False
+    # Envd traffic to a paused sandbox does not reach a VM.
+    status, _, body = http("GET", "/health", headers={"E2b-Sandbox-Id": s.sandbox_id}, key=None)
+    assert status == 502 and b"was not found" in body
+
+    resumed = Sandbox.connect(s.sandbox_id)
+    assert resumed.get_info().state == SandboxState.RUNNING
+    assert resumed.files.read("/home/user/mark") == mark
+    assert grows(resumed), "the background process kept running after resume"
+    # Connecting to a running sandbox is a no-op that returns it.
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.commands.run("cat /home/user/mark").stdout == mark
+
+
+def test_paused_sandbox_survives_a_server_restart(fresh):
+    s = fresh(timeout=600)
+    mark = uuid.uuid4().hex
+    s.files.write("/home/user/mark", mark)
+    s.commands.run(COUNTER, background=True, timeout=0)
+    wait_for_file(s, "/tmp/counter")
+    assert s.pause() is True
+
+    for args in (["stop", "KILL"], ["start"]):
+        p = subprocess.run([SERVER_SH, *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    resumed = Sandbox.connect(s.sandbox_id)
+    assert resumed.files.read("/home/user/mark") == mark
+    assert grows(resumed)
+
+
+def test_snapshot_create_from_it_and_delete(fresh):
+    s = fresh(timeout=600)
+    s.files.write("/home/user/state", "at-snapshot")
+    snap = s.create_snapshot()
+    # The source keeps running and can diverge.
+    s.files.write("/home/user/state", "after-snapshot")
+    assert snap.snapshot_id in [i.snapshot_id for i in Sandbox.list_snapshots().next_items()]
+
+    child = fresh(template=snap.snapshot_id, timeout=600)
+    assert child.files.read("/home/user/state") == "at-snapshot"
+    assert s.files.read("/home/user/state") == "after-snapshot"
+
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    with pytest.raises(Exception):
+        new_sandbox(template=snap.snapshot_id)
+    # A sandbox started from it is unaffected by the deletion.
+    assert child.commands.run("cat /home/user/state").stdout == "at-snapshot"
+
+
+def test_fork_children_share_state_and_diverge(fresh):
+    s = fresh(timeout=600)
+    s.files.write("/home/user/parent", "p")
+    # In-memory state: a Python process holding a value, reachable over a pipe.
+    s.commands.run(
+        "python3 -c 'import time,os; v=os.urandom(4).hex(); open(\"/tmp/held\",\"w\").write(v); time.sleep(3600)'",
+        background=True,
+        timeout=0,
+    )
+    wait_for_file(s, "/tmp/held")
+    held = s.files.read("/tmp/held")
+
+    n = 4
+    kids = s.fork(count=n, timeout=600)
+    assert len(kids) == n
+    for k in kids:
+        assert not isinstance(k, Exception), k
+    try:
+        ids = {k.sandbox_id for k in kids}
+        assert len(ids) == n and s.sandbox_id not in ids
+        uuids, randoms, hosts = set(), set(), set()
+        now = time.time()
+        for i, k in enumerate(kids):
+            assert k.files.read("/home/user/parent") == "p"
+            assert k.files.read("/tmp/held") == held
+            out = k.commands.run(
+                "pgrep -f 'time.sleep\\(3600\\)' >/dev/null && echo alive; "
+                "cat /proc/sys/kernel/random/uuid; "
+                "python3 -c 'import os; print(os.urandom(16).hex())'; hostname; date +%s"
+            ).stdout.split()
+            assert out[0] == "alive", "the held process came along"
+            uuids.add(out[1])
+            randoms.add(out[2])
+            hosts.add(out[3])
+            assert abs(int(out[4]) - now) < 120, "the child's clock is current"
+            k.files.write("/home/user/mine", str(i))
+        assert len(uuids) == n and len(randoms) == n, "every child has its own entropy"
+        assert hosts == ids, "each child's host name is its sandbox id"
+        for i, k in enumerate(kids):
+            assert k.files.read("/home/user/mine") == str(i)
+        assert not s.files.exists("/home/user/mine"), "the source did not see the children's writes"
+        assert s.commands.run("echo ok").stdout == "ok\n", "the source keeps running"
+    finally:
+        for k in kids:
+            if not isinstance(k, Exception):
+                k.kill()
+
+
+def test_capture_bad_input(fresh):
+    s = fresh(timeout=600)
+    for count in (0, -1, 10_000):
+        assert_error(http("POST", f"/sandboxes/{s.sandbox_id}/fork", {"count": count}), 400)
+    assert_error(http("POST", "/sandboxes/nope/fork", {"count": 1}), 404)
+    assert_error(http("POST", "/sandboxes/nope/pause", {}), 404)
+    assert_error(http("POST", "/v2/sandboxes/nope/connect", {}), 404)
+    assert_error(http("POST", "/sandboxes/nope/snapshots", {}), 404)
+    assert_error(http("DELETE", "/templates/snap-nope"), 404)
+    assert_error(http("POST", f"/sandboxes/{s.sandbox_id}/pause", b"{not json"), 400)
+    # A killed sandbox cannot be forked or resumed.
+    s.kill()
+    assert_error(http("POST", f"/sandboxes/{s.sandbox_id}/fork", {"count": 1}), 404)
+    assert_error(http("POST", f"/v2/sandboxes/{s.sandbox_id}/connect", {}), 404)
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(s.sandbox_id)
+
+
+def test_damaged_pause_capture_is_a_clear_error(fresh):
+    s = fresh(timeout=600)
+    assert s.pause() is True
+    data = os.environ["TINE_DATA_DIR"]
+    snaps = [d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")]
+    assert len(snaps) == 1
+    with open(os.path.join(data, "snapshots", snaps[0], "state"), "r+b") as f:
+        f.write(b"XXXX")
+    with pytest.raises(SandboxException) as e:
+        Sandbox.connect(s.sandbox_id)
+    assert "not a QEMU migration stream" in str(e.value)
+    # Still paused (nothing else affected), and it can be killed.
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    assert s.kill() is True
