@@ -347,3 +347,146 @@ fn a_full_disk_is_507() {
         assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 507);
     });
 }
+
+/// A server stream read frame by frame while it is still open.
+struct OpenStream {
+    body: hyper::body::Incoming,
+    dec: Decoder,
+}
+
+impl OpenStream {
+    async fn next(&mut self) -> Option<Frame> {
+        loop {
+            if let Some(f) = self.dec.next_frame().unwrap() {
+                return Some(f);
+            }
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.dec.push(&data);
+                    }
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    async fn next_msg(&mut self) -> Value {
+        match self.next().await {
+            Some(Frame::Message(m)) => serde_json::from_slice(&m).unwrap(),
+            other => panic!("expected a message, got {other:?}"),
+        }
+    }
+}
+
+impl Agent {
+    async fn open(&self, path: &str, msg: Value) -> OpenStream {
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://{}{}", self.addr, path))
+            .header("content-type", "application/connect+json")
+            .header("authorization", ROOT)
+            .body(Full::new(tine_connect::encode_message(&msg).unwrap()))
+            .unwrap();
+        let resp = self.client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        OpenStream { body: resp.into_body(), dec: Decoder::new(64 << 20) }
+    }
+}
+
+#[test]
+fn tags_list_input_and_many_clients() {
+    rt().block_on(async {
+        let a = agent().await;
+        let mut first = a.open("/process.Process/Start", json!({"process": {"cmd": "cat"}, "stdin": true, "tag": "t1"})).await;
+        let pid = first.next_msg().await["event"]["start"]["pid"].as_u64().unwrap();
+        let (_, list) = a.unary("/process.Process/List", json!({})).await;
+        let me = list["processes"].as_array().unwrap().iter().find(|p| p["pid"] == pid).unwrap().clone();
+        assert_eq!(me["tag"], "t1");
+        assert_eq!(me["config"]["cmd"], "cat");
+
+        let mut second = a.open("/process.Process/Connect", json!({"process": {"tag": "t1"}})).await;
+        assert_eq!(second.next_msg().await["event"]["start"]["pid"].as_u64(), Some(pid));
+        let (status, _) = a.unary("/process.Process/SendInput", json!({"process": {"pid": pid}, "input": {"stdin": "aGVsbG8K"}})).await;
+        assert_eq!(status, 200);
+        assert_eq!(first.next_msg().await["event"]["data"]["stdout"], "aGVsbG8K");
+        assert_eq!(second.next_msg().await["event"]["data"]["stdout"], "aGVsbG8K");
+        // A PTY operation on a pipe process is a failed precondition.
+        let (status, body) = a.unary("/process.Process/Update", json!({"process": {"pid": pid}, "pty": {"size": {"cols": 10, "rows": 10}}})).await;
+        assert_eq!((status, body["code"].as_str()), (400, Some("failed_precondition")));
+        // The first client leaves; the process goes on for the second.
+        drop(first);
+        let (status, _) = a.unary("/process.Process/CloseStdin", json!({"process": {"pid": pid}})).await;
+        assert_eq!(status, 200);
+        let end = second.next_msg().await;
+        assert_eq!(end["event"]["end"]["exitCode"], 0, "{end}");
+        assert!(matches!(second.next().await, Some(Frame::End(e)) if e.error.is_none()));
+        let (_, list) = a.unary("/process.Process/List", json!({})).await;
+        assert!(!list["processes"].as_array().unwrap().iter().any(|p| p["pid"] == pid));
+    });
+}
+
+#[test]
+fn stream_input_takes_a_client_stream() {
+    rt().block_on(async {
+        let a = agent().await;
+        let mut proc = a.open("/process.Process/Start", json!({"process": {"cmd": "cat"}, "stdin": true})).await;
+        let pid = proc.next_msg().await["event"]["start"]["pid"].as_u64().unwrap();
+        let mut body = Vec::new();
+        body.extend_from_slice(&tine_connect::encode_message(&json!({"start": {"process": {"pid": pid}}})).unwrap());
+        body.extend_from_slice(&tine_connect::encode_message(&json!({"data": {"input": {"stdin": "YWI="}}})).unwrap());
+        body.extend_from_slice(&tine_connect::encode_message(&json!({"keepalive": {}})).unwrap());
+        body.extend_from_slice(&tine_connect::encode_message(&json!({"data": {"input": {"stdin": "Ywo="}}})).unwrap());
+        let (status, resp) = a.request("POST", "/process.Process/StreamInput", &[("content-type", "application/connect+json"), ("authorization", ROOT)], body).await;
+        assert_eq!(status, 200);
+        let (msgs, err) = decode_stream(&resp);
+        assert_eq!((msgs, err), (vec![json!({})], None), "exactly one empty message, then a clean end");
+        let mut out = Vec::new();
+        while out.len() < 4 {
+            let m = proc.next_msg().await;
+            out.extend(crate::envd::proto::decode_bytes(m["event"]["data"]["stdout"].as_str().unwrap()).unwrap());
+        }
+        assert_eq!(out, b"abc\n");
+        let (status, _) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"})).await;
+        assert_eq!(status, 200);
+        let end = proc.next_msg().await;
+        assert_eq!(end["event"]["end"]["status"], "signal: terminated");
+        assert_eq!(end["event"]["end"]["exited"], false);
+    });
+}
+
+#[test]
+fn pty_start_resize_and_input() {
+    rt().block_on(async {
+        let a = agent().await;
+        let mut p = a.open("/process.Process/Start", json!({"process": {"cmd": "/bin/sh", "envs": {"PS1": ""}}, "pty": {"size": {"cols": 70, "rows": 20}}})).await;
+        let pid = p.next_msg().await["event"]["start"]["pid"].as_u64().unwrap();
+        let (status, _) = a.unary("/process.Process/Update", json!({"process": {"pid": pid}, "pty": {"size": {"cols": 99, "rows": 11}}})).await;
+        assert_eq!(status, 200);
+        let (status, _) = a.unary("/process.Process/SendInput", json!({"process": {"pid": pid}, "input": {"pty": "c3R0eSBzaXplOyBleGl0IDQK"}})).await; // "stty size; exit 4\n"
+        assert_eq!(status, 200);
+        let mut out = Vec::new();
+        let end = loop {
+            let m = p.next_msg().await;
+            if let Some(data) = m["event"]["data"]["pty"].as_str() {
+                out.extend(crate::envd::proto::decode_bytes(data).unwrap());
+            } else if m["event"].get("end").is_some() {
+                break m;
+            }
+        };
+        assert!(String::from_utf8_lossy(&out).contains("11 99"), "{}", String::from_utf8_lossy(&out));
+        assert_eq!(end["event"]["end"]["exitCode"], 4);
+    });
+}
+
+#[test]
+fn the_last_output_before_exit_is_never_lost() {
+    rt().block_on(async {
+        let a = agent().await;
+        let runs = (0..60).map(|_| a.stream("/process.Process/Start", json!({"process": {"cmd": "/bin/sh", "args": ["-c", "echo 1; echo 2; pwd"], "cwd": "/tmp"}}), &[]));
+        for (events, err) in futures::future::join_all(runs).await {
+            assert!(err.is_none());
+            assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), "1\n2\n/tmp\n");
+        }
+    });
+}

@@ -131,3 +131,16 @@ def test_pty_kill(sbx):
     assert sbx.pty.kill(t.pid) is True
     with pytest.raises(Exception):
         t.wait()
+
+
+def test_is_running(sbx):
+    assert sbx.is_running() is True
+
+
+async def test_async_run_with_streaming_callbacks(asbx):
+    chunks = []
+    r = await asbx.commands.run("echo a; sleep 0.2; echo b", on_stdout=chunks.append)
+    assert r.stdout == "a\nb\n"
+    assert "".join(chunks) == "a\nb\n"
+    h = await asbx.commands.run("sleep 300", background=True)
+    assert await asbx.commands.kill(h.pid) is True

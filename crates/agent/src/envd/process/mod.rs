@@ -397,9 +397,12 @@ async fn pump_pipe(pipe: tokio::net::unix::pipe::Receiver, source: Source, outpu
                 }
             }
             _ = async { let _ = exited.wait_for(|e| *e).await; } => {
+                // A raw read: tokio's try_read answers WouldBlock from its
+                // cached readiness without asking the kernel, which would
+                // drop what the process wrote just before it exited.
                 let mut drained = 0;
                 while drained < DRAIN_LIMIT {
-                    match pipe.try_read(&mut buf) {
+                    match nix::unistd::read(&pipe, &mut buf) {
                         Ok(n) if n > 0 => {
                             drained += n;
                             output.push(source, Bytes::copy_from_slice(&buf[..n])).await;
