@@ -490,3 +490,37 @@ fn the_last_output_before_exit_is_never_lost() {
         }
     });
 }
+
+#[test]
+fn init_sets_defaults_time_and_entropy() {
+    rt().block_on(async {
+        let a = agent().await;
+        let now = crate::envd::time::format_system_time(std::time::SystemTime::now());
+        let body = json!({
+            "envVars": {"FROM_INIT": "yes"},
+            "defaultUser": "root",
+            "defaultWorkdir": "/tmp",
+            "timestamp": now,
+            "entropy": "c29tZSBmcmVzaCByYW5kb21uZXNz",
+            "hyperloopIP": "10.0.0.1",
+            "volumeMounts": []
+        });
+        let (status, resp) = a.request("POST", "/init", &[("content-type", "application/json")], body.to_string()).await;
+        assert_eq!(status, 204, "{}", String::from_utf8_lossy(&resp));
+        // No Authorization header: the default user and workdir from /init.
+        let msg = tine_connect::encode_message(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", "id -u; pwd; echo $FROM_INIT"]}})).unwrap();
+        let (status, resp) = a.request("POST", "/process.Process/Start", &[("content-type", "application/connect+json")], msg).await;
+        assert_eq!(status, 200);
+        let (events, err) = decode_stream(&resp);
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), "0\n/tmp\nyes\n");
+        for bad in [json!({"timestamp": "yesterday"}), json!({"defaultUser": "no-such-user-tine"}), json!({"entropy": "***"}), json!({"defaultWorkdir": "relative"})] {
+            let (status, _) = a.request("POST", "/init", &[("content-type", "application/json")], bad.to_string()).await;
+            assert_eq!(status, 400, "{bad}");
+        }
+        let (status, resp) = a.request("GET", "/metrics", &[], "").await;
+        let m: Value = serde_json::from_slice(&resp).unwrap();
+        assert_eq!(status, 200);
+        assert!(m["mem_total"].as_u64().unwrap() > 0 && m["disk_total"].as_u64().unwrap() > 0 && m["ts"].as_i64().unwrap() > 0);
+    });
+}
