@@ -12,6 +12,7 @@
 //! max_sandboxes = 256
 //! max_body_bytes = 1048576
 //! max_fork_count = 32
+//! pool_size = 2                   # warm pool per template shape
 //! ```
 
 use std::net::SocketAddr;
@@ -39,6 +40,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Most children one fork call may ask for.
     pub max_fork_count: usize,
+    /// VMs restored ahead of time per template shape in use (0: none).
+    pub pool_size: usize,
 }
 
 impl Default for Config {
@@ -56,6 +59,7 @@ impl Default for Config {
             max_sandboxes: 256,
             max_body_bytes: 1 << 20,
             max_fork_count: 32,
+            pool_size: 2,
         }
     }
 }

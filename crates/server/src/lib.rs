@@ -37,10 +37,24 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     let manager = Arc::new(sandboxes::Manager::new(config, db, paths, templates));
     manager.recover().await.context("recovering sandboxes of the previous run")?;
     tokio::spawn(manager.clone().sweep_loop());
+    manager.warm_up();
     let state = Arc::new(api::AppState { manager, metrics: Arc::new(metrics::Metrics::default()), domain });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
-    axum::serve(listener, api::router(state)).await?;
+    let shutdown_manager = state.manager.clone();
+    axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    tracing::info!("shutting down: stopping the warm pool (sandboxes keep running)");
+    shutdown_manager.shutdown().await;
     Ok(())
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 /// One server per data directory: a second one would adopt (and clean up

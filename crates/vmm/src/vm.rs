@@ -222,23 +222,34 @@ impl Vm {
     /// Start a clone of `snapshot`: its RAM file mapped MAP_PRIVATE, a new
     /// overlay over its frozen disk, its device state loaded over QMP.
     pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot, opts: StartOptions) -> Result<Vm> {
+        let t = Instant::now();
+        let mut vm = Vm::restore_paused(paths, id, snapshot).await?;
+        let loaded = t.elapsed();
+        let started = vm.start_restored(opts.ready_timeout).await;
+        if started.is_err() {
+            cleanup(paths, id).await;
+        }
+        started?;
+        tracing::debug!(
+            vm = id,
+            loaded_ms = loaded.as_secs_f64() * 1e3,
+            ready_ms = t.elapsed().as_secs_f64() * 1e3,
+            "restored"
+        );
+        Ok(vm)
+    }
+
+    /// The first half of [`Vm::restore`]: namespace, overlay, QEMU and the
+    /// device state loaded, vCPUs not yet running (state `Paused`). A warm
+    /// pool keeps VMs in this state; [`Vm::start_restored`] finishes.
+    pub async fn restore_paused(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Vm> {
         let files = VmFiles { dir: paths.vm_dir(id) };
         prepare_dirs(&files.dir, &paths.vm_ram_dir(id))?;
         let result = async {
             let t = Instant::now();
             let netns = Netns::create(id).await?;
-            let t_netns = t.elapsed();
-            let mut vm = Vm::launch_clone(paths, id, netns, snapshot).await?;
-            let t_running = t.elapsed();
-            vm.wait_ready(opts.ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore").await?;
-            tracing::debug!(
-                vm = id,
-                netns_ms = t_netns.as_secs_f64() * 1e3,
-                running_ms = t_running.as_secs_f64() * 1e3,
-                ready_ms = t.elapsed().as_secs_f64() * 1e3,
-                "restored"
-            );
-            Ok(vm)
+            tracing::debug!(vm = id, netns_ms = t.elapsed().as_secs_f64() * 1e3, "namespace ready");
+            Vm::launch_clone(paths, id, netns, snapshot).await
         }
         .await;
         if result.is_err() {
@@ -247,8 +258,14 @@ impl Vm {
         result
     }
 
-    /// Spawn QEMU for a clone of `snapshot` in `netns`, load the device
-    /// state and let it run.
+    /// Run a VM from [`Vm::restore_paused`] and wait until its agent answers.
+    pub async fn start_restored(&mut self, ready_timeout: Option<Duration>) -> Result<()> {
+        self.resume().await?;
+        self.wait_ready(ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore").await
+    }
+
+    /// Spawn QEMU for a clone of `snapshot` in `netns` and load the device
+    /// state; the clone stays paused.
     async fn launch_clone(paths: &Paths, id: &str, netns: Netns, snapshot: &Snapshot) -> Result<Vm> {
         let files = VmFiles { dir: paths.vm_dir(id) };
         let t = Instant::now();
@@ -288,8 +305,7 @@ impl Vm {
             vm.qmp
                 .run("migrate-incoming", Some(json!({ "uri": format!("file:{}", state.display()) })))
                 .await?;
-            vm.qmp.wait_migration("loading the device state").await?;
-            vm.qmp.run("cont", None).await
+            vm.qmp.wait_migration("loading the device state").await
         }
         .await;
         if let Err(e) = loaded {
@@ -303,13 +319,14 @@ impl Vm {
                 ),
             });
         }
-        vm.state = VmState::Running;
+        // Loaded but not running: the capture was taken of a stopped VM.
+        vm.state = VmState::Paused;
         tracing::debug!(
             vm = id,
             overlay_ms = t_overlay.as_secs_f64() * 1e3,
             qemu_qmp_ms = (t_qmp - t_overlay).as_secs_f64() * 1e3,
-            migrate_cont_ms = (t.elapsed() - t_qmp).as_secs_f64() * 1e3,
-            "clone launched"
+            migrate_ms = (t.elapsed() - t_qmp).as_secs_f64() * 1e3,
+            "clone loaded"
         );
         Ok(vm)
     }
@@ -396,7 +413,7 @@ impl Vm {
         let id = self.id().to_string();
         let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
         *self = clone;
-        self.wait_ready(RESTORE_TIMEOUT, "after snapshot").await?;
+        self.start_restored(None).await?;
         tracing::info!(
             vm = self.id(),
             snapshot = snap_id,

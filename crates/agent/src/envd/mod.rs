@@ -13,6 +13,7 @@ mod files;
 mod host;
 mod process;
 mod proto;
+mod protobin;
 mod rpc;
 #[cfg(test)]
 mod tests;
@@ -117,9 +118,10 @@ async fn not_found() -> EnvdError {
 /// Connect's `unimplemented` with HTTP 404, as connect-go answers.
 async fn rpc_call(State(envd): State<Arc<Envd>>, Path((service, method)): Path<(String, String)>, headers: HeaderMap, body: Body) -> Response {
     let ctx = rpc::Ctx::new(envd, &headers);
+    let wire = rpc::Wire::new(&headers, &service, &method);
     let resp = match service.as_str() {
-        "process.Process" => process::handle(&method, ctx, &headers, body).await,
-        "filesystem.Filesystem" => filesystem::handle(&method, ctx, &headers, body).await,
+        "process.Process" => process::handle(&method, ctx, &wire, body).await,
+        "filesystem.Filesystem" => filesystem::handle(&method, ctx, &wire, body).await,
         _ => None,
     };
     resp.unwrap_or_else(|| {

@@ -17,6 +17,7 @@ use tine_connect::{Decoder, EndStream, Frame};
 use tokio::sync::mpsc;
 
 use super::error::{EnvdError, Result};
+use super::protobin::{self, Schema};
 use super::user::User;
 use super::Envd;
 
@@ -76,20 +77,139 @@ fn media_type(headers: &HeaderMap) -> String {
         .unwrap_or_default()
 }
 
-/// Refuses a content type other than `want` (binary protobuf is not
-/// served: both SDKs use JSON).
-pub fn check_content_type(headers: &HeaderMap, want: &str) -> Result<()> {
-    let got = media_type(headers);
-    if got == want || (got.is_empty() && want == tine_connect::CONTENT_TYPE_UNARY_JSON) {
-        return Ok(());
-    }
-    Err(EnvdError::UnsupportedMediaType(format!("unsupported content type {got:?}, expected {want:?}")))
-}
-
 async fn read_body(body: Body) -> Result<Bytes> {
     axum::body::to_bytes(body, MAX_MESSAGE + 5)
         .await
         .map_err(|e| EnvdError::InvalidArgument(format!("reading the request: {e}")))
+}
+
+/// The codec of one call: proto3 JSON, or binary protobuf transcoded to and
+/// from JSON at this edge (see [`super::protobin`]).
+#[derive(Clone, Copy)]
+pub struct Wire {
+    /// Request content type without parameters.
+    media: &'static str,
+    /// Request and response schemas when the call is binary.
+    proto: Option<(&'static Schema, &'static Schema)>,
+}
+
+const MEDIA: [&str; 4] = ["application/json", "application/proto", "application/connect+json", "application/connect+proto"];
+
+impl Wire {
+    pub fn new(headers: &HeaderMap, service: &str, method: &str) -> Wire {
+        let got = media_type(headers);
+        let media = if got.is_empty() { "application/json" } else { MEDIA.into_iter().find(|m| *m == got).unwrap_or("") };
+        let proto = if media.ends_with("proto") { protobin::method(service, method) } else { None };
+        Wire { media, proto }
+    }
+
+    fn check(&self, streaming: bool) -> Result<()> {
+        let ok = match (streaming, self.media) {
+            (false, "application/json") | (true, "application/connect+json") => true,
+            (false, "application/proto") | (true, "application/connect+proto") => self.proto.is_some(),
+            _ => false,
+        };
+        if ok {
+            return Ok(());
+        }
+        let want = if streaming { "application/connect+json or application/connect+proto" } else { "application/json or application/proto" };
+        Err(EnvdError::UnsupportedMediaType(format!("unsupported content type {:?}, expected {want}", self.media)))
+    }
+
+    fn parse<T: DeserializeOwned>(&self, payload: &[u8]) -> Result<T> {
+        match self.proto {
+            Some((req, _)) => {
+                let json = protobin::decode(req, payload).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))?;
+                serde_json::from_value(json).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
+            }
+            None => parse_json(payload),
+        }
+    }
+
+    fn encode<M: Serialize>(&self, msg: &M) -> Result<Vec<u8>> {
+        let internal = |e: String| EnvdError::Internal(format!("encoding the response: {e}"));
+        match self.proto {
+            Some((_, resp)) => {
+                let json = serde_json::to_value(msg).map_err(|e| internal(e.to_string()))?;
+                protobin::encode(resp, &json).map_err(|e| internal(e.to_string()))
+            }
+            None => serde_json::to_vec(msg).map_err(|e| internal(e.to_string())),
+        }
+    }
+
+    fn stream_content_type(&self) -> HeaderValue {
+        HeaderValue::from_static(if self.proto.is_some() { "application/connect+proto" } else { tine_connect::CONTENT_TYPE_STREAM_JSON })
+    }
+
+    /// The message of a unary call.
+    pub async fn read_unary<T: DeserializeOwned>(&self, body: Body) -> Result<T> {
+        self.check(false)?;
+        self.parse(&read_body(body).await?)
+    }
+
+    /// The single enveloped message of a server-streaming call.
+    pub async fn read_stream_request<T: DeserializeOwned>(&self, body: Body) -> Result<T> {
+        self.check(true)?;
+        let bytes = read_body(body).await?;
+        let mut dec = Decoder::new(MAX_MESSAGE);
+        dec.push(&bytes);
+        let frame = dec.next_frame().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+        let msg = match frame {
+            Some(Frame::Message(m)) => m,
+            Some(Frame::End(_)) | None => {
+                dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+                return Err(EnvdError::InvalidArgument("request has no message".into()));
+            }
+        };
+        match dec.next_frame() {
+            Ok(None) => dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
+            _ => return Err(EnvdError::InvalidArgument("server-streaming request has more than one message".into())),
+        }
+        self.parse(&msg)
+    }
+
+    /// Reads a client stream message by message.
+    pub fn client_stream(&self, body: Body) -> Result<ClientStream> {
+        self.check(true)?;
+        Ok(ClientStream { wire: *self, body: body.into_data_stream(), dec: Decoder::new(MAX_MESSAGE), done: false })
+    }
+
+    /// A unary answer: the message, or the Connect error JSON (always JSON,
+    /// whatever the codec) with the code's HTTP status.
+    pub fn unary_response<R: Serialize>(&self, result: Result<R>) -> Response {
+        match result.and_then(|msg| self.encode(&msg)) {
+            Ok(body) => {
+                let ct = if self.proto.is_some() { "application/proto" } else { "application/json" };
+                let mut resp = Response::new(Body::from(body));
+                resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+                resp
+            }
+            Err(e) => unary_error(&e),
+        }
+    }
+
+    /// A streaming response (always HTTP 200) and its sender.
+    pub fn stream_response(&self) -> (StreamTx, Response) {
+        // A small channel keeps backpressure: a slow client slows the producer.
+        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx)) });
+        let mut resp = Response::new(Body::from_stream(body));
+        resp.headers_mut().insert(header::CONTENT_TYPE, self.stream_content_type());
+        (StreamTx { tx, wire: *self }, resp)
+    }
+
+    /// A stream that fails before its first message: 200 with only the
+    /// end-of-stream error (what connect-go does), except for content types
+    /// we do not speak, which get 415.
+    pub fn stream_error(&self, err: EnvdError) -> Response {
+        if let EnvdError::UnsupportedMediaType(_) = err {
+            return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
+        }
+        let frame = tine_connect::encode_end_stream(&EndStream::err(err.to_connect()));
+        let mut resp = Response::new(Body::from(frame));
+        resp.headers_mut().insert(header::CONTENT_TYPE, self.stream_content_type());
+        resp
+    }
 }
 
 fn parse_json<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
@@ -97,52 +217,21 @@ fn parse_json<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
     serde_json::from_slice(payload).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
 }
 
-/// The message of a unary call.
-pub async fn read_unary<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T> {
-    check_content_type(headers, tine_connect::CONTENT_TYPE_UNARY_JSON)?;
-    parse_json(&read_body(body).await?)
-}
-
-/// The single enveloped message of a server-streaming call.
-pub async fn read_stream_request<T: DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T> {
-    check_content_type(headers, tine_connect::CONTENT_TYPE_STREAM_JSON)?;
-    let bytes = read_body(body).await?;
-    let mut dec = Decoder::new(MAX_MESSAGE);
-    dec.push(&bytes);
-    let frame = dec.next_frame().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
-    let msg = match frame {
-        Some(Frame::Message(m)) => m,
-        Some(Frame::End(_)) | None => {
-            dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
-            return Err(EnvdError::InvalidArgument("request has no message".into()));
-        }
-    };
-    match dec.next_frame() {
-        Ok(None) => dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
-        _ => return Err(EnvdError::InvalidArgument("server-streaming request has more than one message".into())),
-    }
-    parse_json(&msg)
-}
-
 /// Reads the messages of a client stream one by one.
 pub struct ClientStream {
+    wire: Wire,
     body: axum::body::BodyDataStream,
     dec: Decoder,
     done: bool,
 }
 
 impl ClientStream {
-    pub fn new(headers: &HeaderMap, body: Body) -> Result<ClientStream> {
-        check_content_type(headers, tine_connect::CONTENT_TYPE_STREAM_JSON)?;
-        Ok(ClientStream { body: body.into_data_stream(), dec: Decoder::new(MAX_MESSAGE), done: false })
-    }
-
     /// The next message; `Ok(None)` at the end of the stream.
     pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>> {
         let bad = |e: tine_connect::FrameError| EnvdError::InvalidArgument(e.to_string());
         loop {
             match self.dec.next_frame().map_err(bad)? {
-                Some(Frame::Message(m)) => return parse_json(&m).map(Some),
+                Some(Frame::Message(m)) => return self.wire.parse(&m).map(Some),
                 Some(Frame::End(_)) => {
                     self.done = true;
                     return Ok(None);
@@ -161,28 +250,14 @@ impl ClientStream {
     }
 }
 
-/// A unary answer: the JSON message, or the Connect error JSON with the
-/// code's HTTP status.
-pub fn unary_response<R: Serialize>(result: Result<R>) -> Response {
-    match result {
-        Ok(msg) => match serde_json::to_vec(&msg) {
-            Ok(json) => json_response(StatusCode::OK, json),
-            Err(e) => unary_error(&EnvdError::Internal(format!("encoding the response: {e}"))),
-        },
-        Err(e) => unary_error(&e),
-    }
-}
-
+/// The error answer of a unary call (JSON `{code, message}` and the code's
+/// HTTP status; 415 for a content type we do not speak).
 pub fn unary_error(err: &EnvdError) -> Response {
     if let EnvdError::UnsupportedMediaType(_) = err {
         return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
     }
     let status = StatusCode::from_u16(err.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    json_response(status, err.to_connect().to_json())
-}
-
-fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
-    let mut resp = Response::new(Body::from(body));
+    let mut resp = Response::new(Body::from(err.to_connect().to_json()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
@@ -192,6 +267,7 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
 /// handed to hyper as its own body chunk so it is flushed at once.
 pub struct StreamTx {
     tx: mpsc::Sender<Bytes>,
+    wire: Wire,
 }
 
 /// The client went away (the response body was dropped).
@@ -200,8 +276,14 @@ pub struct Disconnected;
 
 impl StreamTx {
     pub async fn send<M: Serialize>(&self, msg: &M) -> Result<(), Disconnected> {
-        let frame = tine_connect::encode_message(msg).map_err(|_| Disconnected)?;
-        self.tx.send(frame).await.map_err(|_| Disconnected)
+        let payload = match self.wire.encode(msg) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(%e, "dropping a stream message that cannot be encoded");
+                return Ok(());
+            }
+        };
+        self.tx.send(tine_connect::encode_envelope(0, &payload)).await.map_err(|_| Disconnected)
     }
 
     /// Ends the stream with the end-of-stream message.
@@ -217,31 +299,6 @@ impl StreamTx {
     pub async fn closed(&self) {
         self.tx.closed().await
     }
-}
-
-/// A streaming response (always HTTP 200) and its sender.
-pub fn stream_response() -> (StreamTx, Response) {
-    // A small channel keeps backpressure: a slow client slows the producer.
-    let (tx, rx) = mpsc::channel::<Bytes>(8);
-    let body = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    });
-    let mut resp = Response::new(Body::from_stream(body));
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(tine_connect::CONTENT_TYPE_STREAM_JSON));
-    (StreamTx { tx }, resp)
-}
-
-/// A stream that fails before its first message: 200 with only the
-/// end-of-stream error (what connect-go does), except for content types we
-/// do not speak, which get 415.
-pub fn stream_error(err: EnvdError) -> Response {
-    if let EnvdError::UnsupportedMediaType(_) = err {
-        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
-    }
-    let frame = tine_connect::encode_end_stream(&EndStream::err(err.to_connect()));
-    let mut resp = Response::new(Body::from(frame));
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(tine_connect::CONTENT_TYPE_STREAM_JSON));
-    resp
 }
 
 #[cfg(test)]

@@ -94,7 +94,7 @@ impl Manager {
         let source = Source { snapshot, snapshot_id: Some(snap_id), previous_token: Some(rec.envd_access_token.clone()) };
         let t = Instant::now();
         let (vm, netns) = self
-            .start_vm(&rec, &source)
+            .start_vm(&rec, &source, None)
             .await
             .map_err(|detail| SandboxError::Vm { id: id.to_string(), detail: format!("resume failed (still paused): {detail}") })?;
         rec.end_at_ms = now_ms() + timeout * 1000;
@@ -179,7 +179,7 @@ impl Manager {
         let machine = source.snapshot.meta.machine;
         let children = (0..count).map(|_| {
             let rec = self.new_record(&source_rec.template_id, machine, &req);
-            self.launch(rec, &source, timeout_secs)
+            self.launch(rec, &source, timeout_secs, None)
         });
         let results = join_all(children).await;
         self.event(id, "forked", &format!("{count} children from {}", row.id));

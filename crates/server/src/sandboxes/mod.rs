@@ -5,6 +5,7 @@
 mod capture;
 pub mod guest;
 pub mod model;
+mod pool;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -67,6 +68,7 @@ pub struct Manager {
     live: RwLock<HashMap<String, Arc<Live>>>,
     /// One lock per sandbox: lifecycle operations on it run one at a time.
     ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    pool: Arc<pool::WarmPool>,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -80,14 +82,42 @@ struct Source {
 
 impl Manager {
     pub fn new(config: Config, db: Arc<Db>, paths: Paths, templates: Templates) -> Self {
+        let pool = Arc::new(pool::WarmPool::new(config.pool_size, paths.clone()));
         Self {
-            config,
             db,
             paths,
             templates,
             live: RwLock::new(HashMap::new()),
             ops: std::sync::Mutex::new(HashMap::new()),
+            pool,
+            config,
         }
+    }
+
+    /// Build the default template's snapshot and fill its warm pool (in
+    /// the background, so the server answers meanwhile).
+    pub fn warm_up(self: &Arc<Self>) {
+        if self.config.pool_size == 0 {
+            return;
+        }
+        let m = self.clone();
+        tokio::spawn(async move {
+            let machine = Machine {
+                vcpus: m.config.default_cpu_count,
+                memory_mib: m.config.default_memory_mb,
+                ..Machine::default()
+            };
+            match m.templates.snapshot(crate::templates::DEFAULT_TEMPLATE, machine).await {
+                Ok(snap) => m.pool.refill(snap),
+                Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
+            }
+        });
+    }
+
+    /// Kill the warm pool's VMs (sandboxes keep running and are adopted by
+    /// the next start).
+    pub async fn shutdown(&self) {
+        self.pool.drain().await;
     }
 
     async fn lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
@@ -95,11 +125,21 @@ impl Manager {
         m.lock_owned().await
     }
 
-    /// Restore `source` as VM `rec.id` and hand the guest its identity.
-    async fn start_vm(&self, rec: &SandboxRecord, source: &Source) -> Result<(Vm, Netns), String> {
-        let vm = Vm::restore(&self.paths, &rec.id, &source.snapshot, StartOptions::default())
-            .await
-            .map_err(|e| e.to_string())?;
+    /// Restore `source` as VM `rec.id` (or run `pooled`, already restored
+    /// under that id) and hand the guest its identity.
+    async fn start_vm(&self, rec: &SandboxRecord, source: &Source, pooled: Option<Vm>) -> Result<(Vm, Netns), String> {
+        let vm = match pooled {
+            Some(mut vm) => match vm.start_restored(None).await {
+                Ok(()) => vm,
+                Err(e) => {
+                    let _ = vm.kill().await;
+                    return Err(e.to_string());
+                }
+            },
+            None => Vm::restore(&self.paths, &rec.id, &source.snapshot, StartOptions::default())
+                .await
+                .map_err(|e| e.to_string())?,
+        };
         let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
         if let Err(e) = guest::init(&netns, &rec.id, &guest_env(rec), &rec.envd_access_token, source.previous_token.as_deref()).await {
             let _ = vm.kill().await;
@@ -212,18 +252,35 @@ impl Manager {
         let machine = self.validate(&req)?;
         self.check_capacity(1)?;
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
-        let rec = self.new_record(&req.template_id, machine, &req);
-        self.launch(rec, &source, req.timeout_secs).await
+        let mut rec = self.new_record(&req.template_id, machine, &req);
+        // Template creates take a pre-restored VM when one is ready.
+        let pooled = match source.snapshot_id {
+            None => self.pool.take(&source.snapshot.meta.id),
+            Some(_) => None,
+        };
+        if source.snapshot_id.is_none() {
+            self.pool.refill(source.snapshot.clone());
+        }
+        if let Some(vm) = &pooled {
+            rec.id = vm.id().to_string();
+        }
+        self.launch(rec, &source, req.timeout_secs, pooled).await
     }
 
     /// Insert `rec`, start its VM from `source`, make it live.
-    async fn launch(&self, mut rec: SandboxRecord, source: &Source, timeout_secs: Option<u64>) -> Result<SandboxRecord, SandboxError> {
+    async fn launch(
+        &self,
+        mut rec: SandboxRecord,
+        source: &Source,
+        timeout_secs: Option<u64>,
+        pooled: Option<Vm>,
+    ) -> Result<SandboxRecord, SandboxError> {
         let id = rec.id.clone();
         rec.disk_size_mb = disk_size_mb(&source.snapshot.meta.artifacts.rootfs);
         self.db.insert_sandbox(&rec)?;
         self.db.set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
         self.event(&id, "create", &format!("from {}", source.snapshot.meta.id));
-        let (vm, netns) = match self.start_vm(&rec, source).await {
+        let (vm, netns) = match self.start_vm(&rec, source, pooled).await {
             Ok(v) => v,
             Err(detail) => {
                 self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Failed, Some(&detail))?;
@@ -364,6 +421,7 @@ impl Manager {
                 Err("the server stopped while it was starting".to_string())
             };
             match adopted.and_then(|vm| Ok((vm.netns().try_clone().map_err(|e| e.to_string())?, vm))) {
+                // (VM directories that belong to no sandbox are removed below.)
                 Ok((netns, vm)) => {
                     self.add_live(&rec, vm, netns);
                     self.event(&rec.id, "adopted", "after a server restart");
@@ -376,6 +434,17 @@ impl Manager {
                     self.event(&rec.id, "killed", &why);
                     tracing::warn!(sandbox = %rec.id, "{why}");
                 }
+            }
+        }
+        // VMs no sandbox owns: a previous run's warm pool, template builds
+        // or creates that were cut short.
+        let owned: std::collections::HashSet<String> =
+            self.live.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        let pooled = self.pool.ids();
+        for id in tine_vmm::vm::list(&self.paths) {
+            if !owned.contains(&id) && !pooled.contains(&id) {
+                tracing::info!(vm = %id, "removing a VM no sandbox owns");
+                tine_vmm::vm::cleanup(&self.paths, &id).await;
             }
         }
         Ok(())

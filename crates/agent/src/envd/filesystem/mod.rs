@@ -8,14 +8,13 @@ mod watch;
 use std::path::{Path, PathBuf};
 
 use axum::body::Body;
-use axum::http::HeaderMap;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
 
 pub use self::watch::Watchers;
 use self::entry::{entry_info, EntryInfo, Names};
 use super::error::{EnvdError, Result};
-use super::rpc::{self, Ctx};
+use super::rpc::{Ctx, Wire};
 use super::user::run_as;
 
 #[derive(Debug, Default, Deserialize)]
@@ -54,36 +53,36 @@ struct ListDirResponse {
 struct Empty {}
 
 /// Dispatches one `filesystem.Filesystem` call.
-pub async fn handle(method: &str, ctx: Result<Ctx>, headers: &HeaderMap, body: Body) -> Option<Response> {
+pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> Option<Response> {
     let resp = match method {
-        "Stat" => rpc::unary_response(unary(ctx, headers, body, stat).await),
-        "MakeDir" => rpc::unary_response(unary(ctx, headers, body, make_dir).await),
-        "Move" => rpc::unary_response(unary(ctx, headers, body, move_entry).await),
-        "ListDir" => rpc::unary_response(unary(ctx, headers, body, list_dir).await),
-        "Remove" => rpc::unary_response(unary(ctx, headers, body, remove).await),
-        "CreateWatcher" => rpc::unary_response(unary(ctx, headers, body, watch::create_watcher).await),
-        "GetWatcherEvents" => rpc::unary_response(unary(ctx, headers, body, watch::get_watcher_events).await),
-        "RemoveWatcher" => rpc::unary_response(unary(ctx, headers, body, watch::remove_watcher).await),
+        "Stat" => wire.unary_response(unary(ctx, wire, body, stat).await),
+        "MakeDir" => wire.unary_response(unary(ctx, wire, body, make_dir).await),
+        "Move" => wire.unary_response(unary(ctx, wire, body, move_entry).await),
+        "ListDir" => wire.unary_response(unary(ctx, wire, body, list_dir).await),
+        "Remove" => wire.unary_response(unary(ctx, wire, body, remove).await),
+        "CreateWatcher" => wire.unary_response(unary(ctx, wire, body, watch::create_watcher).await),
+        "GetWatcherEvents" => wire.unary_response(unary(ctx, wire, body, watch::get_watcher_events).await),
+        "RemoveWatcher" => wire.unary_response(unary(ctx, wire, body, watch::remove_watcher).await),
         "WatchDir" => match ctx {
-            Ok(ctx) => match rpc::read_stream_request(headers, body).await {
-                Ok(req) => watch::watch_dir(ctx, req).await,
-                Err(e) => rpc::stream_error(e),
+            Ok(ctx) => match wire.read_stream_request(body).await {
+                Ok(req) => watch::watch_dir(ctx, wire, req).await,
+                Err(e) => wire.stream_error(e),
             },
-            Err(e) => rpc::stream_error(e),
+            Err(e) => wire.stream_error(e),
         },
         _ => return None,
     };
     Some(resp)
 }
 
-async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, headers: &HeaderMap, body: Body, f: F) -> Result<Resp>
+async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, wire: &Wire, body: Body, f: F) -> Result<Resp>
 where
     Req: serde::de::DeserializeOwned,
     F: FnOnce(Ctx, Req) -> Fut,
     Fut: std::future::Future<Output = Result<Resp>>,
 {
     let ctx = ctx?;
-    let req = rpc::read_unary(headers, body).await?;
+    let req = wire.read_unary(body).await?;
     f(ctx, req).await
 }
 

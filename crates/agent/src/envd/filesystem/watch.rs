@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::entry::{entry_info, EntryInfo, Names};
 use crate::envd::error::{EnvdError, Result};
-use crate::envd::rpc::{self, Ctx};
+use crate::envd::rpc::{Ctx, Wire};
 use crate::envd::user::run_as;
 
 /// Events a polled watcher keeps until they are fetched (oldest dropped).
@@ -188,12 +188,12 @@ impl DirWatch {
 
 /// `WatchDir`: `start`, then events (and keepalives) until the client
 /// leaves or the deadline passes.
-pub async fn watch_dir(ctx: Ctx, req: WatchRequest) -> Response {
+pub async fn watch_dir(ctx: Ctx, wire: &Wire, req: WatchRequest) -> Response {
     let mut watch = match DirWatch::open(&ctx, &req).await {
         Ok(w) => w,
-        Err(e) => return rpc::stream_error(e),
+        Err(e) => return wire.stream_error(e),
     };
-    let (tx, resp) = rpc::stream_response();
+    let (tx, resp) = wire.stream_response();
     let keepalive = ctx.keepalive.unwrap_or(Duration::from_secs(3600 * 24 * 365));
     let deadline = ctx.timeout.map(|d| tokio::time::Instant::now() + d);
     tokio::spawn(async move {

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -19,7 +18,7 @@ use self::output::{Ended, Item, Output, Source};
 use self::proto::*;
 use self::spawn::PtyMaster;
 use super::error::{EnvdError, Result};
-use super::rpc::{self, Ctx, StreamTx};
+use super::rpc::{Ctx, StreamTx, Wire};
 
 /// Output kept per process for clients that attach later or read slowly.
 const OUTPUT_BUFFER: usize = 1 << 20;
@@ -107,44 +106,44 @@ impl Table {
 }
 
 /// Dispatches one `process.Process` call.
-pub async fn handle(method: &str, ctx: Result<Ctx>, headers: &HeaderMap, body: Body) -> Option<Response> {
+pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> Option<Response> {
     let resp = match method {
         "Start" => match ctx {
-            Ok(ctx) => match rpc::read_stream_request(headers, body).await {
-                Ok(req) => start(ctx, req).await,
-                Err(e) => rpc::stream_error(e),
+            Ok(ctx) => match wire.read_stream_request(body).await {
+                Ok(req) => start(ctx, wire, req).await,
+                Err(e) => wire.stream_error(e),
             },
-            Err(e) => rpc::stream_error(e),
+            Err(e) => wire.stream_error(e),
         },
         "Connect" => match ctx {
-            Ok(ctx) => match rpc::read_stream_request::<SelectorRequest>(headers, body).await {
-                Ok(req) => connect(ctx, req),
-                Err(e) => rpc::stream_error(e),
+            Ok(ctx) => match wire.read_stream_request::<SelectorRequest>(body).await {
+                Ok(req) => connect(ctx, wire, req),
+                Err(e) => wire.stream_error(e),
             },
-            Err(e) => rpc::stream_error(e),
+            Err(e) => wire.stream_error(e),
         },
         "StreamInput" => match ctx {
-            Ok(ctx) => stream_input(ctx, headers, body).await,
-            Err(e) => rpc::stream_error(e),
+            Ok(ctx) => stream_input(ctx, wire, body).await,
+            Err(e) => wire.stream_error(e),
         },
-        "List" => rpc::unary_response(unary(ctx, headers, body, |ctx, _: serde_json::Value| async move { Ok(list(&ctx)) }).await),
-        "SendInput" => rpc::unary_response(unary(ctx, headers, body, send_input).await),
-        "SendSignal" => rpc::unary_response(unary(ctx, headers, body, send_signal).await),
-        "CloseStdin" => rpc::unary_response(unary(ctx, headers, body, close_stdin).await),
-        "Update" => rpc::unary_response(unary(ctx, headers, body, update).await),
+        "List" => wire.unary_response(unary(ctx, wire, body, |ctx, _: serde_json::Value| async move { Ok(list(&ctx)) }).await),
+        "SendInput" => wire.unary_response(unary(ctx, wire, body, send_input).await),
+        "SendSignal" => wire.unary_response(unary(ctx, wire, body, send_signal).await),
+        "CloseStdin" => wire.unary_response(unary(ctx, wire, body, close_stdin).await),
+        "Update" => wire.unary_response(unary(ctx, wire, body, update).await),
         _ => return None,
     };
     Some(resp)
 }
 
-async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, headers: &HeaderMap, body: Body, f: F) -> Result<Resp>
+async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, wire: &Wire, body: Body, f: F) -> Result<Resp>
 where
     Req: serde::de::DeserializeOwned,
     F: FnOnce(Ctx, Req) -> Fut,
     Fut: std::future::Future<Output = Result<Resp>>,
 {
     let ctx = ctx?;
-    let req = rpc::read_unary(headers, body).await?;
+    let req = wire.read_unary(body).await?;
     f(ctx, req).await
 }
 
@@ -209,27 +208,27 @@ fn pty_dims(size: PtySize) -> Result<(u16, u16)> {
     }
 }
 
-async fn start(ctx: Ctx, req: StartRequest) -> Response {
+async fn start(ctx: Ctx, wire: &Wire, req: StartRequest) -> Response {
     match spawn_process(&ctx, req) {
         Ok(proc) => {
             let sub = proc.output.subscribe();
-            let (tx, resp) = rpc::stream_response();
+            let (tx, resp) = wire.stream_response();
             tokio::spawn(pump_events(tx, proc.pid, sub, ctx.keepalive, None));
             resp
         }
-        Err(e) => rpc::stream_error(e),
+        Err(e) => wire.stream_error(e),
     }
 }
 
-fn connect(ctx: Ctx, req: SelectorRequest) -> Response {
+fn connect(ctx: Ctx, wire: &Wire, req: SelectorRequest) -> Response {
     match ctx.envd.processes.find(req.process.as_ref()) {
         Ok(proc) => {
             let sub = proc.output.subscribe();
-            let (tx, resp) = rpc::stream_response();
+            let (tx, resp) = wire.stream_response();
             tokio::spawn(pump_events(tx, proc.pid, sub, ctx.keepalive, ctx.timeout));
             resp
         }
-        Err(e) => rpc::stream_error(e),
+        Err(e) => wire.stream_error(e),
     }
 }
 
@@ -449,9 +448,12 @@ async fn pump_pty(pty: Arc<PtyMaster>, output: Arc<Output>, mut exited: watch::R
 }
 
 /// `StreamInput`: a `start` naming the process, then `data` messages.
-async fn stream_input(ctx: Ctx, headers: &HeaderMap, body: Body) -> Response {
+async fn stream_input(ctx: Ctx, wire: &Wire, body: Body) -> Response {
+    let mut stream = match wire.client_stream(body) {
+        Ok(s) => s,
+        Err(e) => return wire.stream_error(e),
+    };
     let result = async {
-        let mut stream = rpc::ClientStream::new(headers, body)?;
         let mut proc: Option<Arc<Process>> = None;
         while let Some(msg) = stream.next::<StreamInputRequest>().await? {
             if let Some(start) = msg.start {
@@ -464,7 +466,7 @@ async fn stream_input(ctx: Ctx, headers: &HeaderMap, body: Body) -> Response {
         Ok(())
     }
     .await;
-    let (tx, resp) = rpc::stream_response();
+    let (tx, resp) = wire.stream_response();
     tokio::spawn(async move {
         if result.is_ok() && tx.send(&Empty {}).await.is_err() {
             return;

@@ -1,0 +1,169 @@
+//! The floor of every restore: `qemu-system-x86_64` spawned by hand with a
+//! snapshot's own files, `migrate-incoming` of its device state, `cont`,
+//! until the agent answers `GET /health`. Nothing of tine's lifecycle
+//! code runs here; only the same QEMU command line (`tine_vmm::qemu::args`).
+//!
+//! The namespace and the qcow2 overlay are made before the clock starts
+//! (they are timed too, as their own stages): the floor is what QEMU and
+//! the guest need, the rest is what tine adds.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use tine_vmm::disk::{self, BackingFormat};
+use tine_vmm::netns::Netns;
+use tine_vmm::process::QemuProcess;
+use tine_vmm::qemu::{self, Launch};
+use tine_vmm::qmp::Qmp;
+use tine_vmm::{Paths, Snapshot};
+
+/// Stages of one restore by hand, in ms.
+#[derive(Debug, Clone, Default)]
+pub struct FloorStages {
+    pub netns: f64,
+    pub overlay: f64,
+    /// Spawn until the QMP greeting was read.
+    pub spawn_qmp: f64,
+    /// `migrate-incoming` until `query-migrate` says completed.
+    pub migrate: f64,
+    pub cont: f64,
+    /// `cont` until the first 2xx of `/health`.
+    pub first_reply: f64,
+}
+
+impl FloorStages {
+    /// The floor: QEMU spawn + QMP + migrate-incoming + cont + first reply.
+    pub fn floor(&self) -> f64 {
+        self.spawn_qmp + self.migrate + self.cont + self.first_reply
+    }
+
+    pub fn named(&self) -> [(&'static str, f64); 6] {
+        [
+            ("by hand: netns (outside the floor)", self.netns),
+            ("by hand: overlay (outside the floor)", self.overlay),
+            ("by hand: QEMU spawn → QMP greeting", self.spawn_qmp),
+            ("by hand: migrate-incoming (device state)", self.migrate),
+            ("by hand: cont", self.cont),
+            ("by hand: cont → first /health reply", self.first_reply),
+        ]
+    }
+}
+
+/// A VM started by hand; [`HandVm::kill`] removes all of it.
+pub struct HandVm {
+    pub id: String,
+    pub netns: Netns,
+    process: Option<QemuProcess>,
+    dir: PathBuf,
+}
+
+impl HandVm {
+    pub async fn kill(mut self) {
+        if let Some(p) = self.process.take() {
+            p.kill().await;
+        }
+        let name = self.netns.name().to_string();
+        drop(self.netns);
+        let _ = tine_vmm::netns::delete_by_name(&name).await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Restore `snapshot` by hand as VM `id` under `paths` (a data dir no
+/// server owns), timing each stage.
+pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot) -> anyhow::Result<(HandVm, FloorStages)> {
+    let dir = paths.vm_dir(id);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut st = FloorStages::default();
+    let t = Instant::now();
+    let netns = match Netns::create(id).await {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e.into());
+        }
+    };
+    st.netns = ms(t);
+    let mut vm = HandVm { id: id.to_string(), netns, process: None, dir: dir.clone() };
+    match run(&mut vm, snapshot, &mut st).await {
+        Ok(()) => Ok((vm, st)),
+        Err(e) => {
+            let log = tine_vmm::vm::log_tail(&dir.join("qemu.log"), 400);
+            vm.kill().await;
+            Err(e.context(format!("restore by hand (QEMU said: {log:?})")))
+        }
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyhow::Result<()> {
+    let dir = vm.dir.clone();
+    let t = Instant::now();
+    disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &dir.join("disk.qcow2")).await?;
+    st.overlay = ms(t);
+    let meta = &snapshot.meta;
+    let launch = Launch {
+        machine: meta.machine,
+        artifacts: meta.artifacts.clone(),
+        disk: dir.join("disk.qcow2"),
+        disk_readonly: false,
+        ram: snapshot.ram.clone(),
+        ram_shared: false,
+        qmp_socket: dir.join("qmp.sock"),
+        console_log: dir.join("console.log"),
+        pidfile: dir.join("qemu.pid"),
+        incoming: true,
+        extra_cmdline: meta.extra_cmdline.clone(),
+    };
+
+    let t = Instant::now();
+    let process = QemuProcess::spawn(&qemu::binary(), &qemu::args(&launch), &vm.netns, &dir.join("qemu.log"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut qmp = loop {
+        if let Some(status) = process.exit_status() {
+            vm.process = Some(process);
+            bail!("QEMU exited before QMP answered: {status}");
+        }
+        match Qmp::connect(&launch.qmp_socket).await {
+            Ok(q) => break q,
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(e) => {
+                vm.process = Some(process);
+                return Err(e.into());
+            }
+        }
+    };
+    vm.process = Some(process);
+    st.spawn_qmp = ms(t);
+
+    let t = Instant::now();
+    qmp.set_migrate_capability("x-ignore-shared", true).await?;
+    let uri = format!("file:{}", snapshot.state_path().display());
+    qmp.run("migrate-incoming", Some(json!({ "uri": uri }))).await?;
+    qmp.wait_migration("loading the device state").await?;
+    st.migrate = ms(t);
+
+    let t = Instant::now();
+    qmp.run("cont", None).await?;
+    st.cont = ms(t);
+
+    let t = Instant::now();
+    let process = vm.process.as_ref().expect("set above");
+    if !tine_vmm::guest::wait_healthy(&vm.netns, Duration::from_secs(60), || process.exit_status().is_some()).await {
+        bail!("the agent did not answer /health within 60 s");
+    }
+    st.first_reply = ms(t);
+    Ok(())
+}
+
+/// A fresh id for a VM made by hand.
+pub fn vm_id(what: &str) -> String {
+    let mut b = [0u8; 4];
+    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
+    format!("bench-{what}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}

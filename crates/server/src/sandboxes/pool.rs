@@ -1,0 +1,86 @@
+//! The warm pool: per template snapshot, a few VMs restored ahead of time
+//! and left paused (namespace, overlay, QEMU process and device state all
+//! ready), so a create only has to run the vCPUs, wait for the agent and
+//! hand the guest its identity. Taken VMs are replaced in the background.
+//! Each pooled VM already carries the sandbox id it will be created under
+//! (ids name namespaces and directories).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use tine_vmm::{Paths, Snapshot, Vm};
+
+pub struct WarmPool {
+    size: usize,
+    paths: Paths,
+    ready: Mutex<HashMap<String, Vec<Vm>>>,
+    filling: Mutex<HashSet<String>>,
+}
+
+impl WarmPool {
+    pub fn new(size: usize, paths: Paths) -> Self {
+        Self { size, paths, ready: Mutex::new(HashMap::new()), filling: Mutex::new(HashSet::new()) }
+    }
+
+    /// A paused, loaded VM of `snapshot_id`, if one is ready (pooled VMs
+    /// whose QEMU died are dropped; their files go at the next start).
+    pub fn take(&self, snapshot_id: &str) -> Option<Vm> {
+        let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        let vms = ready.get_mut(snapshot_id)?;
+        while let Some(vm) = vms.pop() {
+            if vm.exit_status().is_none() {
+                return Some(vm);
+            }
+            tracing::warn!(vm = vm.id(), "warm pool: a pooled VM died");
+        }
+        None
+    }
+
+    fn count(&self, snapshot_id: &str) -> usize {
+        self.ready.lock().unwrap_or_else(|e| e.into_inner()).get(snapshot_id).map_or(0, Vec::len)
+    }
+
+    /// Top the pool of `snapshot` up to its size, in the background.
+    pub fn refill(self: &Arc<Self>, snapshot: Snapshot) {
+        if self.size == 0 {
+            return;
+        }
+        let key = snapshot.meta.id.clone();
+        if !self.filling.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone()) {
+            return; // a refill of this snapshot is already running
+        }
+        let pool = self.clone();
+        tokio::spawn(async move {
+            while pool.count(&key) < pool.size {
+                let id = crate::ids::sandbox_id();
+                match Vm::restore_paused(&pool.paths, &id, &snapshot).await {
+                    Ok(vm) => pool.ready.lock().unwrap_or_else(|e| e.into_inner()).entry(key.clone()).or_default().push(vm),
+                    Err(e) => {
+                        tracing::warn!(snapshot = %key, "warm pool: restore failed: {e}");
+                        break;
+                    }
+                }
+            }
+            pool.filling.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        });
+    }
+
+    /// Kill every pooled VM (at shutdown).
+    pub async fn drain(&self) {
+        let all: Vec<Vm> = self.ready.lock().unwrap_or_else(|e| e.into_inner()).drain().flat_map(|(_, v)| v).collect();
+        for vm in all {
+            let _ = vm.kill().await;
+        }
+    }
+
+    /// Ids of pooled VMs (they have directories but no sandbox rows).
+    pub fn ids(&self) -> HashSet<String> {
+        self.ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .flatten()
+            .map(|vm| vm.id().to_string())
+            .collect()
+    }
+}
