@@ -5,7 +5,9 @@
 //! `tine run` boots the default template and runs one command in it;
 //! `tine serve` is the server, `tine keys` manages its API keys.
 
+mod bench;
 mod server;
+mod template;
 mod vm;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +32,12 @@ enum Command {
     /// Manage API keys.
     #[command(subcommand)]
     Keys(server::KeysCommand),
+    /// Build, list and delete templates.
+    #[command(subcommand)]
+    Template(template::TemplateCommand),
+    /// Run the performance scenarios P1–P7 against their floors (see
+    /// docs/benchmarks.md).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +54,8 @@ fn main() -> anyhow::Result<()> {
             Command::Run(args) => vm::run_once(args).await,
             Command::Serve(args) => server::serve(args).await,
             Command::Keys(cmd) => server::keys(cmd),
+            Command::Template(cmd) => template::run(cmd).await,
+            Command::Bench(args) => bench::run(args).await,
         }
     })?;
     std::process::exit(code);

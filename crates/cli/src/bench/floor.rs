@@ -53,7 +53,6 @@ impl FloorStages {
 
 /// A VM started by hand; [`HandVm::kill`] removes all of it.
 pub struct HandVm {
-    pub id: String,
     pub netns: Netns,
     process: Option<QemuProcess>,
     dir: PathBuf,
@@ -86,7 +85,7 @@ pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot) -> anyhow::Re
         }
     };
     st.netns = ms(t);
-    let mut vm = HandVm { id: id.to_string(), netns, process: None, dir: dir.clone() };
+    let mut vm = HandVm { netns, process: None, dir: dir.clone() };
     match run(&mut vm, snapshot, &mut st).await {
         Ok(()) => Ok((vm, st)),
         Err(e) => {

@@ -1,0 +1,160 @@
+//! P3 (snapshot after writing to disk) and P4 (pause, then resume).
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tine_vmm::Snapshot;
+
+use super::api::Sandbox;
+use super::create::{floor_once, ms, server_stages};
+use super::report::Row;
+use super::{mem, stages, Ctx, Out};
+
+const CMD_TIMEOUT: Duration = Duration::from_secs(600);
+
+async fn run(ctx: &Ctx, sb: &Sandbox, cmd: &str) -> anyhow::Result<String> {
+    let o = ctx.api.exec(sb, cmd, CMD_TIMEOUT).await?;
+    if o.exit_code != 0 {
+        bail!("`{cmd}` exited {}: {}", o.exit_code, String::from_utf8_lossy(&o.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+/// A timed user snapshot, deleted again (the sandbox goes on).
+async fn timed_snapshot(ctx: &Ctx, sb: &Sandbox, out: &mut Out, label: &str) -> anyhow::Result<f64> {
+    let mark = stages::mark(ctx.server_log.as_deref());
+    let t = Instant::now();
+    let sid = ctx.api.snapshot(&sb.id).await?;
+    let took = ms(t);
+    for (name, v) in stages::since(ctx.server_log.as_deref(), mark) {
+        out.stage(format!("{label}: {name}"), v);
+    }
+    ctx.api.delete_snapshot(&sid).await?;
+    Ok(took)
+}
+
+pub async fn p3(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.iterations(3);
+    let w = ctx.args.write_mib;
+    let mem = ctx.args.snapshot_memory_mb;
+    ctx.step(format!("a {mem} MiB sandbox"));
+    let sb = ctx.api.create(ctx.args.cpus, mem).await?;
+    let file = "/home/user/tine-bench.bin";
+    let fs = run(ctx, &sb, "stat -f -c %T /home/user").await?;
+    if fs == "tmpfs" || fs == "ramfs" {
+        bail!("/home/user is on {fs}, not on the sandbox disk");
+    }
+    let avail: u64 = run(ctx, &sb, "df -Pm /home/user | awk 'NR==2 {print $4}'").await?.parse().context("df")?;
+    if avail < w + 64 {
+        bail!("the sandbox disk has {avail} MiB free; {w} MiB do not fit");
+    }
+    let (mut floor_ms, mut write_ms) = (Vec::new(), Vec::new());
+    for i in 1..=n {
+        run(ctx, &sb, &format!("rm -f {file}; sync")).await?;
+        ctx.step(format!("{i}/{n}: snapshot after writing nothing"));
+        floor_ms.push(timed_snapshot(ctx, &sb, out, "nothing written").await?);
+        ctx.step(format!("{i}/{n}: dd {w} MiB to the sandbox disk"));
+        let t = Instant::now();
+        run(ctx, &sb, &format!("dd if=/dev/zero of={file} bs=1M count={w} conv=fsync status=none")).await?;
+        out.stage(format!("guest: dd {w} MiB, fsync"), ms(t));
+        ctx.step(format!("{i}/{n}: snapshot after writing {w} MiB"));
+        write_ms.push(timed_snapshot(ctx, &sb, out, "after dd").await?);
+    }
+    let mut row = Row::new("P3", format!("snapshot after writing {w} MiB"), "ms")
+        .samples(write_ms)
+        .floor("the same snapshot after writing nothing", floor_ms)
+        .ratio_target(1.2, format!("≤ 1.2× floor and ≤ 100 ms ({mem} MiB guest)"))
+        .param("iterations", n)
+        .param("written_mib", w)
+        .param("memory_mb", mem);
+    if let (Some(true), Some(s)) = (row.met, row.summary) {
+        row.met = Some(s.p50 <= 100.0);
+    }
+    out.rows.push(row);
+    ctx.api.kill(&sb.id).await?;
+    Ok(())
+}
+
+/// Time to write `bytes` to a new file in `dir` (no fsync, as QEMU's
+/// migration to a file does not either), in ms.
+fn write_floor(dir: &std::path::Path, bytes: u64) -> anyhow::Result<f64> {
+    let path = dir.join(format!("bench-write-{}", std::process::id()));
+    let chunk = vec![0x5au8; 1 << 20];
+    let t = Instant::now();
+    let mut f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    drop(f);
+    let took = ms(t);
+    let _ = std::fs::remove_file(&path);
+    Ok(took)
+}
+
+/// The capture a pause made of sandbox `id` (`p-<id>-<hex>`).
+fn pause_capture(ctx: &Ctx, id: &str) -> anyhow::Result<Snapshot> {
+    let prefix = format!("p-{id}-");
+    let newest = std::fs::read_dir(ctx.paths.snapshots_dir())?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .context("no pause capture on disk")?;
+    Ok(Snapshot::open(&ctx.paths, &newest.file_name().to_string_lossy())?)
+}
+
+pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.iterations(5);
+    let mem = ctx.args.memory_mb;
+    let sb = ctx.api.create(ctx.args.cpus, mem).await?;
+    run(ctx, &sb, "true").await?;
+    let (mut pause_ms, mut write_ms, mut resume_ms, mut floor_ms, mut dirty_mib) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 1..=n {
+        ctx.step(format!("{i}/{n}: pause"));
+        let dirty = mem::dirty_ram_bytes(ctx.qemu_pid(&sb.id)?)?;
+        dirty_mib.push(dirty as f64 / (1 << 20) as f64);
+        write_ms.push(write_floor(&ctx.paths.data_dir, dirty)?);
+        let mark = stages::mark(ctx.server_log.as_deref());
+        let t = Instant::now();
+        ctx.api.pause(&sb.id).await?;
+        pause_ms.push(ms(t));
+        server_stages(ctx, out, mark);
+
+        ctx.step(format!("{i}/{n}: floor: the pause capture restored by hand"));
+        let capture = pause_capture(ctx, &sb.id)?;
+        floor_ms.push(floor_once(ctx, &capture, out, false).await?);
+
+        ctx.step(format!("{i}/{n}: resume"));
+        let mark = stages::mark(ctx.server_log.as_deref());
+        let t = Instant::now();
+        ctx.api.resume(&sb.id).await?;
+        resume_ms.push(ms(t));
+        server_stages(ctx, out, mark);
+        run(ctx, &sb, "true").await?;
+    }
+    let mut pause = Row::new("P4", "pause", "ms")
+        .samples(pause_ms)
+        .floor("writing the dirtied RAM to a file", write_ms)
+        .param("iterations", n)
+        .param("memory_mb", mem)
+        .param("dirtied_mib", dirty_mib);
+    pause.target = "≤ 100 ms + floor".into();
+    if let (Some(s), Some(f)) = (pause.summary, pause.floor) {
+        pause.ratio = Some(s.p50 / f.p50.max(1e-3));
+        pause.met = Some(s.p50 <= 100.0 + f.p50);
+    }
+    out.rows.push(pause);
+    out.rows.push(
+        Row::new("P4", "resume (connect) until the agent answers", "ms")
+            .samples(resume_ms)
+            .floor("the pause capture restored by hand", floor_ms)
+            .ratio_target(1.3, "p50 ≤ 1.3× floor")
+            .param("iterations", n),
+    );
+    ctx.api.kill(&sb.id).await?;
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! P1: create from a template through the API until the agent answers,
+//! against the floor: the same template snapshot restored by hand.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use tine_vmm::Snapshot;
+
+use super::report::Row;
+use super::{floor, stages, Ctx, Out};
+
+pub fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Restore `snapshot` by hand once (see [`floor`]), recording its stages in
+/// `out`; with `init`, also time the agent's `/init` (what tine does after
+/// every restore, outside the floor). Returns the floor in ms.
+pub async fn floor_once(ctx: &Ctx, snapshot: &Snapshot, out: &mut Out, init: bool) -> anyhow::Result<f64> {
+    let id = floor::vm_id("floor");
+    let (vm, st) = floor::restore(&ctx.floor_paths, &id, snapshot).await?;
+    for (name, v) in st.named() {
+        out.stage(name, v);
+    }
+    out.stage("by hand: floor total", st.floor());
+    let mut result = Ok(st.floor());
+    if init {
+        let t = Instant::now();
+        let token = floor::vm_id("token");
+        match tine_server::sandboxes::guest::init(&vm.netns, &id, &BTreeMap::new(), &token, None).await {
+            Ok(()) => out.stage("by hand: /init (outside the floor)", ms(t)),
+            Err(e) => result = Err(anyhow::anyhow!("/init of a VM restored by hand: {e}")),
+        }
+    }
+    vm.kill().await;
+    result
+}
+
+pub fn server_stages(ctx: &Ctx, out: &mut Out, mark: u64) {
+    for (name, v) in stages::since(ctx.server_log.as_deref(), mark) {
+        out.stage(name, v);
+    }
+}
+
+pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.iterations(10);
+    let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
+    ctx.step("warm-up: a first create (builds the template snapshot if needed)");
+    let first = ctx.api.create(cpus, mem).await?;
+    let snapshot = ctx.parent_snapshot(&first.id);
+    ctx.api.kill(&first.id).await?;
+    let snapshot = snapshot?;
+
+    let (mut api_ms, mut floor_ms, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 1..=n {
+        // Alternate floor and create, so drift in the machine's load hits both.
+        ctx.step(format!("{i}/{n}: restore by hand"));
+        match floor_once(ctx, &snapshot, out, true).await {
+            Ok(f) => floor_ms.push(f),
+            Err(e) => errors.push(format!("floor: {e:#}")),
+        }
+        ctx.step(format!("{i}/{n}: create through the API"));
+        let mark = stages::mark(ctx.server_log.as_deref());
+        let t = Instant::now();
+        match ctx.api.create(cpus, mem).await {
+            Ok(sb) => {
+                let took = ms(t);
+                api_ms.push(took);
+                out.stage("API: POST /v2/sandboxes", took);
+                server_stages(ctx, out, mark);
+                ctx.api.kill(&sb.id).await?;
+            }
+            Err(e) => errors.push(format!("create: {e:#}")),
+        }
+    }
+    out.rows.push(
+        Row::new("P1", "create via API until the agent answers", "ms")
+            .samples(api_ms)
+            .floor("QEMU by hand: spawn + migrate-incoming + first reply", floor_ms)
+            .ratio_target(1.3, "p50 ≤ 1.3× floor")
+            .param("iterations", n)
+            .param("cpus", cpus)
+            .param("memory_mb", mem)
+            .param("snapshot", &snapshot.meta.id)
+            .error(errors.first().cloned())
+            .param("errors", errors.len()),
+    );
+    Ok(())
+}

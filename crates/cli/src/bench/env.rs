@@ -1,0 +1,132 @@
+//! Where the bench runs: a `tine serve` it starts itself, in its own data
+//! dir (`$TINE_DATA_DIR/bench`, whose `current` links to the guest
+//! artifacts of `$TINE_DATA_DIR/current`), or a server it is given.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tine_vmm::Paths;
+
+/// A server started by the bench; stopped by [`OwnServer::stop`].
+pub struct OwnServer {
+    child: tokio::process::Child,
+    pub url: String,
+    pub key: String,
+    pub paths: Paths,
+    pub log: PathBuf,
+}
+
+/// The data dir of the bench's own server, next to the usual one.
+pub fn own_paths(base: &Paths) -> Paths {
+    Paths {
+        data_dir: base.data_dir.join("bench"),
+        shm_dir: PathBuf::from(format!("{}-bench", base.shm_dir.display())),
+    }
+}
+
+/// Where VMs started by hand live (a data dir no server owns, so no
+/// server's recovery ever touches them).
+pub fn floor_paths(base: &Paths) -> Paths {
+    Paths {
+        data_dir: base.data_dir.join("bench-floor"),
+        shm_dir: PathBuf::from(format!("{}-bench-floor", base.shm_dir.display())),
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&paths.data_dir).with_context(|| format!("creating {}", paths.data_dir.display()))?;
+    let src = base.data_dir.join("current");
+    if !src.join("vmlinuz").exists() {
+        bail!("no guest artifacts in {} (scripts/setup-host.sh builds them)", src.display());
+    }
+    let link = paths.data_dir.join("current");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&src, &link).with_context(|| format!("linking {}", link.display()))
+}
+
+fn write_config(dir: &Path, port: u16, cpus: u32, memory_mb: u32) -> anyhow::Result<PathBuf> {
+    let path = dir.join("bench-server.toml");
+    let text = format!(
+        "listen = \"127.0.0.1:{port}\"\n\
+         default_cpu_count = {cpus}\n\
+         default_memory_mb = {memory_mb}\n\
+         default_timeout_secs = 1800\n\
+         max_sandboxes = 128\n\
+         max_fork_count = 64\n"
+    );
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+impl OwnServer {
+    /// Start `tine serve` (this very binary) on a free loopback port, with a
+    /// fresh API key, and wait until it answers `/health`.
+    pub async fn start(base: &Paths, cpus: u32, memory_mb: u32) -> anyhow::Result<Self> {
+        let paths = own_paths(base);
+        link_artifacts(base, &paths)?;
+        let key = tine_server::db::Db::open(&paths.data_dir.join("tine.db"))?
+            .create_key(&format!("bench-{}", std::process::id()))?
+            .plaintext;
+        let port = free_port()?;
+        let config = write_config(&paths.data_dir, port, cpus, memory_mb)?;
+        let log = paths.data_dir.join("bench-server.log");
+        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let exe = std::env::current_exe().context("finding the tine binary")?;
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg("serve")
+            .arg("-c")
+            .arg(&config)
+            .env("TINE_DATA_DIR", &paths.data_dir)
+            .env("TINE_SHM_DIR", &paths.shm_dir)
+            // Per-stage timings of restores and captures (see `stages`).
+            .env("TINE_LOG", "info,tine_vmm=debug,tine_server=debug")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        // Its own process group: a Ctrl-C reaches the bench only, which then
+        // removes its sandboxes through the server before stopping it.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let child = tokio::process::Command::from(cmd).kill_on_drop(true).spawn().context("starting tine serve")?;
+        let url = format!("http://127.0.0.1:{port}");
+        let mut server = Self { child, url, key, paths, log };
+        let api = super::api::Api::new(&server.url, &server.key);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if api.health().await {
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                bail!("tine serve exited ({status}): {}", tine_vmm::vm::log_tail(&server.log, 800));
+            }
+            if Instant::now() > deadline {
+                server.stop().await;
+                bail!("tine serve did not answer /health within 60 s: {}", tine_vmm::vm::log_tail(&server.log, 800));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after 10 s.
+    pub async fn stop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+        }
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await.is_err() {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// Remove VMs left by hand in `paths` by an interrupted earlier run.
+pub async fn clean_hand_vms(paths: &Paths) {
+    for id in tine_vmm::vm::list(paths) {
+        tine_vmm::vm::cleanup(paths, &id).await;
+    }
+}

@@ -1,0 +1,123 @@
+//! P2: fork a running sandbox into N children (all answering), against N
+//! restores of the same template done one after the other.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tine_vmm::{Snapshot, StartOptions, Vm};
+
+use super::create::{ms, server_stages};
+use super::report::Row;
+use super::{floor, stages, Ctx, Out};
+
+/// N restores of `snapshot` one after the other (`Vm::restore`, each until
+/// its agent answers), all kept running until the last; then removed.
+async fn sequential_restores(ctx: &Ctx, snapshot: &Snapshot, count: usize) -> anyhow::Result<f64> {
+    let mut vms = Vec::new();
+    let t = Instant::now();
+    let mut result = Ok(());
+    for j in 0..count {
+        ctx.step(format!("floor: restore {}/{count}", j + 1));
+        match Vm::restore(&ctx.floor_paths, &floor::vm_id("seq"), snapshot, StartOptions::default()).await {
+            Ok(vm) => vms.push(vm),
+            Err(e) => {
+                result = Err(anyhow::Error::from(e).context("sequential restore"));
+                break;
+            }
+        }
+    }
+    let took = ms(t);
+    for vm in vms {
+        let _ = vm.kill().await;
+    }
+    result.map(|()| took)
+}
+
+/// How long the source was unavailable: the server's `captured … in N ms`
+/// event (stop, save, continue as a clone, agent ready, `/init`).
+fn source_capture_ms(ctx: &Ctx, source: &str) -> anyhow::Result<f64> {
+    let db = tine_server::db::Db::open(&ctx.paths.data_dir.join("tine.db"))?;
+    let ev = db.events(source)?.into_iter().rev().find(|e| e.kind == "captured").context("no captured event")?;
+    let n = ev.detail.rsplit(" in ").next().and_then(|s| s.strip_suffix(" ms")).context("unexpected event detail")?;
+    Ok(n.trim().parse()?)
+}
+
+pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.iterations(3);
+    let k = ctx.args.fork_count;
+    let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
+    let (mut fork_ms, mut floor_ms, mut paused_ms, mut errors) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut snapshot: Option<Snapshot> = None;
+    for i in 1..=n {
+        ctx.step(format!("{i}/{n}: source sandbox"));
+        let src = ctx.api.create(cpus, mem).await?;
+        if snapshot.is_none() {
+            snapshot = Some(ctx.parent_snapshot(&src.id)?);
+        }
+        let out_src = ctx.api.exec(&src, "echo ready", Duration::from_secs(60)).await?;
+        anyhow::ensure!(out_src.exit_code == 0, "the source does not run commands");
+
+        ctx.step(format!("{i}/{n}: fork x{k}"));
+        let mark = stages::mark(ctx.server_log.as_deref());
+        let t = Instant::now();
+        let forked = ctx.api.fork(&src.id, k).await;
+        let took = ms(t);
+        match forked {
+            Ok(children) => {
+                server_stages(ctx, out, mark);
+                let failed: Vec<String> = children.iter().filter_map(|c| c.as_ref().err().cloned()).collect();
+                let ok: Vec<_> = children.into_iter().filter_map(Result::ok).collect();
+                ctx.step(format!("{i}/{n}: checking that the {} children answer", ok.len()));
+                let mut silent = 0;
+                for c in &ok {
+                    match ctx.api.exec(c, "true", Duration::from_secs(60)).await {
+                        Ok(o) if o.exit_code == 0 => {}
+                        _ => silent += 1,
+                    }
+                }
+                if failed.is_empty() && silent == 0 {
+                    fork_ms.push(took);
+                    out.stage("API: POST /sandboxes/{id}/fork", took);
+                } else {
+                    errors.push(format!("{} children failed ({:?}), {silent} did not answer", failed.len(), failed.first()));
+                }
+                match source_capture_ms(ctx, &src.id) {
+                    Ok(v) => paused_ms.push(v),
+                    Err(e) => errors.push(format!("source pause time: {e:#}")),
+                }
+                for c in ok {
+                    let _ = ctx.api.kill(&c.id).await;
+                }
+            }
+            Err(e) => errors.push(format!("fork: {e:#}")),
+        }
+        ctx.api.kill(&src.id).await?;
+
+        ctx.step(format!("{i}/{n}: floor: {k} restores one after the other"));
+        let snap = snapshot.as_ref().expect("set above");
+        match sequential_restores(ctx, snap, k).await {
+            Ok(v) => {
+                floor_ms.push(v);
+                out.stage(format!("floor: {k} sequential restores"), v);
+            }
+            Err(e) => errors.push(format!("{e:#}")),
+        }
+    }
+    let first_error = errors.first().cloned();
+    out.rows.push(
+        Row::new("P2", format!("fork x{k}, all answering"), "ms")
+            .samples(fork_ms)
+            .floor(format!("{k} sequential restores (Vm::restore)"), floor_ms)
+            .ratio_target(0.5, "total ≤ 0.5× floor")
+            .param("iterations", n)
+            .param("children", k)
+            .param("memory_mb", mem)
+            .error(first_error.clone())
+            .param("errors", errors.len()),
+    );
+    let mut paused = Row::new("P2", "source unavailable during fork (capture → ready)", "ms").samples(paused_ms);
+    paused.target = "≤ 50 ms".into();
+    paused.met = paused.summary.map(|s| s.p50 <= 50.0);
+    out.rows.push(paused.param("source", "server event 'captured … in N ms'"));
+    Ok(())
+}

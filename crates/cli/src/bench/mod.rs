@@ -1,0 +1,302 @@
+//! `tine bench`: the performance scenarios P1–P7 of TARGETS.md, each with
+//! its floor measured in the same run, printed as one table (and written
+//! as JSON with `--json`). See docs/benchmarks.md.
+//!
+//! Files: [`env`] (the server the bench talks to), [`api`] (its REST
+//! client), [`envd`] (`commands.run` on the wire), [`floor`] (restores by
+//! hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
+//! timings from the server's log), [`stats`], [`report`], and one file per
+//! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
+//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7).
+
+mod api;
+mod capture;
+mod create;
+mod env;
+mod envd;
+mod floor;
+mod fork;
+mod mem;
+mod memory;
+mod proxy;
+mod report;
+mod sdk;
+mod stages;
+mod stats;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use tine_vmm::Paths;
+
+use api::Api;
+use report::{Report, Row, Stages};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+#[value(rename_all = "UPPER")]
+pub enum Scenario {
+    P1,
+    P2,
+    P3,
+    P4,
+    P5,
+    P6,
+    P7,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 7] = [Self::P1, Self::P2, Self::P3, Self::P4, Self::P5, Self::P6, Self::P7];
+
+    fn id(self) -> &'static str {
+        match self {
+            Self::P1 => "P1",
+            Self::P2 => "P2",
+            Self::P3 => "P3",
+            Self::P4 => "P4",
+            Self::P5 => "P5",
+            Self::P6 => "P6",
+            Self::P7 => "P7",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::P1 => "create from a template",
+            Self::P2 => "fork into children",
+            Self::P3 => "snapshot after writing to disk",
+            Self::P4 => "pause, then resume",
+            Self::P5 => "memory per idle sandbox",
+            Self::P6 => "concurrent creates and commands (Python SDK)",
+            Self::P7 => "commands.run through the proxy",
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Scenarios to run (default: all of P1–P7).
+    #[arg(value_enum, ignore_case = true)]
+    scenarios: Vec<Scenario>,
+    /// Iterations of every scenario (default: each scenario's own: P1 10,
+    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls).
+    #[arg(long)]
+    iterations: Option<usize>,
+    /// P6: sandboxes created (and commands run) at once.
+    #[arg(long, default_value_t = 50)]
+    concurrency: usize,
+    /// P6: creates done one at a time for its floor (default: min(10, concurrency)).
+    #[arg(long)]
+    sequential: Option<usize>,
+    /// P2: children per fork.
+    #[arg(long, default_value_t = 16)]
+    fork_count: usize,
+    /// P3: MiB written to the sandbox disk (with dd) before the snapshot.
+    #[arg(long, default_value_t = 1024)]
+    write_mib: u64,
+    /// P3: memory of the snapshotted sandbox (the target is for 512 MiB).
+    #[arg(long, default_value_t = 512)]
+    snapshot_memory_mb: u32,
+    /// P5: idle sandboxes running at once.
+    #[arg(long, default_value_t = 32)]
+    idle_count: usize,
+    /// vCPUs of every sandbox.
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// Memory of every sandbox but P3's, in MiB.
+    #[arg(long, default_value_t = 256)]
+    memory_mb: u32,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Use this server instead of starting one (its data dir must be
+    /// TINE_DATA_DIR: the floors read its snapshot files and QEMU pids).
+    #[arg(long, requires = "api_key")]
+    server: Option<String>,
+    /// API key for --server.
+    #[arg(long, env = "TINE_BENCH_API_KEY")]
+    api_key: Option<String>,
+}
+
+/// Everything a scenario needs.
+pub struct Ctx {
+    pub api: std::sync::Arc<Api>,
+    /// The server's data dir (snapshots, VM dirs with their qemu.pid).
+    pub paths: Paths,
+    /// Where VMs started by hand go.
+    pub floor_paths: Paths,
+    pub args: BenchArgs,
+    pub pb: ProgressBar,
+    /// The server's log, when the bench started it (per-stage timings).
+    pub server_log: Option<PathBuf>,
+}
+
+impl Ctx {
+    /// `--iterations`, or the scenario's default.
+    pub fn iterations(&self, default: usize) -> usize {
+        self.args.iterations.unwrap_or(default).max(1)
+    }
+
+    /// The template snapshot (or capture) a sandbox's VM was restored from.
+    pub fn parent_snapshot(&self, sandbox_id: &str) -> anyhow::Result<tine_vmm::Snapshot> {
+        let path = self.paths.vm_dir(sandbox_id).join("vm.json");
+        let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).with_context(|| {
+            format!("reading {} (is --server's data dir TINE_DATA_DIR?)", path.display())
+        })?)?;
+        let parent = rec["parent"].as_str().context("the VM was not restored from a snapshot")?;
+        Ok(tine_vmm::Snapshot::open(&self.paths, parent)?)
+    }
+
+    /// The QEMU pid of a sandbox.
+    pub fn qemu_pid(&self, sandbox_id: &str) -> anyhow::Result<i32> {
+        let path = self.paths.vm_dir(sandbox_id).join("qemu.pid");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        text.trim().parse().with_context(|| format!("{} holds no pid", path.display()))
+    }
+
+    pub fn step(&self, msg: impl Into<String>) {
+        self.pb.set_message(msg.into());
+    }
+}
+
+/// What one scenario produced (rows survive a later error).
+#[derive(Default)]
+pub struct Out {
+    pub rows: Vec<Row>,
+    stage_samples: BTreeMap<String, Vec<f64>>,
+}
+
+impl Out {
+    pub fn stage(&mut self, name: impl Into<String>, ms: f64) {
+        self.stage_samples.entry(name.into()).or_default().push(ms);
+    }
+
+    fn stages(&self) -> Stages {
+        self.stage_samples.iter().filter_map(|(k, v)| Some((k.clone(), stats::Summary::of(v)?))).collect()
+    }
+}
+
+async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<()> {
+    match s {
+        Scenario::P1 => create::p1(ctx, out).await,
+        Scenario::P2 => fork::p2(ctx, out).await,
+        Scenario::P3 => capture::p3(ctx, out).await,
+        Scenario::P4 => capture::p4(ctx, out).await,
+        Scenario::P5 => memory::p5(ctx, out).await,
+        Scenario::P6 => sdk::p6(ctx, out).await,
+        Scenario::P7 => proxy::p7(ctx, out).await,
+    }
+}
+
+/// Run the scenarios; returns the report. Sandboxes and VMs made are removed
+/// after each scenario, whatever happened.
+async fn run_all(ctx: &Ctx, scenarios: &[Scenario], multi: &MultiProgress, report: &mut Report) {
+    for &s in scenarios {
+        let pb = multi.add(ProgressBar::new_spinner());
+        pb.set_style(ProgressStyle::with_template("{spinner} {prefix:.bold} [{elapsed}] {msg}").expect("valid template"));
+        pb.set_prefix(format!("{} {}", s.id(), s.title()));
+        pb.enable_steady_tick(Duration::from_millis(200));
+        let ctx = ctx.with_progress(pb.clone());
+        let mut out = Out::default();
+        let result = run_scenario(&ctx, s, &mut out).await;
+        ctx.step("cleaning up");
+        let leftovers = ctx.api.clean_up(false).await;
+        env::clean_hand_vms(&ctx.floor_paths).await;
+        if let Err(e) = result {
+            out.rows.push(Row::failed(s.id(), "scenario failed", format!("{e:#}")));
+        }
+        if !leftovers.is_empty() {
+            out.rows.push(Row::failed(s.id(), "cleanup", leftovers.join("; ")));
+        }
+        let met = out.rows.iter().filter(|r| r.met == Some(true)).count();
+        let errors = out.rows.iter().filter(|r| r.error.is_some()).count();
+        pb.finish_with_message(format!("done: {} rows, {met} targets met, {errors} errors", out.rows.len()));
+        let stages = out.stages();
+        if !stages.is_empty() {
+            report.stages.insert(s.id().to_string(), stages);
+        }
+        report.rows.extend(out.rows);
+    }
+}
+
+impl Ctx {
+    fn with_progress(&self, pb: ProgressBar) -> Ctx {
+        Ctx {
+            api: self.api.clone(),
+            paths: self.paths.clone(),
+            floor_paths: self.floor_paths.clone(),
+            args: self.args.clone(),
+            pb,
+            server_log: self.server_log.clone(),
+        }
+    }
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    let mut scenarios = if args.scenarios.is_empty() { Scenario::ALL.to_vec() } else { args.scenarios.clone() };
+    scenarios.sort();
+    scenarios.dedup();
+    let base = Paths::from_env();
+    let floor_paths = env::floor_paths(&base);
+    env::clean_hand_vms(&floor_paths).await;
+
+    let multi = MultiProgress::new();
+    let mut own = None;
+    let (url, key, paths, server_log) = match (&args.server, &args.api_key) {
+        (Some(url), Some(key)) => (url.clone(), key.clone(), base.clone(), None),
+        _ => {
+            let pb = multi.add(ProgressBar::new_spinner());
+            pb.set_message("starting tine serve");
+            pb.enable_steady_tick(Duration::from_millis(200));
+            let s = env::OwnServer::start(&base, args.cpus, args.memory_mb).await?;
+            pb.finish_with_message(format!("tine serve on {} (data dir {}, log {})", s.url, s.paths.data_dir.display(), s.log.display()));
+            let r = (s.url.clone(), s.key.clone(), s.paths.clone(), Some(s.log.clone()));
+            own = Some(s);
+            r
+        }
+    };
+    let ctx = Ctx { api: std::sync::Arc::new(Api::new(&url, &key)), paths, floor_paths, args: args.clone(), pb: ProgressBar::hidden(), server_log };
+    if own.is_some() {
+        // Sandboxes of an interrupted earlier run (the data dir is ours).
+        let _ = ctx.api.clean_up(true).await;
+    }
+
+    let mut report = Report {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        host: report::Host::probe(),
+        rows: Vec::new(),
+        stages: BTreeMap::new(),
+    };
+    let interrupted = tokio::select! {
+        _ = run_all(&ctx, &scenarios, &multi, &mut report) => false,
+        _ = tokio::signal::ctrl_c() => true,
+    };
+    if interrupted {
+        eprintln!("interrupted: removing the sandboxes and VMs of this run");
+        let _ = ctx.api.clean_up(own.is_some()).await;
+        env::clean_hand_vms(&ctx.floor_paths).await;
+    }
+    if let Some(mut s) = own {
+        let _ = ctx.api.clean_up(true).await;
+        s.stop().await;
+    }
+    if interrupted {
+        return Ok(130);
+    }
+
+    println!("{}", report.table());
+    println!("{}", report.stages_table());
+    println!(
+        "host: {} × {} ({}), {} MiB; accelerator {}",
+        report.host.nproc, report.host.cpu_model, report.host.kernel, report.host.mem_total_mib, report.host.accel
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    let errors = report.rows.iter().filter(|r| r.error.is_some()).count();
+    Ok(if errors > 0 { 1 } else { 0 })
+}

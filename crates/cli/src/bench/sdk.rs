@@ -1,0 +1,86 @@
+//! P6: N concurrent creates, then N concurrent `commands.run("echo")`,
+//! through the real E2B Python SDK (`p6.py`, run with the venv that
+//! `tests/e2e/setup.sh` installs: `$TINE_DATA_DIR/venv`, or
+//! `TINE_BENCH_PYTHON`), against the same calls made one at a time.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use super::report::Row;
+use super::{Ctx, Out};
+
+const SCRIPT: &str = include_str!("p6.py");
+
+#[derive(Deserialize)]
+struct P6Result {
+    sequential_create: Vec<f64>,
+    sequential_run: Vec<f64>,
+    concurrent_create: Vec<f64>,
+    concurrent_run: Vec<f64>,
+    errors: Vec<String>,
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("TINE_BENCH_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tine_vmm::Paths::from_env().data_dir.join("venv/bin/python"))
+}
+
+/// The concurrent latencies against the one-at-a-time p50 scaled by
+/// `n / cores` (n requests share `cores` cores): met when there was no
+/// error and p99 ≤ 3× that.
+fn row(what: String, conc: Vec<f64>, seq: &[f64], n: usize, cores: usize, errors: usize) -> Row {
+    let scale = n as f64 / cores as f64;
+    let mut r = Row::new("P6", what, "ms")
+        .samples(conc)
+        .floor(format!("one at a time × {n}/{cores} cores"), seq.iter().map(|v| v * scale).collect());
+    r.target = "no error; p99 ≤ 3× floor".into();
+    if let (Some(s), Some(f)) = (r.summary, r.floor) {
+        r.ratio = Some(s.p99 / f.p50);
+        r.met = Some(errors == 0 && s.n == n && s.p99 <= 3.0 * f.p50);
+    }
+    r.param("concurrency", n).param("sequential", seq.len()).param("sequential_p50_ms", super::stats::Summary::of(seq).map(|s| s.p50))
+}
+
+pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.args.concurrency.max(1);
+    let seq = ctx.args.sequential.unwrap_or(n.min(10)).max(1);
+    let py = python();
+    if !py.exists() {
+        bail!("no Python with the E2B SDK at {} (run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)", py.display());
+    }
+    let script = ctx.floor_paths.data_dir.join("p6.py");
+    std::fs::create_dir_all(&ctx.floor_paths.data_dir)?;
+    std::fs::write(&script, SCRIPT)?;
+    ctx.step(format!("python SDK: {seq} creates + echo one at a time, then {n} at once"));
+    let output = tokio::process::Command::new(&py)
+        .arg(&script)
+        .env("E2B_API_URL", &ctx.api.base)
+        .env("E2B_SANDBOX_URL", &ctx.api.base)
+        .env("E2B_API_KEY", &ctx.api.key)
+        .env("TINE_BENCH_CONCURRENCY", n.to_string())
+        .env("TINE_BENCH_SEQUENTIAL", seq.to_string())
+        .env_remove("E2B_DOMAIN")
+        .env_remove("E2B_DEBUG")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running {}", py.display()))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or("");
+    let r: P6Result = serde_json::from_str(last).with_context(|| {
+        format!("the SDK script printed no result ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim())
+    })?;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let errors = r.errors.len();
+    let first = r.errors.first().cloned();
+    out_rows(out, row(format!("{n} concurrent creates (SDK)"), r.concurrent_create, &r.sequential_create, n, cores, errors), &first);
+    out_rows(out, row(format!("{n} concurrent commands.run(\"echo\") (SDK)"), r.concurrent_run, &r.sequential_run, n, cores, errors), &first);
+    Ok(())
+}
+
+fn out_rows(out: &mut Out, row: Row, error: &Option<String>) {
+    out.rows.push(row.error(error.clone()));
+}
