@@ -29,7 +29,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     let _lock = lock_data_dir(&paths.data_dir)?;
     let artifacts = paths.current_artifacts().resolve().context("guest artifacts")?;
     let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
-    let templates = templates::Templates::new(paths.clone(), artifacts);
+    let templates = templates::Templates::new(paths.clone(), artifacts, db.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listening on {}", config.listen))?;

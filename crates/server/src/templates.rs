@@ -1,18 +1,24 @@
 //! Templates: a booted, ready VM captured as a snapshot, which `create`
-//! restores. For now the only template is `base` (the default rootfs);
-//! building templates from commands and images is the issue "Templates…".
+//! restores. `base` is the default rootfs as booted; `tine template build`
+//! makes others from `base` plus commands, an optional start command and a
+//! ready check (like E2B templates). Templates are rows of kind `template`
+//! in the snapshots table (`names[0]` is the template's name).
 //!
-//! A snapshot fixes the machine shape, so each `(template, vCPUs, MiB)`
-//! that is asked for gets its own snapshot, built on first use (one cold
-//! boot) and reused until the artifacts change (their paths are content
-//! hashes, and they are part of the snapshot's name).
+//! A snapshot fixes the machine shape, so `base` gets one snapshot per
+//! `(vCPUs, MiB)` asked for, built on first use (one cold boot) and reused
+//! until the artifacts change (their paths are content hashes and are part
+//! of the snapshot's name). A built template has the shape it was built
+//! with.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use tine_vmm::{Artifacts, Machine, Paths, Snapshot, StartOptions, Vm};
 use tokio::sync::Mutex;
+
+use crate::db::{now_ms, Db, DbError, SnapshotKind, SnapshotRow};
 
 pub const DEFAULT_TEMPLATE: &str = "base";
 
@@ -20,27 +26,32 @@ pub const DEFAULT_TEMPLATE: &str = "base";
 pub enum TemplateError {
     #[error("template '{0}' not found")]
     NotFound(String),
-    #[error("building template '{template}': {source}")]
-    Build { template: String, source: tine_vmm::Error },
+    #[error("invalid template: {0}")]
+    Invalid(String),
+    #[error("building template '{template}': {detail}")]
+    Build { template: String, detail: String },
+    #[error(transparent)]
+    Db(#[from] DbError),
 }
 
 pub struct Templates {
     paths: Paths,
     artifacts: Artifacts,
+    db: Arc<Db>,
     /// One lock per snapshot name, so concurrent creates build it once.
     building: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 impl Templates {
-    pub fn new(paths: Paths, artifacts: Artifacts) -> Self {
-        Self { paths, artifacts, building: Mutex::new(HashMap::new()) }
+    pub fn new(paths: Paths, artifacts: Artifacts, db: Arc<Db>) -> Self {
+        Self { paths, artifacts, db, building: Mutex::new(HashMap::new()) }
     }
 
     pub fn exists(&self, template: &str) -> bool {
-        template == DEFAULT_TEMPLATE
+        template == DEFAULT_TEMPLATE || matches!(self.db.find_template(template, None), Ok(Some(_)))
     }
 
-    fn snapshot_name(&self, template: &str, machine: Machine) -> String {
+    fn base_snapshot_name(&self, machine: Machine) -> String {
         let mut h = Sha256::new();
         for p in [&self.artifacts.kernel, &self.artifacts.initramfs, &self.artifacts.rootfs] {
             h.update(p.display().to_string().as_bytes());
@@ -48,34 +59,171 @@ impl Templates {
         }
         h.update(machine.accel.as_str());
         let hash: String = h.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
-        format!("tpl-{template}-{}c-{}m-{hash}", machine.vcpus, machine.memory_mib)
+        format!("tpl-{DEFAULT_TEMPLATE}-{}c-{}m-{hash}", machine.vcpus, machine.memory_mib)
     }
 
-    /// The snapshot to restore for `template` with this machine shape,
-    /// built now if it does not exist yet.
-    pub async fn snapshot(&self, template: &str, machine: Machine) -> Result<Snapshot, TemplateError> {
-        if !self.exists(template) {
-            return Err(TemplateError::NotFound(template.to_string()));
+    /// The snapshot to restore for `template` (and its row). `base` is
+    /// built for `machine` now if needed; other templates have their own
+    /// shape.
+    pub async fn snapshot(&self, template: &str, machine: Machine) -> Result<(Snapshot, SnapshotRow), TemplateError> {
+        if template != DEFAULT_TEMPLATE {
+            let row = self.db.find_template(template, None)?.ok_or_else(|| TemplateError::NotFound(template.into()))?;
+            let snap = Snapshot::open(&self.paths, &row.id)
+                .map_err(|e| TemplateError::Build { template: template.into(), detail: e.to_string() })?;
+            return Ok((snap, row));
         }
-        let name = self.snapshot_name(template, machine);
+        let name = self.base_snapshot_name(machine);
+        let row = |m: Machine| SnapshotRow {
+            id: name.clone(),
+            kind: SnapshotKind::Template,
+            sandbox_id: String::new(),
+            parent_id: None,
+            names: vec![DEFAULT_TEMPLATE.into()],
+            template_id: DEFAULT_TEMPLATE.into(),
+            cpu_count: m.vcpus,
+            memory_mb: m.memory_mib,
+            source_token: String::new(),
+            created_ms: now_ms(),
+        };
         if let Ok(s) = Snapshot::open(&self.paths, &name) {
-            return Ok(s);
+            self.db.insert_snapshot(&row(machine))?;
+            return Ok((s, row(machine)));
         }
         let lock = self.building.lock().await.entry(name.clone()).or_default().clone();
         let _guard = lock.lock().await;
         if let Ok(s) = Snapshot::open(&self.paths, &name) {
-            return Ok(s);
+            return Ok((s, row(machine)));
         }
-        let build_err = |source| TemplateError::Build { template: template.to_string(), source };
         // Leftovers of an interrupted build would make the capture fail.
         let _ = Snapshot::delete(&self.paths, &name);
-        let vm_id = format!("build-{}", crate::ids::random_hex(4));
-        tracing::info!(template, snapshot = %name, "building template snapshot (cold boot)");
-        let vm = Vm::boot(&self.paths, &vm_id, machine, &self.artifacts, StartOptions::default())
-            .await
-            .map_err(build_err)?;
-        let snap = vm.capture_and_kill(&name).await.map_err(build_err)?;
+        tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");
+        let spec = BuildSpec { name: DEFAULT_TEMPLATE.into(), machine, ..Default::default() };
+        let snap = capture(&self.paths, &self.artifacts, &spec, &name, &mut |_| {}).await?;
+        self.db.insert_snapshot(&row(machine))?;
         tracing::info!(snapshot = %name, "template snapshot ready");
-        Ok(snap)
+        Ok((snap, row(machine)))
     }
+}
+
+/// What `tine template build` makes.
+#[derive(Debug, Clone, Default)]
+pub struct BuildSpec {
+    pub name: String,
+    pub machine: Machine,
+    /// Commands run as root, in order, each must exit 0.
+    pub run: Vec<String>,
+    /// Started (as root, in the background) before the capture, so it is
+    /// running in every sandbox of the template.
+    pub start: Option<String>,
+    /// Polled until it exits 0 before the capture.
+    pub ready: Option<String>,
+    pub ready_timeout: Duration,
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// Boot `base`, run the spec's commands, start its start command, wait
+/// until ready, capture as snapshot `snap_id`. `progress` hears each step.
+async fn capture(
+    paths: &Paths,
+    artifacts: &Artifacts,
+    spec: &BuildSpec,
+    snap_id: &str,
+    progress: &mut (dyn FnMut(&str) + Send),
+) -> Result<Snapshot, TemplateError> {
+    let fail = |detail: String| TemplateError::Build { template: spec.name.clone(), detail };
+    let vm_id = format!("build-{}", crate::ids::random_hex(4));
+    progress("booting base");
+    let vm = Vm::boot(paths, &vm_id, spec.machine, artifacts, StartOptions::default())
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let steps = async {
+        for (i, cmd) in spec.run.iter().enumerate() {
+            progress(&format!("run {}/{}: {cmd}", i + 1, spec.run.len()));
+            let out = vm.exec("root", cmd, Duration::from_secs(3600)).await.map_err(|e| fail(e.to_string()))?;
+            if out.exit_code != 0 {
+                let tail = String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..]).into_owned();
+                return Err(fail(format!("`{cmd}` exited with {}: {tail}", out.exit_code)));
+            }
+        }
+        if let Some(start) = &spec.start {
+            progress(&format!("start: {start}"));
+            let quoted = start.replace('\'', r"'\''");
+            let detach = format!("nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &");
+            vm.exec("root", &detach, Duration::from_secs(60)).await.map_err(|e| fail(e.to_string()))?;
+        }
+        if let Some(ready) = &spec.ready {
+            progress(&format!("waiting until ready: {ready}"));
+            let deadline = Instant::now() + spec.ready_timeout;
+            loop {
+                let out = vm.exec("root", ready, Duration::from_secs(60)).await.map_err(|e| fail(e.to_string()))?;
+                if out.exit_code == 0 {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(fail(format!("not ready after {:?}: `{ready}` exited with {}", spec.ready_timeout, out.exit_code)));
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = steps {
+        let _ = vm.kill().await;
+        return Err(e);
+    }
+    progress("capturing");
+    vm.capture_and_kill(snap_id).await.map_err(|e| fail(e.to_string()))
+}
+
+/// `tine template build`: make template `spec.name` (replacing an older
+/// one of that name, whose files go once no sandbox uses them).
+pub async fn build(
+    paths: &Paths,
+    artifacts: &Artifacts,
+    db: &Db,
+    spec: &BuildSpec,
+    progress: &mut (dyn FnMut(&str) + Send),
+) -> Result<SnapshotRow, TemplateError> {
+    if !valid_name(&spec.name) {
+        return Err(TemplateError::Invalid(format!(
+            "name {:?}: use 1-64 of a-z, 0-9, '-', '_'",
+            spec.name
+        )));
+    }
+    if spec.name == DEFAULT_TEMPLATE {
+        return Err(TemplateError::Invalid(format!("'{DEFAULT_TEMPLATE}' is built in")));
+    }
+    let older = db.find_template(&spec.name, None)?;
+    let id = format!("tpl-{}-{}", spec.name, crate::ids::random_hex(4));
+    let artifacts = artifacts.resolve().map_err(|e| TemplateError::Build { template: spec.name.clone(), detail: e.to_string() })?;
+    capture(paths, &artifacts, spec, &id, progress).await?;
+    let row = SnapshotRow {
+        id,
+        kind: SnapshotKind::Template,
+        sandbox_id: String::new(),
+        parent_id: None,
+        names: vec![spec.name.clone()],
+        template_id: spec.name.clone(),
+        cpu_count: spec.machine.vcpus,
+        memory_mb: spec.machine.memory_mib,
+        source_token: String::new(),
+        created_ms: now_ms(),
+    };
+    db.insert_snapshot(&row)?;
+    if let Some(old) = older {
+        db.hide_snapshot(&old.id)?;
+    }
+    Ok(row)
+}
+
+/// Delete template `name` (all its rows); files go once unused.
+pub fn delete(db: &Db, name: &str) -> Result<bool, TemplateError> {
+    if name == DEFAULT_TEMPLATE {
+        return Err(TemplateError::Invalid(format!("'{DEFAULT_TEMPLATE}' is built in")));
+    }
+    Ok(db.delete_snapshot(name)?)
 }

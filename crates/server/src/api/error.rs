@@ -40,6 +40,7 @@ impl From<SandboxError> for ApiError {
         let status = match &e {
             SandboxError::NotFound(_) => StatusCode::NOT_FOUND,
             SandboxError::Template(crate::templates::TemplateError::NotFound(_)) => StatusCode::NOT_FOUND,
+            SandboxError::Template(crate::templates::TemplateError::Invalid(_)) => StatusCode::BAD_REQUEST,
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
             SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,

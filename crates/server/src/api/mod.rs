@@ -49,6 +49,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes/{id}/resume", post(sandboxes::connect))
         .route("/sandboxes/{id}/snapshots", post(sandboxes::create_snapshot))
         .route("/snapshots", get(sandboxes::list_snapshots))
+        .route("/templates", get(sandboxes::list_templates))
         .route("/templates/{id}", axum::routing::delete(sandboxes::delete_snapshot))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .fallback(system::not_found)

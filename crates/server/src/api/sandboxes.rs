@@ -463,3 +463,25 @@ pub async fn fork(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<Stri
         .collect();
     Ok((StatusCode::CREATED, Json(out)).into_response())
 }
+
+/// `GET /templates`: one entry per template name.
+pub async fn list_templates(_: Authed, State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let rows = s.manager.db().list_templates().map_err(crate::sandboxes::SandboxError::from)?;
+    let mut out: Vec<serde_json::Value> = Vec::new();
+    for r in rows {
+        let name = r.names.first().cloned().unwrap_or_default();
+        out.push(serde_json::json!({
+            "templateID": name,
+            "buildID": r.id,
+            "aliases": [name],
+            "cpuCount": r.cpu_count,
+            "memoryMB": r.memory_mb,
+            "public": false,
+            "createdAt": rfc3339(r.created_ms),
+            "updatedAt": rfc3339(r.created_ms),
+            "buildStatus": "ready",
+            "envdVersion": crate::sandboxes::ENVD_VERSION,
+        }));
+    }
+    Ok(Json(out).into_response())
+}

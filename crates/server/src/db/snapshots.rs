@@ -16,6 +16,9 @@ pub enum SnapshotKind {
     Pause,
     Fork,
     Snapshot,
+    /// A template (`names[0]` is its name): `base` for each machine shape
+    /// in use, and those `tine template build` made.
+    Template,
 }
 
 impl SnapshotKind {
@@ -24,6 +27,7 @@ impl SnapshotKind {
             SnapshotKind::Pause => "pause",
             SnapshotKind::Fork => "fork",
             SnapshotKind::Snapshot => "snapshot",
+            SnapshotKind::Template => "template",
         }
     }
     fn parse(s: &str) -> Option<Self> {
@@ -31,6 +35,7 @@ impl SnapshotKind {
             "pause" => SnapshotKind::Pause,
             "fork" => SnapshotKind::Fork,
             "snapshot" => SnapshotKind::Snapshot,
+            "template" => SnapshotKind::Template,
             _ => return None,
         })
     }
@@ -78,7 +83,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, Db
 impl Db {
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<()> {
         self.conn().execute(
-            &format!("INSERT INTO snapshots ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)"),
+            &format!("INSERT OR IGNORE INTO snapshots ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)"),
             params![
                 s.id,
                 s.kind.as_str(),
@@ -118,13 +123,53 @@ impl Db {
         Ok(out)
     }
 
-    /// Hide a user snapshot; its files go when nothing depends on them.
+    /// Hide a user snapshot (by id) or a template (by id or name); the
+    /// files go when nothing depends on them.
     pub fn delete_snapshot(&self, id: &str) -> Result<bool> {
         let n = self.conn().execute(
-            "UPDATE snapshots SET deleted_ms = ?2 WHERE id = ?1 AND kind = 'snapshot' AND deleted_ms IS NULL",
+            "UPDATE snapshots SET deleted_ms = ?2 WHERE deleted_ms IS NULL AND \
+             ((id = ?1 AND kind IN ('snapshot', 'template')) OR (kind = 'template' AND json_extract(names, '$[0]') = ?1))",
             params![id, now_ms()],
         )?;
-        Ok(n == 1)
+        Ok(n >= 1)
+    }
+
+    /// Hide snapshot `id` whatever its kind (a replaced template).
+    pub fn hide_snapshot(&self, id: &str) -> Result<()> {
+        self.conn().execute("UPDATE snapshots SET deleted_ms = ?2 WHERE id = ?1 AND deleted_ms IS NULL", params![id, now_ms()])?;
+        Ok(())
+    }
+
+    /// The newest template called `name` whose shape is `cpu`/`mem` (any
+    /// shape when `None`).
+    pub fn find_template(&self, name: &str, shape: Option<(u32, u32)>) -> Result<Option<SnapshotRow>> {
+        let (cpu, mem) = shape.map_or((None, None), |(c, m)| (Some(c), Some(m)));
+        self.conn()
+            .query_row(
+                &format!(
+                    "SELECT {COLUMNS} FROM snapshots WHERE kind = 'template' AND deleted_ms IS NULL \
+                     AND json_extract(names, '$[0]') = ?1 AND (?2 IS NULL OR cpu_count = ?2) \
+                     AND (?3 IS NULL OR memory_mb = ?3) ORDER BY created_ms DESC LIMIT 1"
+                ),
+                params![name, cpu, mem],
+                from_row,
+            )
+            .optional()?
+            .transpose()
+    }
+
+    /// Templates, one row per template and shape.
+    pub fn list_templates(&self) -> Result<Vec<SnapshotRow>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE kind = 'template' AND deleted_ms IS NULL ORDER BY created_ms, id"
+        ))?;
+        let rows = stmt.query_map([], from_row)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
     }
 
     pub fn set_sandbox_snapshot(&self, sandbox_id: &str, snapshot_id: Option<&str>) -> Result<()> {
@@ -146,7 +191,7 @@ impl Db {
     pub fn collectable_snapshots(&self) -> Result<Vec<String>> {
         let conn = self.conn();
         let mut stmt = conn.prepare(
-            "SELECT s.id FROM snapshots s WHERE (s.kind != 'snapshot' OR s.deleted_ms IS NOT NULL) \
+            "SELECT s.id FROM snapshots s WHERE (s.kind IN ('pause', 'fork') OR s.deleted_ms IS NOT NULL) \
              AND NOT EXISTS (SELECT 1 FROM sandboxes b WHERE b.snapshot_id = s.id \
                              AND b.state IN ('starting', 'running', 'paused')) \
              AND NOT EXISTS (SELECT 1 FROM snapshots c WHERE c.parent_id = s.id)",

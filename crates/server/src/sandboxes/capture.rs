@@ -91,7 +91,8 @@ impl Manager {
         self.check_capacity(1)?;
         let snapshot = tine_vmm::Snapshot::open(&self.paths, &snap_id)
             .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: format!("cannot resume: {e}") })?;
-        let source = Source { snapshot, snapshot_id: Some(snap_id), previous_token: Some(rec.envd_access_token.clone()) };
+        let source =
+            Source { snapshot, snapshot_id: Some(snap_id), previous_token: Some(rec.envd_access_token.clone()), template: false };
         let t = Instant::now();
         let (vm, netns) = self
             .start_vm(&rec, &source, None)
@@ -138,9 +139,13 @@ impl Manager {
         Ok(self.db.list_snapshots(sandbox_id)?)
     }
 
+    /// `DELETE /templates/{id}`: a user snapshot, or a template by name.
     pub fn delete_snapshot(&self, id: &str) -> Result<(), SandboxError> {
+        if id == crate::templates::DEFAULT_TEMPLATE {
+            return Err(SandboxError::InvalidArgument(format!("template '{id}' is built in")));
+        }
         if !self.db.delete_snapshot(id)? {
-            return Err(SandboxError::NotFound(format!("snapshot {id}")));
+            return Err(SandboxError::NotFound(format!("snapshot or template {id}")));
         }
         self.gc();
         Ok(())
@@ -166,7 +171,8 @@ impl Manager {
         };
         let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
             .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: e.to_string() })?;
-        let source = Source { snapshot, snapshot_id: Some(row.id.clone()), previous_token: Some(row.source_token.clone()) };
+        let source =
+            Source { snapshot, snapshot_id: Some(row.id.clone()), previous_token: Some(row.source_token.clone()), template: false };
         let req = CreateRequest {
             template_id: source_rec.template_id.clone(),
             timeout_secs,

@@ -74,10 +74,12 @@ pub struct Manager {
 /// Where a new sandbox's VM comes from.
 struct Source {
     snapshot: tine_vmm::Snapshot,
-    /// The capture row, when it is not a template snapshot.
+    /// Its row in the snapshots table (templates included).
     snapshot_id: Option<String>,
     /// The token the guest already holds (it must be sent to replace it).
     previous_token: Option<String>,
+    /// A template: the warm pool serves it.
+    template: bool,
 }
 
 impl Manager {
@@ -108,7 +110,7 @@ impl Manager {
                 ..Machine::default()
             };
             match m.templates.snapshot(crate::templates::DEFAULT_TEMPLATE, machine).await {
-                Ok(snap) => m.pool.refill(snap),
+                Ok((snap, _)) => m.pool.refill(snap),
                 Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
             }
         });
@@ -214,12 +216,14 @@ impl Manager {
                 let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
                     .map_err(|e| SandboxError::Vm { id: row.id.clone(), detail: e.to_string() })?;
                 let m = snapshot.meta.machine;
-                let source = Source { snapshot, snapshot_id: Some(row.id), previous_token: Some(row.source_token) };
+                let source =
+                    Source { snapshot, snapshot_id: Some(row.id), previous_token: Some(row.source_token), template: false };
                 return Ok((source, m));
             }
         }
-        let snapshot = self.templates.snapshot(template_id, machine).await?;
-        Ok((Source { snapshot, snapshot_id: None, previous_token: None }, machine))
+        let (snapshot, row) = self.templates.snapshot(template_id, machine).await?;
+        let m = snapshot.meta.machine;
+        Ok((Source { snapshot, snapshot_id: Some(row.id), previous_token: None, template: true }, m))
     }
 
     fn new_record(&self, template_id: &str, machine: Machine, req: &CreateRequest) -> SandboxRecord {
@@ -254,11 +258,8 @@ impl Manager {
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
         let mut rec = self.new_record(&req.template_id, machine, &req);
         // Template creates take a pre-restored VM when one is ready.
-        let pooled = match source.snapshot_id {
-            None => self.pool.take(&source.snapshot.meta.id),
-            Some(_) => None,
-        };
-        if source.snapshot_id.is_none() {
+        let pooled = if source.template { self.pool.take(&source.snapshot.meta.id) } else { None };
+        if source.template {
             self.pool.refill(source.snapshot.clone());
         }
         if let Some(vm) = &pooled {

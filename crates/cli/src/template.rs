@@ -1,0 +1,84 @@
+//! `tine template build | list | delete`.
+
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::Subcommand;
+use tine_server::db::Db;
+use tine_server::templates::{self, BuildSpec};
+use tine_vmm::{Machine, Paths};
+
+#[derive(Subcommand)]
+pub enum TemplateCommand {
+    /// Build a template: boot `base`, run commands, start a process, wait
+    /// until ready, capture. Sandboxes created from it restore that state.
+    Build {
+        /// Name (a-z, 0-9, '-', '_'); replaces an older template of that name.
+        name: String,
+        /// A command to run as root (repeatable, in order; each must exit 0).
+        #[arg(long = "run")]
+        run: Vec<String>,
+        /// A command started in the background before the capture, so it
+        /// runs in every sandbox of the template.
+        #[arg(long)]
+        start: Option<String>,
+        /// A command polled until it exits 0 before the capture.
+        #[arg(long)]
+        ready: Option<String>,
+        #[arg(long, default_value_t = 300)]
+        ready_timeout_secs: u64,
+        #[arg(long, default_value_t = 2)]
+        vcpus: u32,
+        #[arg(long, default_value_t = 512)]
+        memory_mib: u32,
+    },
+    /// List templates (one line per template and machine shape).
+    List,
+    /// Delete a template; its files go once no sandbox uses them.
+    Delete { name: String },
+}
+
+pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
+    let paths = Paths::from_env();
+    let db = Db::open(&paths.data_dir.join("tine.db"))?;
+    match cmd {
+        TemplateCommand::Build { name, run, start, ready, ready_timeout_secs, vcpus, memory_mib } => {
+            let spec = BuildSpec {
+                name: name.clone(),
+                machine: Machine { vcpus, memory_mib, ..Machine::default() },
+                run,
+                start,
+                ready,
+                ready_timeout: Duration::from_secs(ready_timeout_secs),
+            };
+            let bar = indicatif::ProgressBar::new_spinner();
+            bar.enable_steady_tick(Duration::from_millis(120));
+            let started = std::time::Instant::now();
+            let mut progress = |step: &str| {
+                let line = format!("[{:>6.1}s] {step}", started.elapsed().as_secs_f64());
+                if bar.is_hidden() {
+                    eprintln!("{line}"); // not a terminal: plain lines
+                } else {
+                    bar.println(line);
+                }
+                bar.set_message(step.to_string());
+            };
+            let result = templates::build(&paths, &paths.current_artifacts(), &db, &spec, &mut progress).await;
+            bar.finish_and_clear();
+            let row = result?;
+            eprintln!("template {name} built in {:.1} s (snapshot {})", started.elapsed().as_secs_f64(), row.id);
+        }
+        TemplateCommand::List => {
+            for t in db.list_templates()? {
+                println!("{}\t{}\t{} vCPU\t{} MiB", t.names.first().map_or("?", String::as_str), t.id, t.cpu_count, t.memory_mb);
+            }
+        }
+        TemplateCommand::Delete { name } => {
+            if !templates::delete(&db, &name)? {
+                bail!("no template {name}");
+            }
+            eprintln!("deleted template {name}");
+        }
+    }
+    Ok(0)
+}
