@@ -11,7 +11,11 @@ use tine_vmm::Paths;
 
 /// A server started by the bench; stopped by [`OwnServer::stop`].
 pub struct OwnServer {
-    child: tokio::process::Child,
+    child: Option<tokio::process::Child>,
+    port: u16,
+    cpus: u32,
+    memory_mb: u32,
+    pub pool_size: usize,
     pub url: String,
     pub key: String,
     pub paths: Paths,
@@ -51,10 +55,11 @@ fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> {
     std::os::unix::fs::symlink(&src, &link).with_context(|| format!("linking {}", link.display()))
 }
 
-fn write_config(dir: &Path, port: u16, cpus: u32, memory_mb: u32) -> anyhow::Result<PathBuf> {
+fn write_config(dir: &Path, port: u16, cpus: u32, memory_mb: u32, pool_size: usize) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
     let text = format!(
         "listen = \"127.0.0.1:{port}\"\n\
+         pool_size = {pool_size}\n\
          default_cpu_count = {cpus}\n\
          default_memory_mb = {memory_mb}\n\
          default_timeout_secs = 1800\n\
@@ -67,24 +72,45 @@ fn write_config(dir: &Path, port: u16, cpus: u32, memory_mb: u32) -> anyhow::Res
 
 impl OwnServer {
     /// Start `tine serve` (this very binary) on a free loopback port, with a
-    /// fresh API key, and wait until it answers `/health`.
-    pub async fn start(base: &Paths, cpus: u32, memory_mb: u32) -> anyhow::Result<Self> {
+    /// fresh API key and `pool_size` warm VMs, and wait until it answers
+    /// `/health`.
+    pub async fn start(base: &Paths, cpus: u32, memory_mb: u32, pool_size: usize) -> anyhow::Result<Self> {
         let paths = own_paths(base);
         link_artifacts(base, &paths)?;
         let key = tine_server::db::Db::open(&paths.data_dir.join("tine.db"))?
             .create_key(&format!("bench-{}", std::process::id()))?
             .plaintext;
         let port = free_port()?;
-        let config = write_config(&paths.data_dir, port, cpus, memory_mb)?;
         let log = paths.data_dir.join("bench-server.log");
-        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let _ = std::fs::remove_file(&log);
+        let url = format!("http://127.0.0.1:{port}");
+        let mut server = Self { child: None, port, cpus, memory_mb, pool_size, url, key, paths, log };
+        server.spawn().await?;
+        Ok(server)
+    }
+
+    /// Stop the server and start it again with another warm pool size (its
+    /// sandboxes must be gone: the restart would adopt them).
+    pub async fn restart(&mut self, pool_size: usize) -> anyhow::Result<()> {
+        self.stop().await;
+        self.pool_size = pool_size;
+        self.spawn().await
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let config = write_config(&self.paths.data_dir, self.port, self.cpus, self.memory_mb, self.pool_size)?;
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("opening {}", self.log.display()))?;
         let exe = std::env::current_exe().context("finding the tine binary")?;
         let mut cmd = std::process::Command::new(exe);
         cmd.arg("serve")
             .arg("-c")
             .arg(&config)
-            .env("TINE_DATA_DIR", &paths.data_dir)
-            .env("TINE_SHM_DIR", &paths.shm_dir)
+            .env("TINE_DATA_DIR", &self.paths.data_dir)
+            .env("TINE_SHM_DIR", &self.paths.shm_dir)
             // Per-stage timings of restores and captures (see `stages`).
             .env("TINE_LOG", "info,tine_vmm=debug,tine_server=debug")
             .stdin(Stdio::null())
@@ -93,21 +119,20 @@ impl OwnServer {
         // Its own process group: a Ctrl-C reaches the bench only, which then
         // removes its sandboxes through the server before stopping it.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let child = tokio::process::Command::from(cmd).kill_on_drop(true).spawn().context("starting tine serve")?;
-        let url = format!("http://127.0.0.1:{port}");
-        let mut server = Self { child, url, key, paths, log };
-        let api = super::api::Api::new(&server.url, &server.key);
+        let mut child = tokio::process::Command::from(cmd).kill_on_drop(true).spawn().context("starting tine serve")?;
+        let api = super::api::Api::new(&self.url, &self.key);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if api.health().await {
-                return Ok(server);
+                self.child = Some(child);
+                return Ok(());
             }
-            if let Some(status) = server.child.try_wait()? {
-                bail!("tine serve exited ({status}): {}", tine_vmm::vm::log_tail(&server.log, 800));
+            if let Some(status) = child.try_wait()? {
+                bail!("tine serve exited ({status}): {}", tine_vmm::vm::log_tail(&self.log, 800));
             }
             if Instant::now() > deadline {
-                server.stop().await;
-                bail!("tine serve did not answer /health within 60 s: {}", tine_vmm::vm::log_tail(&server.log, 800));
+                let _ = child.kill().await;
+                bail!("tine serve did not answer /health within 60 s: {}", tine_vmm::vm::log_tail(&self.log, 800));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -115,11 +140,12 @@ impl OwnServer {
 
     /// SIGTERM, then SIGKILL after 10 s.
     pub async fn stop(&mut self) {
-        if let Some(pid) = self.child.id() {
+        let Some(mut child) = self.child.take() else { return };
+        if let Some(pid) = child.id() {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
         }
-        if tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await.is_err() {
-            let _ = self.child.kill().await;
+        if tokio::time::timeout(Duration::from_secs(15), child.wait()).await.is_err() {
+            let _ = child.kill().await;
         }
     }
 }

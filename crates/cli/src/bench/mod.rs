@@ -132,6 +132,9 @@ pub struct Ctx {
     pub pb: ProgressBar,
     /// The server's log, when the bench started it (per-stage timings).
     pub server_log: Option<PathBuf>,
+    /// The server the bench started, if it did (P1 restarts it with a warm
+    /// pool).
+    pub own: Option<std::sync::Arc<tokio::sync::Mutex<env::OwnServer>>>,
 }
 
 impl Ctx {
@@ -231,6 +234,7 @@ impl Ctx {
             args: self.args.clone(),
             pb,
             server_log: self.server_log.clone(),
+            own: self.own.clone(),
         }
     }
 }
@@ -251,14 +255,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             let pb = multi.add(ProgressBar::new_spinner());
             pb.set_message("starting tine serve");
             pb.enable_steady_tick(Duration::from_millis(200));
-            let s = env::OwnServer::start(&base, args.cpus, args.memory_mb).await?;
+            let s = env::OwnServer::start(&base, args.cpus, args.memory_mb, 0).await?;
             pb.finish_with_message(format!("tine serve on {} (data dir {}, log {})", s.url, s.paths.data_dir.display(), s.log.display()));
             let r = (s.url.clone(), s.key.clone(), s.paths.clone(), Some(s.log.clone()));
-            own = Some(s);
+            own = Some(std::sync::Arc::new(tokio::sync::Mutex::new(s)));
             r
         }
     };
-    let ctx = Ctx { api: std::sync::Arc::new(Api::new(&url, &key)), paths, floor_paths, args: args.clone(), pb: ProgressBar::hidden(), server_log };
+    let ctx = Ctx { api: std::sync::Arc::new(Api::new(&url, &key)), paths, floor_paths, args: args.clone(), pb: ProgressBar::hidden(), server_log, own: own.clone() };
     if own.is_some() {
         // Sandboxes of an interrupted earlier run (the data dir is ours).
         let _ = ctx.api.clean_up(true).await;
@@ -279,9 +283,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         let _ = ctx.api.clean_up(own.is_some()).await;
         env::clean_hand_vms(&ctx.floor_paths).await;
     }
-    if let Some(mut s) = own {
+    if let Some(s) = &own {
         let _ = ctx.api.clean_up(true).await;
-        s.stop().await;
+        s.lock().await.stop().await;
     }
     if interrupted {
         return Ok(130);
