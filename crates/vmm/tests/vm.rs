@@ -101,6 +101,19 @@ async fn boot_snapshot_clone_kill() {
     for (i, vm) in clones.iter().enumerate() {
         assert_eq!(sh(vm, "cat /root/mine").await.0, format!("clone{i}"), "clone {i} sees only its own write");
     }
+    // Ten clones of one snapshot share its RAM pages in the host page cache.
+    let mut more = Vec::new();
+    for i in 0..7 {
+        more.push(Vm::restore(&paths, &uniq(&format!("m{i}")), &snap, StartOptions::default()).await.expect("restore"));
+    }
+    for vm in clones.iter().chain(more.iter()) {
+        let (rss, pss, shared) = ram_mapping_usage(vm.pid(), &snap.ram);
+        assert!(rss > 0, "clone {} maps the snapshot's RAM file", vm.id());
+        assert!(shared > 0 && pss < rss, "clone {} shares RAM pages: rss {rss} pss {pss} shared {shared} KiB", vm.id());
+    }
+    for vm in more {
+        vm.kill().await.unwrap();
+    }
     assert_eq!(sh(&src, "cat /root/mine").await.0, "source");
     assert_eq!(sh(&src, "cat /root/marker").await.0, "before");
 
@@ -140,6 +153,32 @@ async fn boot_snapshot_clone_kill() {
     Snapshot::delete(&paths, &snap2_id).unwrap();
     assert!(!paths.snapshot_dir(&snap_id).exists());
     assert!(!paths.snapshot_ram(&snap_id).exists());
+}
+
+/// Rss, Pss and Shared (clean + dirty) in KiB of the mapping of `ram` in
+/// process `pid`, from /proc/PID/smaps.
+fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let name = ram.display().to_string();
+    let (mut rss, mut pss, mut shared, mut inside) = (0, 0, 0, false);
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.ends_with(&name);
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        let kib = |l: &str| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        match first {
+            "Rss:" => rss += kib(line),
+            "Pss:" => pss += kib(line),
+            "Shared_Clean:" | "Shared_Dirty:" => shared += kib(line),
+            _ => {}
+        }
+    }
+    (rss, pss, shared)
 }
 
 fn paths_real_release() -> PathBuf {

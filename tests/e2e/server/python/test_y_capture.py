@@ -187,3 +187,22 @@ def test_damaged_pause_capture_is_a_clear_error(fresh):
     # Still paused (nothing else affected), and it can be killed.
     assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
     assert s.kill() is True
+
+
+def test_snapshot_after_writing_a_gib_restores_it(fresh):
+    s = fresh(timeout=900)
+    out = s.commands.run(
+        "dd if=/dev/urandom of=/home/user/big bs=1M count=1024 status=none && sha256sum /home/user/big | cut -c1-64",
+        timeout=900,
+    ).stdout.strip()
+    assert len(out) == 64
+    snap = s.create_snapshot()
+    child = fresh(template=snap.snapshot_id, timeout=900)
+    got = child.commands.run("sha256sum /home/user/big | cut -c1-64", timeout=900).stdout.strip()
+    assert got == out
+    # And a snapshot after writing nothing more restores too.
+    snap2 = s.create_snapshot()
+    child2 = fresh(template=snap2.snapshot_id, timeout=900)
+    assert child2.commands.run("stat -c %s /home/user/big").stdout.strip() == str(1 << 30)
+    for x in (snap, snap2):
+        Sandbox.delete_snapshot(x.snapshot_id)
