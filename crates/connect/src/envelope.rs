@@ -60,6 +60,21 @@ pub enum FrameError {
     Truncated(usize),
 }
 
+/// One envelope: its flags and its payload as sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    pub flags: u8,
+    pub payload: Bytes,
+}
+
+/// Parses an end-of-stream payload (empty means success).
+pub fn parse_end_stream(payload: &[u8]) -> Result<EndStream, FrameError> {
+    if payload.is_empty() {
+        return Ok(EndStream::ok());
+    }
+    serde_json::from_slice(payload).map_err(|e| FrameError::BadEndStream(e.to_string()))
+}
+
 /// Incremental envelope decoder.
 ///
 /// Feed it body chunks with [`Decoder::push`], take frames with
@@ -80,18 +95,16 @@ impl Decoder {
         self.buf.extend_from_slice(chunk);
     }
 
-    /// The next complete frame, `Ok(None)` when more bytes are needed.
-    /// Errors are final: the stream is unusable after one.
-    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+    /// The next complete envelope as it is on the wire (the compressed flag
+    /// is allowed here; the caller decompresses). `Ok(None)` when more
+    /// bytes are needed. Errors are final.
+    pub fn next_envelope(&mut self) -> Result<Option<Envelope>, FrameError> {
         if self.buf.len() < HEADER_LEN {
             return Ok(None);
         }
         let flags = self.buf[0];
         let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if flags & FLAG_COMPRESSED != 0 {
-            return Err(FrameError::Compressed);
-        }
-        if flags & !FLAG_END_STREAM != 0 {
+        if flags & !(FLAG_END_STREAM | FLAG_COMPRESSED) != 0 {
             return Err(FrameError::BadFlags(flags));
         }
         if len > self.max_message {
@@ -101,16 +114,21 @@ impl Decoder {
             return Ok(None);
         }
         self.buf.advance(HEADER_LEN);
-        let payload = self.buf.split_to(len).freeze();
-        if flags & FLAG_END_STREAM != 0 {
-            let end = if payload.is_empty() {
-                EndStream::ok()
-            } else {
-                serde_json::from_slice(&payload).map_err(|e| FrameError::BadEndStream(e.to_string()))?
-            };
-            return Ok(Some(Frame::End(end)));
+        Ok(Some(Envelope { flags, payload: self.buf.split_to(len).freeze() }))
+    }
+
+    /// The next complete frame, `Ok(None)` when more bytes are needed.
+    /// Compressed frames are refused. Errors are final: the stream is
+    /// unusable after one.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if self.buf.first().is_some_and(|f| f & FLAG_COMPRESSED != 0) {
+            return Err(FrameError::Compressed);
         }
-        Ok(Some(Frame::Message(payload)))
+        let Some(env) = self.next_envelope()? else { return Ok(None) };
+        if env.flags & FLAG_END_STREAM != 0 {
+            return Ok(Some(Frame::End(parse_end_stream(&env.payload)?)));
+        }
+        Ok(Some(Frame::Message(env.payload)))
     }
 
     /// Call at the end of the body: an error if bytes of a partial frame
@@ -185,6 +203,9 @@ mod tests {
         let mut dec = Decoder::new(100);
         dec.push(&[0x80, 0, 0, 0, 0]);
         assert_eq!(dec.next_frame(), Err(FrameError::BadFlags(0x80)));
+        let mut dec = Decoder::new(100);
+        dec.push(&[1, 0, 0, 0, 1, 9]);
+        assert_eq!(dec.next_envelope(), Ok(Some(Envelope { flags: 1, payload: Bytes::from_static(&[9]) })));
         let mut dec = Decoder::new(100);
         dec.push(&encode_envelope(FLAG_END_STREAM, b"not json"));
         assert!(matches!(dec.next_frame(), Err(FrameError::BadEndStream(_))));

@@ -8,14 +8,20 @@
 //!
 //! Client side in three calls: [`encode_message`] builds a request envelope,
 //! [`Decoder`] splits a response body into [`Frame`]s, and [`Frame::End`]
-//! carries the parsed [`EndStream`] whose `error` is the call's outcome.
+//! carries the parsed [`EndStream`] whose `error` is the call's outcome
+//! ([`Error::from_unary_response`] reads a failed unary call). A server that
+//! accepts compressed messages reads raw [`Envelope`]s with
+//! [`Decoder::next_envelope`] instead.
 
 mod code;
 mod envelope;
 mod error;
 
 pub use code::Code;
-pub use envelope::{encode_end_stream, encode_envelope, encode_message, Decoder, Frame, FrameError, FLAG_COMPRESSED, FLAG_END_STREAM};
+pub use envelope::{
+    encode_end_stream, encode_envelope, encode_message, parse_end_stream, Decoder, Envelope, Frame, FrameError, FLAG_COMPRESSED,
+    FLAG_END_STREAM,
+};
 pub use error::{EndStream, Error};
 
 /// Content type of unary JSON calls.

@@ -13,7 +13,7 @@ use base64::Engine;
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tine_connect::{Decoder, EndStream, Frame};
+use tine_connect::{Decoder, EndStream};
 use tokio::sync::mpsc;
 
 use super::error::{EnvdError, Result};
@@ -91,6 +91,39 @@ pub struct Wire {
     media: &'static str,
     /// Request and response schemas when the call is binary.
     proto: Option<(&'static Schema, &'static Schema)>,
+    /// The request's messages are gzip-compressed (`Content-Encoding` on
+    /// unary calls, `Connect-Content-Encoding` and flag 0x01 on streams).
+    gzip: Encoding,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Identity,
+    Gzip,
+    Unsupported,
+}
+
+fn encoding(headers: &HeaderMap, name: &str) -> Encoding {
+    match headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase()) {
+        None => Encoding::Identity,
+        Some(v) if v.is_empty() || v == "identity" => Encoding::Identity,
+        Some(v) if v == "gzip" => Encoding::Gzip,
+        Some(_) => Encoding::Unsupported,
+    }
+}
+
+/// Inflates a compressed message, refusing more than [`MAX_MESSAGE`] bytes.
+fn gunzip(data: &[u8]) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(data)
+        .take(MAX_MESSAGE as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| EnvdError::InvalidArgument(format!("invalid gzip message: {e}")))?;
+    if out.len() > MAX_MESSAGE {
+        return Err(EnvdError::InvalidArgument(format!("message is larger than {MAX_MESSAGE} bytes once inflated")));
+    }
+    Ok(out)
 }
 
 const MEDIA: [&str; 4] = ["application/json", "application/proto", "application/connect+json", "application/connect+proto"];
@@ -100,7 +133,12 @@ impl Wire {
         let got = media_type(headers);
         let media = if got.is_empty() { "application/json" } else { MEDIA.into_iter().find(|m| *m == got).unwrap_or("") };
         let proto = if media.ends_with("proto") { protobin::method(service, method) } else { None };
-        Wire { media, proto }
+        let gzip = if media.starts_with("application/connect+") {
+            encoding(headers, "connect-content-encoding")
+        } else {
+            encoding(headers, "content-encoding")
+        };
+        Wire { media, proto, gzip }
     }
 
     fn check(&self, streaming: bool) -> Result<()> {
@@ -109,6 +147,9 @@ impl Wire {
             (false, "application/proto") | (true, "application/connect+proto") => self.proto.is_some(),
             _ => false,
         };
+        if ok && self.gzip == Encoding::Unsupported {
+            return Err(EnvdError::Unimplemented("unsupported request compression (identity and gzip are)".into()));
+        }
         if ok {
             return Ok(());
         }
@@ -144,7 +185,22 @@ impl Wire {
     /// The message of a unary call.
     pub async fn read_unary<T: DeserializeOwned>(&self, body: Body) -> Result<T> {
         self.check(false)?;
-        self.parse(&read_body(body).await?)
+        let body = read_body(body).await?;
+        if self.gzip == Encoding::Gzip {
+            return self.parse(&gunzip(&body)?);
+        }
+        self.parse(&body)
+    }
+
+    /// The payload of a message envelope, inflated if it is compressed.
+    fn payload(&self, env: tine_connect::Envelope) -> Result<Bytes> {
+        if env.flags & tine_connect::FLAG_COMPRESSED == 0 {
+            return Ok(env.payload);
+        }
+        if self.gzip != Encoding::Gzip {
+            return Err(EnvdError::InvalidArgument("compressed message without Connect-Content-Encoding: gzip".into()));
+        }
+        gunzip(&env.payload).map(Bytes::from)
     }
 
     /// The single enveloped message of a server-streaming call.
@@ -153,15 +209,15 @@ impl Wire {
         let bytes = read_body(body).await?;
         let mut dec = Decoder::new(MAX_MESSAGE);
         dec.push(&bytes);
-        let frame = dec.next_frame().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
-        let msg = match frame {
-            Some(Frame::Message(m)) => m,
-            Some(Frame::End(_)) | None => {
+        let env = dec.next_envelope().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+        let msg = match env {
+            Some(env) if env.flags & tine_connect::FLAG_END_STREAM == 0 => self.payload(env)?,
+            _ => {
                 dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
                 return Err(EnvdError::InvalidArgument("request has no message".into()));
             }
         };
-        match dec.next_frame() {
+        match dec.next_envelope() {
             Ok(None) => dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
             _ => return Err(EnvdError::InvalidArgument("server-streaming request has more than one message".into())),
         }
@@ -230,12 +286,12 @@ impl ClientStream {
     pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>> {
         let bad = |e: tine_connect::FrameError| EnvdError::InvalidArgument(e.to_string());
         loop {
-            match self.dec.next_frame().map_err(bad)? {
-                Some(Frame::Message(m)) => return self.wire.parse(&m).map(Some),
-                Some(Frame::End(_)) => {
+            match self.dec.next_envelope().map_err(bad)? {
+                Some(env) if env.flags & tine_connect::FLAG_END_STREAM != 0 => {
                     self.done = true;
                     return Ok(None);
                 }
+                Some(env) => return self.wire.parse(&self.wire.payload(env)?).map(Some),
                 None if self.done => {
                     self.dec.finish().map_err(bad)?;
                     return Ok(None);

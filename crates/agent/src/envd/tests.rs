@@ -524,3 +524,45 @@ fn init_sets_defaults_time_and_entropy() {
         assert!(m["mem_total"].as_u64().unwrap() > 0 && m["disk_total"].as_u64().unwrap() > 0 && m["ts"].as_i64().unwrap() > 0);
     });
 }
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(data).unwrap();
+    enc.finish().unwrap()
+}
+
+#[test]
+fn compressed_requests_and_binary_protobuf() {
+    rt().block_on(async {
+        let a = agent().await;
+        let body = gzip(br#"{"path":"/"}"#);
+        let (status, resp) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "gzip"), ("authorization", ROOT)], body).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+        assert_eq!(serde_json::from_slice::<Value>(&resp).unwrap()["entry"]["path"], "/");
+        let (status, _) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "br")], "{}").await;
+        assert_eq!(status, 501);
+        let (status, _) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "gzip")], "not gzip").await;
+        assert_eq!(status, 400);
+
+        // A compressed envelope on a stream, answered in binary protobuf.
+        let msg = crate::envd::protobin::encode(crate::envd::protobin::method("process.Process", "Start").unwrap().0, &json!({"process": {"cmd": "echo", "args": ["z"]}})).unwrap();
+        let env = tine_connect::encode_envelope(tine_connect::FLAG_COMPRESSED, &gzip(&msg));
+        let hdrs = [("content-type", "application/connect+proto"), ("connect-content-encoding", "gzip"), ("authorization", ROOT)];
+        let (status, resp) = a.request("POST", "/process.Process/Start", &hdrs, env.clone()).await;
+        assert_eq!(status, 200);
+        let mut dec = Decoder::new(1 << 20);
+        dec.push(&resp);
+        let resp_schema = crate::envd::protobin::method("process.Process", "Start").unwrap().1;
+        let mut events = Vec::new();
+        while let Some(Frame::Message(m)) = dec.next_frame().unwrap() {
+            events.push(crate::envd::protobin::decode(resp_schema, &m).unwrap());
+        }
+        assert!(events[0]["event"]["start"]["pid"].as_u64().unwrap() > 0);
+        assert_eq!(events[1]["event"]["data"]["stdout"], "ego=");
+        assert_eq!(events.last().unwrap()["event"]["end"]["exited"], true);
+        // Without the encoding header a compressed envelope is refused.
+        let (_, resp) = a.request("POST", "/process.Process/Start", &[("content-type", "application/connect+proto"), ("authorization", ROOT)], env).await;
+        assert_eq!(decode_stream(&resp).1.unwrap().code, Code::InvalidArgument);
+    });
+}

@@ -59,8 +59,12 @@ def test_unknown_method_and_service():
         assert json.loads(resp)["code"] == "unimplemented"
 
 
-def test_binary_protobuf_is_unsupported_media_type():
-    status, _, _ = http("POST", "/filesystem.Filesystem/Stat", b"\x0a\x01/", {"Content-Type": "application/proto"})
+def test_binary_protobuf_stat():
+    # StatRequest{path: "/"} in binary protobuf.
+    status, headers, resp = http("POST", "/filesystem.Filesystem/Stat", b"\x0a\x01/", {"Content-Type": "application/proto"})
+    assert status == 200 and headers["content-type"] == "application/proto"
+    assert b"FILE_TYPE" not in resp and resp.startswith(b"\x0a")  # StatResponse.entry, binary
+    status, _, _ = http("POST", "/filesystem.Filesystem/Stat", b"\x0a\x01/", {"Content-Type": "application/xml"})
     assert status == 415
 
 
