@@ -50,6 +50,8 @@ for _ in $(seq 1 100); do
 done
 
 export E2B_DEBUG=true E2B_API_KEY=tine-e2e
+# The tests read the agent's peak memory from /proc/$TINE_AGENT_PID/status.
+export TINE_AGENT_PID="$AGENT_PID"
 status=0
 
 log "Python SDK suite"

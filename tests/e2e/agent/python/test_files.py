@@ -139,6 +139,21 @@ def test_100_mib_upload_and_download_with_checksum(sbx, tmpdir_in_sandbox):
         n += len(chunk)
     assert n == size
     assert down.hexdigest() == data_hash.hexdigest()
+    # Neither direction held the file in the agent's memory.
+    peak = _agent_peak_rss()
+    if peak is not None:
+        assert peak < 64 << 20, f"agent peak RSS {peak >> 20} MiB after moving 100 MiB"
+
+
+def _agent_peak_rss():
+    pid = os.environ.get("TINE_AGENT_PID")
+    if not pid:
+        return None
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def test_multipart_upload_of_a_large_file(sbx, tmpdir_in_sandbox):
