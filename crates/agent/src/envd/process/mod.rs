@@ -265,6 +265,11 @@ async fn pump_events(tx: StreamTx, pid: u32, mut sub: output::Subscriber, keepal
                     return;
                 }
             }
+            Some(Item::Lagged) => {
+                let msg = format!("output stream of process {pid} stopped: the client did not read for {}s while the process kept writing", output::STALL_LIMIT.as_secs());
+                tx.finish(Err(EnvdError::Internal(msg))).await;
+                return;
+            }
             Some(Item::End(ended)) => {
                 drop(sub);
                 if send(ProcessEvent::End(ended.event)).await.is_err() {

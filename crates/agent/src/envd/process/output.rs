@@ -8,9 +8,16 @@
 //! never loses or reorders output, and memory stays bounded (`capacity`
 //! bytes plus one chunk) when nobody reads. A client that attaches later
 //! (`Connect`) first gets what is still buffered.
+//!
+//! A client that stops reading altogether (a dead connection, or an SDK
+//! handle nobody iterates) must not stall the process forever: when the
+//! producer has waited [`STALL_LIMIT`] without any progress, the subscribers
+//! holding it back are detached (they get [`Item::Lagged`]) and the process
+//! goes on. Real envd does the same with a 15 s write deadline per send.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -42,6 +49,9 @@ pub struct Ended {
     pub deadline_exceeded: bool,
 }
 
+/// How long the producer waits for a stuck subscriber before detaching it.
+pub const STALL_LIMIT: Duration = Duration::from_secs(15);
+
 struct Inner {
     chunks: VecDeque<(Source, Bytes)>,
     /// Sequence number of `chunks[0]`.
@@ -49,6 +59,8 @@ struct Inner {
     bytes: usize,
     ended: Option<Ended>,
     cursors: HashMap<u64, u64>,
+    /// Subscribers detached for not reading.
+    lagged: HashSet<u64>,
     next_subscriber: u64,
 }
 
@@ -66,6 +78,8 @@ pub struct Output {
 pub enum Item {
     Data(Source, Bytes),
     End(Ended),
+    /// This subscriber was detached for not reading (see [`STALL_LIMIT`]).
+    Lagged,
 }
 
 impl Output {
@@ -77,6 +91,7 @@ impl Output {
                 bytes: 0,
                 ended: None,
                 cursors: HashMap::new(),
+                lagged: HashSet::new(),
                 next_subscriber: 0,
             }),
             capacity,
@@ -118,10 +133,26 @@ impl Output {
                     }
                 }
             }
-            if consumed.changed().await.is_err() {
-                return;
+            match tokio::time::timeout(STALL_LIMIT, consumed.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return,
+                Err(_stalled) => self.detach_blockers(),
             }
         }
+    }
+
+    /// Detaches the subscribers that still need the oldest chunk.
+    fn detach_blockers(&self) {
+        let mut st = self.lock();
+        let first = st.first_seq;
+        let stuck: Vec<u64> = st.cursors.iter().filter(|(_, c)| **c <= first).map(|(id, _)| *id).collect();
+        for id in stuck {
+            tracing::warn!(subscriber = id, "detaching an output stream that stopped reading");
+            st.cursors.remove(&id);
+            st.lagged.insert(id);
+        }
+        drop(st);
+        self.produced.send_modify(|v| *v += 1);
     }
 
     /// Records the end; subscribers get it after the buffered output.
@@ -155,6 +186,9 @@ impl Subscriber {
             self.produced.borrow_and_update();
             {
                 let mut st = self.output.lock();
+                if st.lagged.remove(&self.id) {
+                    return Item::Lagged;
+                }
                 let first = st.first_seq;
                 let cursor = st.cursors.get(&self.id).copied().unwrap_or(first).max(first);
                 let idx = (cursor - first) as usize;
@@ -178,7 +212,10 @@ impl Subscriber {
 
 impl Drop for Subscriber {
     fn drop(&mut self) {
-        self.output.lock().cursors.remove(&self.id);
+        let mut st = self.output.lock();
+        st.cursors.remove(&self.id);
+        st.lagged.remove(&self.id);
+        drop(st);
         self.output.consumed.send_modify(|v| *v += 1);
     }
 }
@@ -236,10 +273,24 @@ mod tests {
                     assert_eq!(e, end());
                     break;
                 }
+                Item::Lagged => panic!("a reading subscriber was detached"),
             }
         }
         assert_eq!(expect, 1000);
         producer.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscriber_that_stops_reading_is_detached() {
+        let out = Output::new(4);
+        let mut stuck = out.subscribe();
+        let mut reader = out.subscribe();
+        out.push(Source::Stdout, Bytes::from_static(b"1234")).await;
+        assert_eq!(reader.next().await, Item::Data(Source::Stdout, Bytes::from_static(b"1234")));
+        // `stuck` never reads: after STALL_LIMIT (virtual time) the push goes on.
+        out.push(Source::Stdout, Bytes::from_static(b"5678")).await;
+        assert_eq!(reader.next().await, Item::Data(Source::Stdout, Bytes::from_static(b"5678")));
+        assert_eq!(stuck.next().await, Item::Lagged);
     }
 
     #[tokio::test]
