@@ -566,3 +566,87 @@ fn compressed_requests_and_binary_protobuf() {
         assert_eq!(decode_stream(&resp).1.unwrap().code, Code::InvalidArgument);
     });
 }
+
+/// Garbage to every method in every encoding: every request gets an answer
+/// (a panic would drop the connection instead) and the agent stays healthy.
+#[test]
+fn garbage_never_takes_the_agent_down() {
+    rt().block_on(async {
+        let a = agent().await;
+        let methods = [
+            ("process.Process", "List"),
+            ("process.Process", "Start"),
+            ("process.Process", "Connect"),
+            ("process.Process", "Update"),
+            ("process.Process", "StreamInput"),
+            ("process.Process", "SendInput"),
+            ("process.Process", "SendSignal"),
+            ("process.Process", "CloseStdin"),
+            ("filesystem.Filesystem", "Stat"),
+            ("filesystem.Filesystem", "MakeDir"),
+            ("filesystem.Filesystem", "Move"),
+            ("filesystem.Filesystem", "ListDir"),
+            ("filesystem.Filesystem", "Remove"),
+            ("filesystem.Filesystem", "WatchDir"),
+            ("filesystem.Filesystem", "CreateWatcher"),
+            ("filesystem.Filesystem", "GetWatcherEvents"),
+            ("filesystem.Filesystem", "RemoveWatcher"),
+        ];
+        // Methods that change things only see text that is never a valid
+        // binary request (a random path could otherwise be removed).
+        let mutating = ["Start", "MakeDir", "Move", "Remove"];
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rand_bytes = |n: usize| -> Vec<u8> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect()
+        };
+        let nobody = "Basic bm9ib2R5Og=="; // base64("nobody:")
+        for (service, method) in methods {
+            let path = format!("/{service}/{method}");
+            for round in 0..12 {
+                let mut body = rand_bytes(round * 7 % 61);
+                if mutating.contains(&method) {
+                    body.retain(|b| b.is_ascii_graphic() && *b != b'{' && *b != b'[');
+                }
+                let mut enveloped = tine_connect::encode_envelope((round % 4) as u8, &body).to_vec();
+                if round % 3 == 0 {
+                    enveloped.truncate(enveloped.len() / 2);
+                }
+                let cases: Vec<(&str, Vec<u8>)> = if mutating.contains(&method) {
+                    vec![("application/json", body.clone()), ("application/connect+json", enveloped)]
+                } else {
+                    vec![
+                        ("application/json", body.clone()),
+                        ("application/proto", body.clone()),
+                        ("application/connect+json", enveloped.clone()),
+                        ("application/connect+proto", enveloped),
+                        ("text/plain", body.clone()),
+                    ]
+                };
+                for (ct, payload) in cases {
+                    let req = http::Request::builder()
+                        .method("POST")
+                        .uri(format!("http://{}{}", a.addr, path))
+                        .header("content-type", ct)
+                        .header("authorization", nobody)
+                        .header("connect-timeout-ms", "2000")
+                        .body(Full::new(Bytes::from(payload)))
+                        .unwrap();
+                    let resp = a.client.request(req).await.unwrap_or_else(|e| panic!("{path} {ct}: no answer: {e}"));
+                    let status = resp.status().as_u16();
+                    let body = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect()).await;
+                    assert!(body.is_ok_and(|b| b.is_ok()), "{path} {ct}: the answer did not complete");
+                    assert!(status < 500 || status == 501, "{path} {ct}: status {status}");
+                }
+            }
+        }
+        let (status, _) = a.request("GET", "/health", &[], "").await;
+        assert_eq!(status, 204);
+    });
+}
