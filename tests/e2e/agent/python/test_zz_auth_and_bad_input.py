@@ -140,6 +140,16 @@ def test_access_token_required_and_enforced():
         url = sbx.download_url("/tmp/tine-e2e-token.txt", use_signature_expiration=60)
         parsed = urllib.parse.urlsplit(url)
         assert http("GET", f"{parsed.path}?{parsed.query}")[0] == 200
+        # A signed upload URL takes a raw POST without the header.
+        up = urllib.parse.urlsplit(sbx.upload_url("/tmp/tine-e2e-signed-up.txt"))
+        status, _, resp = http("POST", f"{up.path}?{up.query}", b"up!", {"Content-Type": "application/octet-stream"})
+        assert status == 200, resp
+        assert sbx.files.read("/tmp/tine-e2e-signed-up.txt") == "up!"
+        assert sbx.files.get_info("/tmp/tine-e2e-signed-up.txt").owner == "user"
+        sbx.files.remove("/tmp/tine-e2e-signed-up.txt")
+        # A read signature does not allow a write.
+        status, _, _ = http("POST", f"{parsed.path}?{parsed.query}", b"x", {"Content-Type": "application/octet-stream"})
+        assert status == 401
         sbx.files.remove("/tmp/tine-e2e-token.txt")
     finally:
         # Clearing the token needs the token itself.
