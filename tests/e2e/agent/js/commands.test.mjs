@@ -38,7 +38,7 @@ test('background, list, stdin, kill', async () => {
 
 test('connect from a second client', async () => {
   const sbx = await Sandbox.create()
-  const h = await sbx.commands.run('for i in 1 2 3; do echo n$i; sleep 0.2; done', { background: true })
+  const h = await sbx.commands.run('for i in 1 2 3; do echo n$i; sleep 0.5; done', { background: true })
   const other = await Sandbox.connect('debug_sandbox_id')
   const h2 = await other.commands.connect(h.pid)
   const r2 = await h2.wait()

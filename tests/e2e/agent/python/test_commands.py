@@ -76,7 +76,7 @@ def test_stream_input(sbx):
 
 def test_connect_from_a_second_client(sbx):
     h = sbx.commands.run(
-        "for i in 1 2 3; do echo line$i; sleep 0.3; done; echo done", background=True
+        "for i in 1 2 3; do echo line$i; sleep 0.5; done; echo done", background=True
     )
     other = Sandbox.connect("debug_sandbox_id")
     h2 = other.commands.connect(h.pid)
@@ -88,7 +88,7 @@ def test_connect_from_a_second_client(sbx):
 
 
 def test_process_outlives_client_disconnect(sbx):
-    h = sbx.commands.run("sleep 1; echo ok", background=True)
+    h = sbx.commands.run("sleep 3; echo ok", background=True)
     pid = h.pid
     h.disconnect()
     r = Sandbox.connect("debug_sandbox_id").commands.connect(pid).wait()
