@@ -38,14 +38,33 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     manager.recover().await.context("recovering sandboxes of the previous run")?;
     tokio::spawn(manager.clone().sweep_loop());
     manager.warm_up();
-    let state = Arc::new(api::AppState { manager, metrics: Arc::new(metrics::Metrics::default()), domain });
+    let client = proxy::client(manager.clone());
+    let state = Arc::new(api::AppState { manager, metrics: Arc::new(metrics::Metrics::default()), domain, client });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();
-    axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    // On SIGTERM/SIGINT stop accepting and let requests in flight finish,
+    // but not for long: SDK streams (process output, watches) can stay
+    // open indefinitely, and sandboxes outlive the server anyway.
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let notify = stopping.clone();
+    let serve = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        notify.notify_one();
+    });
+    tokio::select! {
+        r = serve => r?,
+        _ = async {
+            stopping.notified().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; closing them"),
+    }
     tracing::info!("shutting down: stopping the warm pool (sandboxes keep running)");
     shutdown_manager.shutdown().await;
     Ok(())
 }
+
+/// How long requests in flight may take to finish after SIGTERM.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// SIGINT or SIGTERM.
 async fn shutdown_signal() {

@@ -10,6 +10,13 @@
 //! Requests to the agent must carry the sandbox's `X-Access-Token` (or, for
 //! `/files`, a valid signature made with it): the proxy checks before
 //! anything reaches the guest.
+//!
+//! Connections into sandboxes are pooled (hyper-util's client keeps idle
+//! HTTP/1.1 connections per authority). The authority names the sandbox
+//! *and* the VM process it runs in (`<id>-<incarnation>.vm:<port>`), so a
+//! connection to a VM that was paused, captured or replaced is never
+//! reused; [`GuestConnector`] resolves it through the sandbox's network
+//! namespace.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +34,91 @@ use crate::api::AppState;
 
 pub const ENVD_PORT: u16 = 49983;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle pooled connections into a sandbox are closed after this.
+const POOL_IDLE: Duration = Duration::from_secs(30);
+
+/// The pooled HTTP client the proxy sends with.
+pub type GuestClient = hyper_util::client::legacy::Client<GuestConnector, Body>;
+
+pub fn client(manager: std::sync::Arc<crate::sandboxes::Manager>) -> GuestClient {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(GuestConnector { manager })
+}
+
+/// Opens TCP connections to `<id>-<incarnation>.vm:<port>` inside the
+/// sandbox's network namespace.
+#[derive(Clone)]
+pub struct GuestConnector {
+    manager: std::sync::Arc<crate::sandboxes::Manager>,
+}
+
+/// A connection into a sandbox, as hyper-util's client wants it.
+pub struct GuestStream(TokioIo<tokio::net::TcpStream>);
+
+impl hyper_util::client::legacy::connect::Connection for GuestStream {
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        hyper_util::client::legacy::connect::Connected::new()
+    }
+}
+
+impl hyper::rt::Read for GuestStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for GuestStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+impl tower_service::Service<http::Uri> for GuestConnector {
+    type Response = GuestStream;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<GuestStream>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let manager = self.manager.clone();
+        Box::pin(async move {
+            let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "sandbox VM gone");
+            let host = uri.host().ok_or_else(gone)?;
+            let (id, incarnation) = host.trim_end_matches(".vm").rsplit_once('-').ok_or_else(gone)?;
+            let live = manager.live(id).ok_or_else(gone)?;
+            if live.incarnation().to_string() != incarnation {
+                return Err(gone());
+            }
+            let port = uri.port_u16().unwrap_or(80);
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, live.netns.connect(port))
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+            Ok(GuestStream(TokioIo::new(stream)))
+        })
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -118,28 +210,24 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     if t.port == ENVD_PORT && !authorized(&req, &live.access_token) {
         return error(StatusCode::UNAUTHORIZED, "missing or invalid X-Access-Token for this sandbox".into(), rpc);
     }
-    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, live.netns.connect(t.port)).await {
-        Ok(Ok(s)) => s,
-        _ => {
+    let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let uri = format!("http://{}-{}.vm:{}{path}", t.sandbox, live.incarnation(), t.port);
+    *req.uri_mut() = match uri.parse() {
+        Ok(u) => u,
+        Err(_) => return error(StatusCode::BAD_REQUEST, "invalid request path".into(), rpc),
+    };
+    let upgrade = req.headers().contains_key(header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
+    let counter = state.metrics.proxy_bytes.clone();
+    let req = req.map(|b| Body::new(crate::metrics::counted(b, counter.clone(), "in")));
+    let mut resp = match state.client.request(req).await {
+        Ok(r) => r,
+        Err(e) if e.is_connect() => {
             return error(
                 StatusCode::BAD_GATEWAY,
                 format!("The sandbox {} is running but port {} is not open", t.sandbox, t.port),
                 rpc,
             )
         }
-    };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-        Ok(x) => x,
-        Err(e) => return error(StatusCode::BAD_GATEWAY, format!("sandbox {}: {e}", t.sandbox), rpc),
-    };
-    tokio::spawn(async move {
-        let _ = conn.with_upgrades().await;
-    });
-    let upgrade = req.headers().contains_key(header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
-    let counter = state.metrics.proxy_bytes.clone();
-    let req = req.map(|b| Body::new(crate::metrics::counted(b, counter.clone(), "in")));
-    let mut resp = match sender.send_request(req).await {
-        Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_GATEWAY, format!("sandbox {}: {e}", t.sandbox), rpc),
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {

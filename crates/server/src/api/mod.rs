@@ -27,6 +27,8 @@ pub struct AppState {
     pub manager: Arc<Manager>,
     pub metrics: Arc<Metrics>,
     pub domain: String,
+    /// Pooled connections into sandboxes, for the proxy.
+    pub client: crate::proxy::GuestClient,
 }
 
 /// The router with every route, the proxy in front.

@@ -117,6 +117,7 @@ impl Manager {
         let t = Instant::now();
         let vm_err = |detail: String| SandboxError::Vm { id: id.to_string(), detail };
         vm.snapshot(&row.id).await.map_err(|e| vm_err(e.to_string()))?;
+        live.renew();
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
         guest::init(&live.netns, &rec.id, &guest_env(&rec), &rec.envd_access_token, Some(&rec.envd_access_token))

@@ -58,7 +58,26 @@ pub struct Live {
     /// For the proxy: reach guest ports without locking the VM.
     pub netns: Netns,
     pub access_token: String,
+    /// Differs for every VM process the sandbox runs in (new on resume and
+    /// after a capture), so the proxy never reuses a connection to an
+    /// earlier one.
+    incarnation: std::sync::atomic::AtomicU64,
 }
+
+impl Live {
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn renew(&self) {
+        self.incarnation.store(next_incarnation(), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn next_incarnation() -> u64 {
+    INCARNATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+static INCARNATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 pub struct Manager {
     pub config: Config,
@@ -155,6 +174,7 @@ impl Manager {
             vm: tokio::sync::Mutex::new(Some(vm)),
             netns,
             access_token: rec.envd_access_token.clone(),
+            incarnation: next_incarnation().into(),
         });
         self.live.write().unwrap_or_else(|e| e.into_inner()).insert(rec.id.clone(), live);
     }
