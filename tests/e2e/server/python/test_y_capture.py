@@ -45,13 +45,19 @@ def grows(s):
     return False
 
 
-def test_pause_then_resume_keeps_files_and_processes(fresh):
+def marked_sandbox_with_counter(fresh):
+    """A sandbox with a file holding a random mark and a process appending
+    to /tmp/counter."""
     s = fresh(timeout=600)
     mark = uuid.uuid4().hex
     s.files.write("/home/user/mark", mark)
     s.commands.run(COUNTER, background=True, timeout=0)
     wait_for_file(s, "/tmp/counter")
+    return s, mark
 
+
+def test_pause_then_resume_keeps_files_and_processes(fresh):
+    s, mark = marked_sandbox_with_counter(fresh)
     assert s.pause() is True
     assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
     # Pausing a paused sandbox: the SDK gets 409 and returns False.
@@ -70,11 +76,7 @@ def test_pause_then_resume_keeps_files_and_processes(fresh):
 
 
 def test_paused_sandbox_survives_a_server_restart(fresh):
-    s = fresh(timeout=600)
-    mark = uuid.uuid4().hex
-    s.files.write("/home/user/mark", mark)
-    s.commands.run(COUNTER, background=True, timeout=0)
-    wait_for_file(s, "/tmp/counter")
+    s, mark = marked_sandbox_with_counter(fresh)
     assert s.pause() is True
 
     for args in (["stop", "KILL"], ["start"]):
