@@ -25,6 +25,10 @@ use crate::envd::user::run_as;
 
 /// Events a polled watcher keeps until they are fetched (oldest dropped).
 const MAX_PENDING_EVENTS: usize = 10_000;
+/// A polled watcher nobody has asked for events this long is removed (a
+/// client that never calls RemoveWatcher must not leak inotify instances,
+/// of which a user gets 128 by default).
+const WATCHER_IDLE_LIMIT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -239,6 +243,7 @@ pub async fn watch_dir(ctx: Ctx, wire: &Wire, req: WatchRequest) -> Response {
 
 struct Watcher {
     events: Mutex<VecDeque<FilesystemEvent>>,
+    last_poll: Mutex<tokio::time::Instant>,
     error: Mutex<Option<EnvdError>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -287,11 +292,29 @@ pub struct Empty {}
 
 pub async fn create_watcher(ctx: Ctx, req: WatchRequest) -> Result<CreateWatcherResponse> {
     let mut watch = DirWatch::open(&ctx, &req).await?;
+    let id = ctx.envd.watchers.new_id();
+    let envd = Arc::downgrade(&ctx.envd);
+    let task_id = id.clone();
     let watcher = Arc::new_cyclic(|weak: &std::sync::Weak<Watcher>| {
         let weak = weak.clone();
         let task = tokio::spawn(async move {
+            let mut idle_check = tokio::time::interval(WATCHER_IDLE_LIMIT / 10);
             loop {
-                let r = watch.next().await;
+                let r = tokio::select! {
+                    r = watch.next() => r,
+                    _ = idle_check.tick() => {
+                        let Some(w) = weak.upgrade() else { return };
+                        let idle = w.last_poll.lock().unwrap_or_else(|e| e.into_inner()).elapsed();
+                        if idle >= WATCHER_IDLE_LIMIT {
+                            tracing::info!(watcher = %task_id, "removing a watcher nobody polls");
+                            if let Some(envd) = envd.upgrade() {
+                                envd.watchers.lock().remove(&task_id);
+                            }
+                            return;
+                        }
+                        continue;
+                    }
+                };
                 let Some(w) = weak.upgrade() else { return };
                 match r {
                     Ok(events) => {
@@ -308,9 +331,13 @@ pub async fn create_watcher(ctx: Ctx, req: WatchRequest) -> Result<CreateWatcher
                 }
             }
         });
-        Watcher { events: Mutex::new(VecDeque::new()), error: Mutex::new(None), task }
+        Watcher {
+            events: Mutex::new(VecDeque::new()),
+            last_poll: Mutex::new(tokio::time::Instant::now()),
+            error: Mutex::new(None),
+            task,
+        }
     });
-    let id = ctx.envd.watchers.new_id();
     ctx.envd.watchers.lock().insert(id.clone(), watcher);
     Ok(CreateWatcherResponse { watcher_id: id })
 }
@@ -321,6 +348,7 @@ fn find(ctx: &Ctx, id: &str) -> Result<Arc<Watcher>> {
 
 pub async fn get_watcher_events(ctx: Ctx, req: WatcherRequest) -> Result<GetWatcherEventsResponse> {
     let w = find(&ctx, &req.watcher_id)?;
+    *w.last_poll.lock().unwrap_or_else(|e| e.into_inner()) = tokio::time::Instant::now();
     let events: Vec<_> = w.events.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
     if events.is_empty() {
         if let Some(e) = w.error.lock().unwrap_or_else(|e| e.into_inner()).clone() {
