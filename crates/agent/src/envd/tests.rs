@@ -12,23 +12,12 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tine_connect::{Code, Decoder, Frame};
 
-/// One runtime for every test here: the reaper's SIGCHLD loop lives on the
-/// runtime that started it, so it must outlive all tests.
+/// One runtime for every test here (the agent's servers live on it).
 fn rt() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RT.get_or_init(|| {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        rt.block_on(async {
-            crate::reaper::global().start().unwrap();
-            // Another test module may have started the reaper on a runtime
-            // that is gone by now; `watch` drains exits, so poke it.
-            tokio::spawn(async {
-                loop {
-                    drop(crate::reaper::global().watch(i32::MIN));
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            });
-        });
+        crate::reaper::global().start().unwrap();
         rt
     })
 }
