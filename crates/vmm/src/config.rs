@@ -46,10 +46,11 @@ impl Paths {
     pub fn snapshot_dir(&self, id: &str) -> PathBuf {
         self.snapshots_dir().join(id)
     }
-    /// Frozen RAM of a snapshot lives on tmpfs next to the running VMs'
-    /// RAM, so freezing a VM's RAM is a rename, not a copy.
+    /// Frozen RAM of a snapshot lives with the snapshot on disk: a paused
+    /// sandbox must not hold memory, and captures survive a host reboot.
+    /// Clones map it MAP_PRIVATE and share its pages in the page cache.
     pub fn snapshot_ram(&self, id: &str) -> PathBuf {
-        self.shm_dir.join("snapshots").join(id).join("ram")
+        self.snapshot_dir(id).join("ram")
     }
 
     /// The kernel, initramfs and base rootfs that `scripts/setup-host.sh`

@@ -4,8 +4,8 @@
 //! <data>/snapshots/<id>/meta.json   what booted it (machine, artifacts)
 //! <data>/snapshots/<id>/state       QEMU device state (migration stream)
 //! <data>/snapshots/<id>/disk.qcow2  the VM's frozen disk overlay
-//! <shm>/snapshots/<id>/ram          the VM's frozen RAM (clones map it
-//!                                   MAP_PRIVATE, so they share its pages)
+//! <data>/snapshots/<id>/ram          the VM's frozen RAM, sparse (clones map
+//!                                   it MAP_PRIVATE and share its pages)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -72,14 +72,12 @@ impl Snapshot {
 
     /// Delete every file of the snapshot.
     pub fn delete(paths: &Paths, id: &str) -> Result<()> {
-        for dir in [paths.snapshot_dir(id), paths.snapshot_ram(id).parent().unwrap().to_path_buf()] {
-            match std::fs::remove_dir_all(&dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::Io { context: format!("removing {}", dir.display()), source: e }),
-            }
+        let dir = paths.snapshot_dir(id);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::Io { context: format!("removing {}", dir.display()), source: e }),
         }
-        Ok(())
     }
 }
 
@@ -93,4 +91,73 @@ fn check_state_file(path: &Path) -> std::result::Result<(), String> {
         return Err(format!("device state {} is not a QEMU migration stream", path.display()));
     }
     Ok(())
+}
+
+/// Copy `from` to a new file `to`, writing only its data extents (guest RAM
+/// files are mostly holes), then remove `from`. Used to move a booted VM's
+/// RAM from tmpfs into its snapshot on disk.
+pub(crate) fn move_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::open(from)?;
+    let len = src.metadata()?.len();
+    let dst = std::fs::File::create(to)?;
+    dst.set_len(len)?;
+    let mut copied = 0u64;
+    let mut pos: i64 = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    while (pos as u64) < len {
+        let start = match lseek(src.as_fd(), pos, Whence::SeekData) {
+            Ok(p) => p,
+            Err(nix::errno::Errno::ENXIO) => break, // no data after pos
+            Err(e) => return Err(e.into()),
+        };
+        let end = lseek(src.as_fd(), start, Whence::SeekHole)?;
+        // copy_file_range refuses to cross filesystems (tmpfs to the data
+        // dir's), so extents are copied through a buffer.
+        let mut off = start as u64;
+        while off < end as u64 {
+            let n = ((end as u64 - off) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], off)?;
+            dst.write_all_at(&buf[..n], off)?;
+            off += n as u64;
+            copied += n as u64;
+        }
+        pos = end;
+    }
+    dst.sync_all()?;
+    std::fs::remove_file(from)?;
+    Ok(copied)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+
+    #[test]
+    fn move_sparse_copies_data_and_keeps_holes() {
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let disk = tempfile::tempdir().unwrap();
+        let from = shm.path().join("ram");
+        let to = disk.path().join("ram");
+        let f = std::fs::File::create(&from).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"start", 0).unwrap();
+        f.write_all_at(&vec![7u8; 3 << 20], 40 << 20).unwrap();
+        drop(f);
+        let copied = super::move_sparse(&from, &to).unwrap();
+        assert!(!from.exists(), "the source is removed");
+        assert!(copied >= (3 << 20) + 5 && copied < 8 << 20, "only data extents are copied: {copied}");
+        let g = std::fs::File::open(&to).unwrap();
+        assert_eq!(g.metadata().unwrap().len(), 64 << 20);
+        assert!(g.metadata().unwrap().blocks() * 512 < 16 << 20, "holes stay holes");
+        let mut buf = [0u8; 5];
+        g.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(&buf, b"start");
+        g.read_exact_at(&mut buf, (40 << 20) + 100).unwrap();
+        assert_eq!(buf, [7u8; 5]);
+        g.read_exact_at(&mut buf, 20 << 20).unwrap();
+        assert_eq!(buf, [0u8; 5]);
+    }
 }

@@ -441,7 +441,6 @@ impl Vm {
             return Err(Error::Snapshot { path: snap_dir, detail: "already exists".into() });
         }
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
-        std::fs::create_dir_all(snap_ram.parent().unwrap()).ctx(|| "creating the snapshot RAM dir".into())?;
         let state_tmp = snap_dir.join("state.partial");
         // A clone's RAM is private, so QEMU streams all of it into the state;
         // that stream is then flattened into a RAM file (see `flatten`).
@@ -480,7 +479,9 @@ impl Vm {
         let files = self.files();
         std::fs::rename(files.disk(), snap_dir.join("disk.qcow2")).ctx(|| "sealing the disk overlay".into())?;
         if self.record.ram_shared {
-            std::fs::rename(&self.record.ram, &snap_ram).ctx(|| "freezing the RAM file".into())?;
+            let t = Instant::now();
+            let bytes = crate::snapshot::move_sparse(&self.record.ram, &snap_ram).ctx(|| "freezing the RAM file".into())?;
+            tracing::debug!(vm = self.id(), mib = bytes >> 20, ms = t.elapsed().as_secs_f64() * 1e3, "RAM moved into the snapshot");
         } else {
             let t = Instant::now();
             let job = crate::flatten::Flatten {
