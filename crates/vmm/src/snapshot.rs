@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::{Artifacts, Machine, Paths};
 use crate::error::{Error, Result};
 
-pub const META_VERSION: u32 = 1;
+/// 2: the RAM file moved from the shm dir into the snapshot directory.
+pub const META_VERSION: u32 = 2;
 /// First bytes of a QEMU migration stream ("QEVM").
 const QEMU_STATE_MAGIC: &[u8; 4] = b"QEVM";
 

@@ -229,7 +229,7 @@ async fn damaged_snapshots_are_refused_clearly() {
     let dir = paths.snapshot_dir(id);
     std::fs::create_dir_all(&dir).unwrap();
     let meta = serde_json::json!({
-        "version": 1, "id": id, "source_vm": "x",
+        "version": tine_vmm::snapshot::META_VERSION, "id": id, "source_vm": "x",
         "machine": { "vcpus": 1, "memory_mib": 256, "accel": "tcg" },
         "artifacts": Paths::from_env().current_artifacts().resolve().unwrap(),
         "extra_cmdline": [], "created_unix_ms": 0

@@ -457,6 +457,8 @@ impl Manager {
                 }
             }
         }
+        // RAM of captures used to live on tmpfs; it is on disk now.
+        let _ = std::fs::remove_dir_all(self.paths.shm_dir.join("snapshots"));
         // VMs no sandbox owns: a previous run's warm pool, template builds
         // or creates that were cut short.
         let owned: std::collections::HashSet<String> =
