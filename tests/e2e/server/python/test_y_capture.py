@@ -208,3 +208,14 @@ def test_snapshot_after_writing_a_gib_restores_it(fresh):
     assert child2.commands.run("stat -c %s /home/user/big").stdout.strip() == str(1 << 30)
     for x in (snap, snap2):
         Sandbox.delete_snapshot(x.snapshot_id)
+
+
+def test_auto_pause_at_timeout_then_resume(fresh):
+    s = fresh(timeout=4, lifecycle={"on_timeout": "pause"})
+    s.files.write("/home/user/mark", "kept")
+    deadline = time.time() + 60
+    while time.time() < deadline and Sandbox.get_info(s.sandbox_id).state != SandboxState.PAUSED:
+        time.sleep(0.5)
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED, "paused, not killed, at its timeout"
+    resumed = Sandbox.connect(s.sandbox_id, timeout=600)
+    assert resumed.files.read("/home/user/mark") == "kept"
