@@ -13,6 +13,7 @@
 //! max_body_bytes = 1048576
 //! max_fork_count = 32
 //! pool_size = 2                   # warm pool per template shape
+//! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! ```
 
 use std::net::SocketAddr;
@@ -42,6 +43,8 @@ pub struct Config {
     pub max_fork_count: usize,
     /// VMs restored ahead of time per template shape in use (0: none).
     pub pool_size: usize,
+    /// VM starts (create, resume, fork children) running at once; more wait.
+    pub max_concurrent_starts: usize,
 }
 
 impl Default for Config {
@@ -60,6 +63,7 @@ impl Default for Config {
             max_body_bytes: 1 << 20,
             max_fork_count: 32,
             pool_size: 2,
+            max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
         }
     }
 }

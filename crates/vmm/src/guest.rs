@@ -22,9 +22,21 @@ pub async fn connect(netns: &Netns, timeout: Duration) -> std::io::Result<tokio:
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect to the agent timed out"))?
 }
 
+/// How long a call to a running agent may take to connect. Generous: on a
+/// loaded host (many guests under TCG) the guest's answer to a SYN can take
+/// seconds.
+const CALL_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A readiness probe gives up sooner and is retried instead (a SYN the
+/// booting guest dropped is resent by the kernel only after a second).
+const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_millis(300);
+
 /// One HTTP/1.1 request on a fresh connection; returns status and body.
 pub async fn request(netns: &Netns, req: Request<Full<Bytes>>) -> std::io::Result<(StatusCode, Bytes)> {
-    let stream = connect(netns, Duration::from_millis(300)).await?;
+    request_with(netns, req, CALL_CONNECT_TIMEOUT).await
+}
+
+async fn request_with(netns: &Netns, req: Request<Full<Bytes>>, connect_timeout: Duration) -> std::io::Result<(StatusCode, Bytes)> {
+    let stream = connect(netns, connect_timeout).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(std::io::Error::other)?;
@@ -44,7 +56,7 @@ pub async fn healthy(netns: &Netns) -> bool {
         .body(Full::new(Bytes::new()))
         .expect("static request is valid");
     matches!(
-        tokio::time::timeout(Duration::from_secs(2), request(netns, req)).await,
+        tokio::time::timeout(Duration::from_secs(2), request_with(netns, req, PROBE_CONNECT_TIMEOUT)).await,
         Ok(Ok((s, _))) if s.is_success()
     )
 }

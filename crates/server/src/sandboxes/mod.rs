@@ -88,6 +88,9 @@ pub struct Manager {
     /// One lock per sandbox: lifecycle operations on it run one at a time.
     ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     pool: Arc<pool::WarmPool>,
+    /// Bounds VM starts running at once: past a few per core they only
+    /// slow each other down until agents time out; beyond it they queue.
+    starts: tokio::sync::Semaphore,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -111,6 +114,7 @@ impl Manager {
             live: RwLock::new(HashMap::new()),
             ops: std::sync::Mutex::new(HashMap::new()),
             pool,
+            starts: tokio::sync::Semaphore::new(config.max_concurrent_starts.max(1)),
             config,
         }
     }
@@ -149,6 +153,7 @@ impl Manager {
     /// Restore `source` as VM `rec.id` (or run `pooled`, already restored
     /// under that id) and hand the guest its identity.
     async fn start_vm(&self, rec: &SandboxRecord, source: &Source, pooled: Option<Vm>) -> Result<(Vm, Netns), String> {
+        let _slot = self.starts.acquire().await.map_err(|e| e.to_string())?;
         let vm = match pooled {
             Some(mut vm) => match vm.start_restored(None).await {
                 Ok(()) => vm,

@@ -1,7 +1,11 @@
 //! The warm pool: per template snapshot, a few VMs restored ahead of time
-//! and left paused (namespace, overlay, QEMU process and device state all
-//! ready), so a create only has to run the vCPUs, wait for the agent and
-//! hand the guest its identity. Taken VMs are replaced in the background.
+//! (namespace, overlay, QEMU process, device state), run until their agent
+//! answered once (under TCG that fills QEMU's translation cache, which a
+//! fresh restore pays for on its first reply), then paused again. A create
+//! runs the vCPUs, checks the agent and hands the guest its identity
+//! (`/init`: clock, entropy, token, env): the reseed still happens on the
+//! create path, only the restore has moved off it. Taken VMs are replaced
+//! in the background.
 //! Each pooled VM already carries the sandbox id it will be created under
 //! (ids name namespaces and directories).
 
@@ -53,7 +57,7 @@ impl WarmPool {
         tokio::spawn(async move {
             while pool.count(&key) < pool.size {
                 let id = crate::ids::sandbox_id();
-                match Vm::restore_paused(&pool.paths, &id, &snapshot).await {
+                match warm(&pool.paths, &id, &snapshot).await {
                     Ok(vm) => pool.ready.lock().unwrap_or_else(|e| e.into_inner()).entry(key.clone()).or_default().push(vm),
                     Err(e) => {
                         tracing::warn!(snapshot = %key, "warm pool: restore failed: {e}");
@@ -66,6 +70,8 @@ impl WarmPool {
     }
 
     /// Kill every pooled VM (at shutdown).
+    ///
+    /// (Pooled VMs are paused: they use no CPU while they wait.)
     pub async fn drain(&self) {
         let all: Vec<Vm> = self.ready.lock().unwrap_or_else(|e| e.into_inner()).drain().flat_map(|(_, v)| v).collect();
         for vm in all {
@@ -82,5 +88,22 @@ impl WarmPool {
             .flatten()
             .map(|vm| vm.id().to_string())
             .collect()
+    }
+}
+
+/// Restore, run until the agent answers, pause.
+async fn warm(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Vm, tine_vmm::Error> {
+    let mut vm = Vm::restore_paused(paths, id, snapshot).await?;
+    let warmed = async {
+        vm.start_restored(None).await?;
+        vm.pause().await
+    }
+    .await;
+    match warmed {
+        Ok(()) => Ok(vm),
+        Err(e) => {
+            let _ = vm.kill().await;
+            Err(e)
+        }
     }
 }
