@@ -76,7 +76,9 @@ impl Args {
                     listen = v.parse().with_context(|| format!("bad --listen {v:?}"))?;
                 }
                 "-h" | "--help" => {
-                    println!("usage: tine-agent [--listen ADDR:PORT]   (default 0.0.0.0:{ENVD_PORT})");
+                    println!(
+                        "usage: tine-agent [--listen ADDR:PORT]   (default 0.0.0.0:{ENVD_PORT})"
+                    );
                     std::process::exit(0);
                 }
                 // The kernel hands PID 1 any unknown `key=value` words of the

@@ -98,32 +98,39 @@ impl Reaper {
             st.started = true;
         }
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new().name("reaper".into()).spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            runtime.block_on(async move {
-                let mut sigchld = match signal(SignalKind::child()) {
-                    Ok(s) => s,
+        std::thread::Builder::new()
+            .name("reaper".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(()));
-                loop {
-                    self.drain();
-                    if sigchld.recv().await.is_none() {
-                        break;
+                runtime.block_on(async move {
+                    let mut sigchld = match signal(SignalKind::child()) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    loop {
+                        self.drain();
+                        if sigchld.recv().await.is_none() {
+                            break;
+                        }
                     }
-                }
-            });
-        })?;
-        ready_rx.recv().map_err(|_| std::io::Error::other("the reaper thread died"))?
+                });
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("the reaper thread died"))?
     }
 
     /// Resolves with the exit of `pid`, which must be a child of this process.
@@ -181,7 +188,12 @@ mod tests {
     /// that started it, and a per-test runtime would take it down with it.
     fn rt() -> &'static tokio::runtime::Runtime {
         static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-        RT.get_or_init(|| tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap())
+        RT.get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        })
     }
 
     #[test]
@@ -196,7 +208,10 @@ mod tests {
             assert_eq!(exit, Exit::Code(7));
             assert_eq!(exit.status_string(), "exit status 7");
 
-            let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+            let child = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .unwrap();
             let rx = global().watch(child.id() as i32);
             nix::sys::signal::kill(Pid::from_raw(child.id() as i32), nix::sys::signal::SIGKILL)
                 .unwrap();

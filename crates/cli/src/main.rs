@@ -13,7 +13,11 @@ mod vm;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "tine", version, about = "Self-hosted microVM sandboxes for agentic RL, speaking the E2B API")]
+#[command(
+    name = "tine",
+    version,
+    about = "Self-hosted microVM sandboxes for agentic RL, speaking the E2B API"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,12 +46,17 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TINE_LOG").unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TINE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let code = runtime.block_on(async move {
         match cli.command {
             Command::Vm(cmd) => vm::run(cmd).await,

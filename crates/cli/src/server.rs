@@ -56,7 +56,11 @@ pub fn keys(cmd: KeysCommand) -> anyhow::Result<i32> {
         }
         KeysCommand::List => {
             for k in db.list_keys()? {
-                let state = if k.revoked_ms.is_some() { "revoked" } else { "active" };
+                let state = if k.revoked_ms.is_some() {
+                    "revoked"
+                } else {
+                    "active"
+                };
                 println!("{}\t{}…\t{state}\t{}", k.id, k.prefix, k.name);
             }
         }

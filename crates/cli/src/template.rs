@@ -42,10 +42,22 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
     let paths = Paths::from_env();
     let db = Db::open(&paths.data_dir.join("tine.db"))?;
     match cmd {
-        TemplateCommand::Build { name, run, start, ready, ready_timeout_secs, vcpus, memory_mib } => {
+        TemplateCommand::Build {
+            name,
+            run,
+            start,
+            ready,
+            ready_timeout_secs,
+            vcpus,
+            memory_mib,
+        } => {
             let spec = BuildSpec {
                 name: name.clone(),
-                machine: Machine { vcpus, memory_mib, ..Machine::default() },
+                machine: Machine {
+                    vcpus,
+                    memory_mib,
+                    ..Machine::default()
+                },
                 run,
                 start,
                 ready,
@@ -63,14 +75,31 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
                 }
                 bar.set_message(step.to_string());
             };
-            let result = templates::build(&paths, &paths.current_artifacts(), &db, &spec, &mut progress).await;
+            let result = templates::build(
+                &paths,
+                &paths.current_artifacts(),
+                &db,
+                &spec,
+                &mut progress,
+            )
+            .await;
             bar.finish_and_clear();
             let row = result?;
-            eprintln!("template {name} built in {:.1} s (snapshot {})", started.elapsed().as_secs_f64(), row.id);
+            eprintln!(
+                "template {name} built in {:.1} s (snapshot {})",
+                started.elapsed().as_secs_f64(),
+                row.id
+            );
         }
         TemplateCommand::List => {
             for t in db.list_templates()? {
-                println!("{}\t{}\t{} vCPU\t{} MiB", t.names.first().map_or("?", String::as_str), t.id, t.cpu_count, t.memory_mb);
+                println!(
+                    "{}\t{}\t{} vCPU\t{} MiB",
+                    t.names.first().map_or("?", String::as_str),
+                    t.id,
+                    t.cpu_count,
+                    t.memory_mb
+                );
             }
         }
         TemplateCommand::Delete { name } => {

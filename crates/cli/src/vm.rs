@@ -70,19 +70,34 @@ pub struct RunArgs {
 /// A random id such as `vm-3fa9c21b`.
 pub fn new_id(prefix: &str) -> String {
     let mut b = [0u8; 4];
-    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
-    format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    let _ = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
+    format!(
+        "{prefix}-{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
 }
 
 fn machine(a: &BootArgs) -> Machine {
-    Machine { vcpus: a.vcpus, memory_mib: a.memory_mib, ..Machine::default() }
+    Machine {
+        vcpus: a.vcpus,
+        memory_mib: a.memory_mib,
+        ..Machine::default()
+    }
 }
 
 async fn boot(paths: &Paths, a: &BootArgs) -> anyhow::Result<Vm> {
     let id = a.id.clone().unwrap_or_else(|| new_id("vm"));
     let m = machine(a);
     let t = Instant::now();
-    let vm = Vm::boot(paths, &id, m, &paths.current_artifacts(), StartOptions::default()).await?;
+    let vm = Vm::boot(
+        paths,
+        &id,
+        m,
+        &paths.current_artifacts(),
+        StartOptions::default(),
+    )
+    .await?;
     eprintln!(
         "booted {id} ({} vCPU, {} MiB, {}) in {} ms",
         m.vcpus,
@@ -102,12 +117,18 @@ pub async fn run_once(a: RunArgs) -> anyhow::Result<i32> {
     let paths = Paths::from_env();
     let vm = boot(&paths, &a.boot).await?;
     let t = Instant::now();
-    let result = vm.exec(&a.user, &a.command.join(" "), Duration::from_secs(300)).await;
+    let result = vm
+        .exec(&a.user, &a.command.join(" "), Duration::from_secs(300))
+        .await;
     let elapsed = t.elapsed();
     vm.kill().await?;
     let out = result?;
     print_output(&out);
-    eprintln!("exit code {} after {} ms", out.exit_code, elapsed.as_millis());
+    eprintln!(
+        "exit code {} after {} ms",
+        out.exit_code,
+        elapsed.as_millis()
+    );
     Ok(out.exit_code)
 }
 
@@ -118,9 +139,16 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
             let vm = boot(&paths, &a).await?;
             println!("{}", vm.id());
         }
-        VmCommand::Exec { id, user, timeout_secs, command } => {
+        VmCommand::Exec {
+            id,
+            user,
+            timeout_secs,
+            command,
+        } => {
             let vm = Vm::adopt(&paths, &id).await?;
-            let out = vm.exec(&user, &command.join(" "), Duration::from_secs(timeout_secs)).await?;
+            let out = vm
+                .exec(&user, &command.join(" "), Duration::from_secs(timeout_secs))
+                .await?;
             print_output(&out);
             return Ok(out.exit_code);
         }
@@ -128,7 +156,10 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
             let mut vm = Vm::adopt(&paths, &id).await?;
             let t = Instant::now();
             vm.snapshot(&snapshot).await?;
-            eprintln!("snapshot {snapshot} of {id} taken; {id} continues as its clone ({} ms)", t.elapsed().as_millis());
+            eprintln!(
+                "snapshot {snapshot} of {id} taken; {id} continues as its clone ({} ms)",
+                t.elapsed().as_millis()
+            );
         }
         VmCommand::Clone { snapshot, count } => {
             let snap = Snapshot::open(&paths, &snapshot)?;
@@ -136,7 +167,10 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
                 let id = new_id("vm");
                 let t = Instant::now();
                 let vm = Vm::restore(&paths, &id, &snap, StartOptions::default()).await?;
-                eprintln!("restored {id} from {snapshot} in {} ms", t.elapsed().as_millis());
+                eprintln!(
+                    "restored {id} from {snapshot} in {} ms",
+                    t.elapsed().as_millis()
+                );
                 println!("{}", vm.id());
             }
         }
@@ -150,7 +184,8 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
         }
         VmCommand::Logs { id } => {
             let path = paths.vm_dir(&id).join("console.log");
-            let log = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            let log =
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
             std::io::stdout().write_all(&log)?;
         }
         VmCommand::Kill { ids, all } => {

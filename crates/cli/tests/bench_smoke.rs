@@ -12,10 +12,19 @@ use std::process::Command;
 
 #[test]
 fn every_scenario_runs_with_tiny_counts() {
-    let real = PathBuf::from(std::env::var("TINE_DATA_DIR").unwrap_or_else(|_| "/var/lib/tine".into()));
-    assert!(real.join("current/vmlinuz").exists(), "no guest artifacts in {}: run scripts/setup-host.sh", real.display());
+    let real =
+        PathBuf::from(std::env::var("TINE_DATA_DIR").unwrap_or_else(|_| "/var/lib/tine".into()));
+    assert!(
+        real.join("current/vmlinuz").exists(),
+        "no guest artifacts in {}: run scripts/setup-host.sh",
+        real.display()
+    );
     let python = real.join("venv/bin/python");
-    assert!(python.exists(), "no E2B SDK venv at {}: run tests/e2e/setup.sh", python.display());
+    assert!(
+        python.exists(),
+        "no E2B SDK venv at {}: run tests/e2e/setup.sh",
+        python.display()
+    );
     let base = real.join("bench-smoke");
     std::fs::create_dir_all(&base).unwrap();
     let link = base.join("current");
@@ -25,8 +34,26 @@ fn every_scenario_runs_with_tiny_counts() {
     let _ = std::fs::remove_file(&json);
 
     let out = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["bench", "--iterations", "1", "--concurrency", "2", "--sequential", "1", "--fork-count", "2"])
-        .args(["--write-mib", "8", "--snapshot-memory-mb", "256", "--idle-count", "2", "--json"])
+        .args([
+            "bench",
+            "--iterations",
+            "1",
+            "--concurrency",
+            "2",
+            "--sequential",
+            "1",
+            "--fork-count",
+            "2",
+        ])
+        .args([
+            "--write-mib",
+            "8",
+            "--snapshot-memory-mb",
+            "256",
+            "--idle-count",
+            "2",
+            "--json",
+        ])
         .arg(&json)
         .env("TINE_DATA_DIR", &base)
         .env("TINE_SHM_DIR", "/dev/shm/tine-bench-smoke")
@@ -36,7 +63,11 @@ fn every_scenario_runs_with_tiny_counts() {
         .expect("running tine bench");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tine bench failed ({}):\n{stdout}\n{stderr}", out.status);
+    assert!(
+        out.status.success(),
+        "tine bench failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
 
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().expect("rows");
@@ -45,15 +76,35 @@ fn every_scenario_runs_with_tiny_counts() {
         assert!(!mine.is_empty(), "no row for {id}:\n{stdout}");
         for r in &mine {
             assert!(r["error"].is_null(), "{id} {}: {}", r["what"], r["error"]);
-            assert!(r["summary"]["p50"].as_f64().is_some_and(|v| v > 0.0), "{id} {} has no numbers", r["what"]);
+            assert!(
+                r["summary"]["p50"].as_f64().is_some_and(|v| v > 0.0),
+                "{id} {} has no numbers",
+                r["what"]
+            );
         }
-        assert!(mine.iter().any(|r| r["floor"]["p50"].as_f64().is_some()), "{id} measured no floor");
-        assert!(stdout.contains(&format!("| {id} |")), "{id} is not in the table");
+        assert!(
+            mine.iter().any(|r| r["floor"]["p50"].as_f64().is_some()),
+            "{id} measured no floor"
+        );
+        assert!(
+            stdout.contains(&format!("| {id} |")),
+            "{id} is not in the table"
+        );
     }
 
     // Nothing left behind: no QEMU of the run, no namespace of a hand VM.
-    let ps = Command::new("pgrep").args(["-f", &format!("qemu-system.*{}", base.display())]).output().unwrap();
-    assert!(ps.stdout.is_empty(), "QEMU processes left: {}", String::from_utf8_lossy(&ps.stdout));
-    let left: Vec<String> = tine_vmm::netns::list_ours().into_iter().filter(|n| n.starts_with("tine-bench-")).collect();
+    let ps = Command::new("pgrep")
+        .args(["-f", &format!("qemu-system.*{}", base.display())])
+        .output()
+        .unwrap();
+    assert!(
+        ps.stdout.is_empty(),
+        "QEMU processes left: {}",
+        String::from_utf8_lossy(&ps.stdout)
+    );
+    let left: Vec<String> = tine_vmm::netns::list_ours()
+        .into_iter()
+        .filter(|n| n.starts_with("tine-bench-"))
+        .collect();
     assert!(left.is_empty(), "namespaces left: {left:?}");
 }

@@ -154,7 +154,10 @@ mod tests {
 
     #[test]
     fn serde_uses_wire_names() {
-        assert_eq!(serde_json::to_string(&Code::NotFound).unwrap(), "\"not_found\"");
+        assert_eq!(
+            serde_json::to_string(&Code::NotFound).unwrap(),
+            "\"not_found\""
+        );
         let c: Code = serde_json::from_str("\"whatever\"").unwrap();
         assert_eq!(c, Code::Unknown);
     }

@@ -34,7 +34,10 @@ pub fn encode_message<T: Serialize>(msg: &T) -> Result<Bytes, serde_json::Error>
 /// The end-of-stream envelope.
 pub fn encode_end_stream(end: &EndStream) -> Bytes {
     // An `EndStream` of strings always serializes.
-    encode_envelope(FLAG_END_STREAM, &serde_json::to_vec(end).unwrap_or_else(|_| b"{}".to_vec()))
+    encode_envelope(
+        FLAG_END_STREAM,
+        &serde_json::to_vec(end).unwrap_or_else(|_| b"{}".to_vec()),
+    )
 }
 
 /// One decoded envelope.
@@ -88,7 +91,10 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new(max_message: usize) -> Self {
-        Self { buf: BytesMut::new(), max_message }
+        Self {
+            buf: BytesMut::new(),
+            max_message,
+        }
     }
 
     pub fn push(&mut self, chunk: &[u8]) {
@@ -108,13 +114,19 @@ impl Decoder {
             return Err(FrameError::BadFlags(flags));
         }
         if len > self.max_message {
-            return Err(FrameError::TooLarge { len, max: self.max_message });
+            return Err(FrameError::TooLarge {
+                len,
+                max: self.max_message,
+            });
         }
         if self.buf.len() < HEADER_LEN + len {
             return Ok(None);
         }
         self.buf.advance(HEADER_LEN);
-        Ok(Some(Envelope { flags, payload: self.buf.split_to(len).freeze() }))
+        Ok(Some(Envelope {
+            flags,
+            payload: self.buf.split_to(len).freeze(),
+        }))
     }
 
     /// The next complete frame, `Ok(None)` when more bytes are needed.
@@ -124,7 +136,9 @@ impl Decoder {
         if self.buf.first().is_some_and(|f| f & FLAG_COMPRESSED != 0) {
             return Err(FrameError::Compressed);
         }
-        let Some(env) = self.next_envelope()? else { return Ok(None) };
+        let Some(env) = self.next_envelope()? else {
+            return Ok(None);
+        };
         if env.flags & FLAG_END_STREAM != 0 {
             return Ok(Some(Frame::End(parse_end_stream(&env.payload)?)));
         }
@@ -152,7 +166,10 @@ mod tests {
         let mut wire = Vec::new();
         wire.extend_from_slice(&encode_message(&serde_json::json!({"a": 1})).unwrap());
         wire.extend_from_slice(&encode_envelope(0, b""));
-        wire.extend_from_slice(&encode_end_stream(&EndStream::err(Error::new(Code::NotFound, "x"))));
+        wire.extend_from_slice(&encode_end_stream(&EndStream::err(Error::new(
+            Code::NotFound,
+            "x",
+        ))));
         let mut dec = Decoder::new(1024);
         let mut frames = Vec::new();
         for b in wire {
@@ -181,7 +198,13 @@ mod tests {
     fn oversized_is_refused_before_buffering() {
         let mut dec = Decoder::new(10);
         dec.push(&[0, 0, 0x10, 0, 0]);
-        assert_eq!(dec.next_frame(), Err(FrameError::TooLarge { len: 0x100000, max: 10 }));
+        assert_eq!(
+            dec.next_frame(),
+            Err(FrameError::TooLarge {
+                len: 0x100000,
+                max: 10
+            })
+        );
     }
 
     #[test]
@@ -205,7 +228,13 @@ mod tests {
         assert_eq!(dec.next_frame(), Err(FrameError::BadFlags(0x80)));
         let mut dec = Decoder::new(100);
         dec.push(&[1, 0, 0, 0, 1, 9]);
-        assert_eq!(dec.next_envelope(), Ok(Some(Envelope { flags: 1, payload: Bytes::from_static(&[9]) })));
+        assert_eq!(
+            dec.next_envelope(),
+            Ok(Some(Envelope {
+                flags: 1,
+                payload: Bytes::from_static(&[9])
+            }))
+        );
         let mut dec = Decoder::new(100);
         dec.push(&encode_envelope(FLAG_END_STREAM, b"not json"));
         assert!(matches!(dec.next_frame(), Err(FrameError::BadEndStream(_))));

@@ -18,7 +18,10 @@ pub struct Error {
 
 impl Error {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 
     /// The JSON body of a unary error response.
@@ -55,7 +58,10 @@ impl EndStream {
     }
 
     pub fn err(error: Error) -> Self {
-        Self { error: Some(error), metadata: BTreeMap::new() }
+        Self {
+            error: Some(error),
+            metadata: BTreeMap::new(),
+        }
     }
 
     /// Turns the end of a stream into the call's outcome.
@@ -88,7 +94,10 @@ mod tests {
         assert_eq!(serde_json::to_string(&EndStream::ok()).unwrap(), "{}");
         let end = EndStream::err(Error::new(Code::DeadlineExceeded, "too slow"));
         let json = serde_json::to_string(&end).unwrap();
-        assert_eq!(json, r#"{"error":{"code":"deadline_exceeded","message":"too slow"}}"#);
+        assert_eq!(
+            json,
+            r#"{"error":{"code":"deadline_exceeded","message":"too slow"}}"#
+        );
         let back: EndStream = serde_json::from_str(&json).unwrap();
         assert_eq!(back.into_result().unwrap_err().code, Code::DeadlineExceeded);
         let with_meta: EndStream =

@@ -19,8 +19,8 @@ mod error;
 
 pub use code::Code;
 pub use envelope::{
-    encode_end_stream, encode_envelope, encode_message, parse_end_stream, Decoder, Envelope, Frame, FrameError, FLAG_COMPRESSED,
-    FLAG_END_STREAM,
+    encode_end_stream, encode_envelope, encode_message, parse_end_stream, Decoder, Envelope, Frame,
+    FrameError, FLAG_COMPRESSED, FLAG_END_STREAM,
 };
 pub use error::{EndStream, Error};
 

@@ -71,20 +71,32 @@ impl Default for Config {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("reading {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {source}")]
-    Parse { path: String, source: toml::de::Error },
+    Parse {
+        path: String,
+        source: toml::de::Error,
+    },
     #[error("invalid configuration: {0}")]
     Invalid(String),
 }
 
 impl Config {
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
-        let Some(path) = path else { return Ok(Self::default()) };
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        let cfg: Config =
-            toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.display().to_string(), source })?;
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let cfg: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -94,7 +106,9 @@ impl Config {
         if self.default_cpu_count == 0 || self.default_cpu_count > self.max_cpu_count {
             return bad("default_cpu_count must be between 1 and max_cpu_count");
         }
-        if self.default_memory_mb < self.min_memory_mb || self.default_memory_mb > self.max_memory_mb {
+        if self.default_memory_mb < self.min_memory_mb
+            || self.default_memory_mb > self.max_memory_mb
+        {
             return bad("default_memory_mb must be between min_memory_mb and max_memory_mb");
         }
         if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
@@ -104,7 +118,9 @@ impl Config {
     }
 
     pub fn domain(&self) -> String {
-        self.domain.clone().unwrap_or_else(|| format!("localhost:{}", self.listen.port()))
+        self.domain
+            .clone()
+            .unwrap_or_else(|| format!("localhost:{}", self.listen.port()))
     }
 }
 
@@ -124,8 +140,14 @@ mod tests {
         assert_eq!(c.domain(), "localhost:4000");
 
         std::fs::write(&p, "listne = \"x\"\n").unwrap();
-        assert!(Config::load(Some(&p)).unwrap_err().to_string().contains("listne"));
+        assert!(Config::load(Some(&p))
+            .unwrap_err()
+            .to_string()
+            .contains("listne"));
         std::fs::write(&p, "default_cpu_count = 99\n").unwrap();
-        assert!(matches!(Config::load(Some(&p)), Err(ConfigError::Invalid(_))));
+        assert!(matches!(
+            Config::load(Some(&p)),
+            Err(ConfigError::Invalid(_))
+        ));
     }
 }

@@ -27,7 +27,10 @@ pub use config::Config;
 pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
     config.validate()?;
     let _lock = lock_data_dir(&paths.data_dir)?;
-    let artifacts = paths.current_artifacts().resolve().context("guest artifacts")?;
+    let artifacts = paths
+        .current_artifacts()
+        .resolve()
+        .context("guest artifacts")?;
     let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
     let templates = templates::Templates::new(paths.clone(), artifacts, db.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -35,11 +38,19 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         .with_context(|| format!("listening on {}", config.listen))?;
     let domain = config.domain();
     let manager = Arc::new(sandboxes::Manager::new(config, db, paths, templates));
-    manager.recover().await.context("recovering sandboxes of the previous run")?;
+    manager
+        .recover()
+        .await
+        .context("recovering sandboxes of the previous run")?;
     tokio::spawn(manager.clone().sweep_loop());
     manager.warm_up();
     let client = proxy::client(manager.clone());
-    let state = Arc::new(api::AppState { manager, metrics: Arc::new(metrics::Metrics::default()), domain, client });
+    let state = Arc::new(api::AppState {
+        manager,
+        metrics: Arc::new(metrics::Metrics::default()),
+        domain,
+        client,
+    });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();
     // On SIGTERM/SIGINT stop accepting and let requests in flight finish,
@@ -82,8 +93,13 @@ async fn shutdown_signal() {
 fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join("server.lock");
-    let file = std::fs::File::create(&path).with_context(|| format!("opening {}", path.display()))?;
+    let file =
+        std::fs::File::create(&path).with_context(|| format!("opening {}", path.display()))?;
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
-        anyhow::anyhow!("another tine server is using {} (it holds {})", dir.display(), path.display())
+        anyhow::anyhow!(
+            "another tine server is using {} (it holds {})",
+            dir.display(),
+            path.display()
+        )
     })
 }

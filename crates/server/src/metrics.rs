@@ -40,33 +40,53 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("tine");
         let proxy_bytes = ByteCounter::default();
-        registry.register("proxy_bytes", "Bytes through the sandbox proxy (in: to sandboxes)", proxy_bytes.clone());
+        registry.register(
+            "proxy_bytes",
+            "Bytes through the sandbox proxy (in: to sandboxes)",
+            proxy_bytes.clone(),
+        );
         let api_latency = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0005, 2.0, 18))
         });
-        registry.register("api_request_duration_seconds", "REST API latency by route", api_latency.clone());
+        registry.register(
+            "api_request_duration_seconds",
+            "REST API latency by route",
+            api_latency.clone(),
+        );
         let sandboxes = Family::<StateLabel, Gauge>::default();
         registry.register("sandboxes", "Sandboxes by state", sandboxes.clone());
-        Self { registry, proxy_bytes, api_latency, sandboxes }
+        Self {
+            registry,
+            proxy_bytes,
+            api_latency,
+            sandboxes,
+        }
     }
 }
 
 impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
         out
     }
 }
 
 /// `body`, counting its bytes into `counter` as they pass.
-pub fn counted<B>(body: B, counter: ByteCounter, direction: &'static str) -> impl http_body::Body<Data = Bytes, Error = B::Error>
+pub fn counted<B>(
+    body: B,
+    counter: ByteCounter,
+    direction: &'static str,
+) -> impl http_body::Body<Data = Bytes, Error = B::Error>
 where
     B: http_body::Body<Data = Bytes>,
 {
     body.map_frame(move |frame| {
         if let Some(data) = frame.data_ref() {
-            counter.get_or_create(&DirectionLabel { direction }).inc_by(data.len() as u64);
+            counter
+                .get_or_create(&DirectionLabel { direction })
+                .inc_by(data.len() as u64);
         }
         frame
     })

@@ -81,7 +81,10 @@ impl hyper::rt::Write for GuestStream {
     ) -> std::task::Poll<std::io::Result<usize>> {
         std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
     }
-    fn poll_flush(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.0).poll_flush(cx)
     }
     fn poll_shutdown(
@@ -95,9 +98,13 @@ impl hyper::rt::Write for GuestStream {
 impl tower_service::Service<http::Uri> for GuestConnector {
     type Response = GuestStream;
     type Error = std::io::Error;
-    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<GuestStream>> + Send>>;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<GuestStream>> + Send>>;
 
-    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         std::task::Poll::Ready(Ok(()))
     }
 
@@ -106,7 +113,10 @@ impl tower_service::Service<http::Uri> for GuestConnector {
         Box::pin(async move {
             let gone = || std::io::Error::new(std::io::ErrorKind::NotFound, "sandbox VM gone");
             let host = uri.host().ok_or_else(gone)?;
-            let (id, incarnation) = host.trim_end_matches(".vm").rsplit_once('-').ok_or_else(gone)?;
+            let (id, incarnation) = host
+                .trim_end_matches(".vm")
+                .rsplit_once('-')
+                .ok_or_else(gone)?;
             let live = manager.live(id).ok_or_else(gone)?;
             if live.incarnation().to_string() != incarnation {
                 return Err(gone());
@@ -114,7 +124,9 @@ impl tower_service::Service<http::Uri> for GuestConnector {
             let port = uri.port_u16().unwrap_or(80);
             let stream = tokio::time::timeout(CONNECT_TIMEOUT, live.netns.connect(port))
                 .await
-                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+                })??;
             Ok(GuestStream(TokioIo::new(stream)))
         })
     }
@@ -134,17 +146,29 @@ pub fn target(headers: &HeaderMap, domain: &str) -> Option<Target> {
             .and_then(|v| v.to_str().ok())
             .and_then(|p| p.trim().parse().ok())
             .unwrap_or(ENVD_PORT);
-        return Some(Target { sandbox: id.trim().to_string(), port });
+        return Some(Target {
+            sandbox: id.trim().to_string(),
+            port,
+        });
     }
     let host = headers.get(header::HOST)?.to_str().ok()?;
-    let host_name = host.rsplit_once(':').map_or(host, |(h, p)| if p.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
+    let host_name = host.rsplit_once(':').map_or(host, |(h, p)| {
+        if p.bytes().all(|b| b.is_ascii_digit()) {
+            h
+        } else {
+            host
+        }
+    });
     let domain_name = domain.rsplit_once(':').map_or(domain, |(h, _)| h);
     let (label, rest) = host_name.split_once('.')?;
     if !rest.eq_ignore_ascii_case(domain_name) {
         return None;
     }
     let (port, id) = label.split_once('-')?;
-    Some(Target { sandbox: id.to_string(), port: port.parse().ok()? })
+    Some(Target {
+        sandbox: id.to_string(),
+        port: port.parse().ok()?,
+    })
 }
 
 /// Middleware in front of the REST router: sandbox traffic is proxied,
@@ -158,27 +182,48 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
 
 fn error(status: StatusCode, message: String, connect_style: bool) -> Response {
     let body = if connect_style {
-        let code = if status == StatusCode::UNAUTHORIZED { "unauthenticated" } else { "unavailable" };
+        let code = if status == StatusCode::UNAUTHORIZED {
+            "unauthenticated"
+        } else {
+            "unavailable"
+        };
         serde_json::json!({ "code": code, "message": message })
     } else {
         serde_json::json!({ "code": status.as_u16(), "message": message })
     };
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// Connect RPC paths look like `/package.Service/Method`.
 fn is_rpc(path: &str) -> bool {
-    path.trim_start_matches('/').split('/').next().is_some_and(|s| s.contains('.'))
+    path.trim_start_matches('/')
+        .split('/')
+        .next()
+        .is_some_and(|s| s.contains('.'))
 }
 
 /// Signature of a `/files` URL as the SDK makes it: `v1_` + unpadded
 /// base64 of sha256(`path:operation:user:token[:expiration]`).
-pub fn file_signature(path: &str, operation: &str, user: &str, token: &str, expiration: Option<i64>) -> String {
+pub fn file_signature(
+    path: &str,
+    operation: &str,
+    user: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
     let text = match expiration {
         Some(exp) => format!("{path}:{operation}:{user}:{token}:{exp}"),
         None => format!("{path}:{operation}:{user}:{token}"),
     };
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(text.as_bytes())))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(text.as_bytes()))
+    )
 }
 
 fn authorized(req: &Request, token: &str) -> bool {
@@ -188,9 +233,17 @@ fn authorized(req: &Request, token: &str) -> bool {
     if req.uri().path() != "/files" {
         return false;
     }
-    let query: Vec<(String, String)> = serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
-    let get = |k: &str| query.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
-    let (Some(sig), Some(path)) = (get("signature"), get("path")) else { return false };
+    let query: Vec<(String, String)> =
+        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
+    let get = |k: &str| {
+        query
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.as_str())
+    };
+    let (Some(sig), Some(path)) = (get("signature"), get("path")) else {
+        return false;
+    };
     let expiration = match get("signature_expiration") {
         Some(e) => match e.parse::<i64>() {
             Ok(e) if e >= crate::db::now_ms() / 1000 => Some(e),
@@ -198,25 +251,51 @@ fn authorized(req: &Request, token: &str) -> bool {
         },
         None => None,
     };
-    let operation = if req.method() == http::Method::GET { "read" } else { "write" };
-    file_signature(path, operation, get("username").unwrap_or(""), token, expiration) == sig
+    let operation = if req.method() == http::Method::GET {
+        "read"
+    } else {
+        "write"
+    };
+    file_signature(
+        path,
+        operation,
+        get("username").unwrap_or(""),
+        token,
+        expiration,
+    ) == sig
 }
 
 async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     let rpc = is_rpc(req.uri().path());
     let Some(live) = state.manager.live(&t.sandbox) else {
-        return error(StatusCode::BAD_GATEWAY, format!("The sandbox {} was not found", t.sandbox), rpc);
+        return error(
+            StatusCode::BAD_GATEWAY,
+            format!("The sandbox {} was not found", t.sandbox),
+            rpc,
+        );
     };
     if t.port == ENVD_PORT && !authorized(&req, &live.access_token) {
-        return error(StatusCode::UNAUTHORIZED, "missing or invalid X-Access-Token for this sandbox".into(), rpc);
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "missing or invalid X-Access-Token for this sandbox".into(),
+            rpc,
+        );
     }
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
-    let uri = format!("http://{}-{}.vm:{}{path}", t.sandbox, live.incarnation(), t.port);
+    let uri = format!(
+        "http://{}-{}.vm:{}{path}",
+        t.sandbox,
+        live.incarnation(),
+        t.port
+    );
     *req.uri_mut() = match uri.parse() {
         Ok(u) => u,
         Err(_) => return error(StatusCode::BAD_REQUEST, "invalid request path".into(), rpc),
     };
-    let upgrade = req.headers().contains_key(header::UPGRADE).then(|| hyper::upgrade::on(&mut req));
+    let upgrade = req
+        .headers()
+        .contains_key(header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
     let counter = state.metrics.proxy_bytes.clone();
     let req = req.map(|b| Body::new(crate::metrics::counted(b, counter.clone(), "in")));
     let mut resp = match state.client.request(req).await {
@@ -224,18 +303,29 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
         Err(e) if e.is_connect() => {
             return error(
                 StatusCode::BAD_GATEWAY,
-                format!("The sandbox {} is running but port {} is not open", t.sandbox, t.port),
+                format!(
+                    "The sandbox {} is running but port {} is not open",
+                    t.sandbox, t.port
+                ),
                 rpc,
             )
         }
-        Err(e) => return error(StatusCode::BAD_GATEWAY, format!("sandbox {}: {e}", t.sandbox), rpc),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_GATEWAY,
+                format!("sandbox {}: {e}", t.sandbox),
+                rpc,
+            )
+        }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_side) = upgrade {
             let guest_side = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
                 if let (Ok(c), Ok(g)) = (client_side.await, guest_side.await) {
-                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(c), &mut TokioIo::new(g)).await;
+                    let _ =
+                        tokio::io::copy_bidirectional(&mut TokioIo::new(c), &mut TokioIo::new(g))
+                            .await;
                 }
             });
         }
@@ -260,24 +350,42 @@ mod tests {
         let d = "localhost:3000";
         assert_eq!(
             target(&headers(&[("e2b-sandbox-id", "iabc")]), d),
-            Some(Target { sandbox: "iabc".into(), port: 49983 })
+            Some(Target {
+                sandbox: "iabc".into(),
+                port: 49983
+            })
         );
         assert_eq!(
-            target(&headers(&[("e2b-sandbox-id", "iabc"), ("e2b-sandbox-port", "8080")]), d),
-            Some(Target { sandbox: "iabc".into(), port: 8080 })
+            target(
+                &headers(&[("e2b-sandbox-id", "iabc"), ("e2b-sandbox-port", "8080")]),
+                d
+            ),
+            Some(Target {
+                sandbox: "iabc".into(),
+                port: 8080
+            })
         );
         assert_eq!(
             target(&headers(&[("host", "8000-iabc.localhost:3000")]), d),
-            Some(Target { sandbox: "iabc".into(), port: 8000 })
+            Some(Target {
+                sandbox: "iabc".into(),
+                port: 8000
+            })
         );
         assert_eq!(target(&headers(&[("host", "127.0.0.1:3000")]), d), None);
-        assert_eq!(target(&headers(&[("host", "8000-iabc.example.com")]), d), None);
+        assert_eq!(
+            target(&headers(&[("host", "8000-iabc.example.com")]), d),
+            None
+        );
         assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), d), None);
     }
 
     #[test]
     fn signature_matches_the_sdk_formula() {
         // Python SDK: "v1_" + base64(sha256(b"/a:read::tok")).rstrip("=").
-        assert_eq!(file_signature("/a", "read", "", "tok", None), "v1_2/gNbgFPxFSqkheS/SD0NHlzA121E/nxkOtc/ovxeoI");
+        assert_eq!(
+            file_signature("/a", "read", "", "tok", None),
+            "v1_2/gNbgFPxFSqkheS/SD0NHlzA121E/nxkOtc/ovxeoI"
+        );
     }
 }

@@ -44,7 +44,12 @@ pub struct Templates {
 
 impl Templates {
     pub fn new(paths: Paths, artifacts: Artifacts, db: Arc<Db>) -> Self {
-        Self { paths, artifacts, db, building: Mutex::new(HashMap::new()) }
+        Self {
+            paths,
+            artifacts,
+            db,
+            building: Mutex::new(HashMap::new()),
+        }
     }
 
     pub fn exists(&self, template: &str) -> bool {
@@ -53,23 +58,44 @@ impl Templates {
 
     fn base_snapshot_name(&self, machine: Machine) -> String {
         let mut h = Sha256::new();
-        for p in [&self.artifacts.kernel, &self.artifacts.initramfs, &self.artifacts.rootfs] {
+        for p in [
+            &self.artifacts.kernel,
+            &self.artifacts.initramfs,
+            &self.artifacts.rootfs,
+        ] {
             h.update(p.display().to_string().as_bytes());
             h.update([0]);
         }
         h.update(machine.accel.as_str());
-        let hash: String = h.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
-        format!("tpl-{DEFAULT_TEMPLATE}-{}c-{}m-{hash}", machine.vcpus, machine.memory_mib)
+        let hash: String = h
+            .finalize()
+            .iter()
+            .take(6)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!(
+            "tpl-{DEFAULT_TEMPLATE}-{}c-{}m-{hash}",
+            machine.vcpus, machine.memory_mib
+        )
     }
 
     /// The snapshot to restore for `template` (and its row). `base` is
     /// built for `machine` now if needed; other templates have their own
     /// shape.
-    pub async fn snapshot(&self, template: &str, machine: Machine) -> Result<(Snapshot, SnapshotRow), TemplateError> {
+    pub async fn snapshot(
+        &self,
+        template: &str,
+        machine: Machine,
+    ) -> Result<(Snapshot, SnapshotRow), TemplateError> {
         if template != DEFAULT_TEMPLATE {
-            let row = self.db.find_template(template, None)?.ok_or_else(|| TemplateError::NotFound(template.into()))?;
-            let snap = Snapshot::open(&self.paths, &row.id)
-                .map_err(|e| TemplateError::Build { template: template.into(), detail: e.to_string() })?;
+            let row = self
+                .db
+                .find_template(template, None)?
+                .ok_or_else(|| TemplateError::NotFound(template.into()))?;
+            let snap = Snapshot::open(&self.paths, &row.id).map_err(|e| TemplateError::Build {
+                template: template.into(),
+                detail: e.to_string(),
+            })?;
             return Ok((snap, row));
         }
         let name = self.base_snapshot_name(machine);
@@ -89,7 +115,13 @@ impl Templates {
             self.db.insert_snapshot(&row(machine))?;
             return Ok((s, row(machine)));
         }
-        let lock = self.building.lock().await.entry(name.clone()).or_default().clone();
+        let lock = self
+            .building
+            .lock()
+            .await
+            .entry(name.clone())
+            .or_default()
+            .clone();
         let _guard = lock.lock().await;
         if let Ok(s) = Snapshot::open(&self.paths, &name) {
             return Ok((s, row(machine)));
@@ -97,7 +129,11 @@ impl Templates {
         // Leftovers of an interrupted build would make the capture fail.
         let _ = Snapshot::delete(&self.paths, &name);
         tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");
-        let spec = BuildSpec { name: DEFAULT_TEMPLATE.into(), machine, ..Default::default() };
+        let spec = BuildSpec {
+            name: DEFAULT_TEMPLATE.into(),
+            machine,
+            ..Default::default()
+        };
         let snap = capture(&self.paths, &self.artifacts, &spec, &name, &mut |_| {}).await?;
         self.db.insert_snapshot(&row(machine))?;
         tracing::info!(snapshot = %name, "template snapshot ready");
@@ -121,7 +157,11 @@ pub struct BuildSpec {
 }
 
 fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 /// Boot `base`, run the spec's commands, start its start command, wait
@@ -133,37 +173,64 @@ async fn capture(
     snap_id: &str,
     progress: &mut (dyn FnMut(&str) + Send),
 ) -> Result<Snapshot, TemplateError> {
-    let fail = |detail: String| TemplateError::Build { template: spec.name.clone(), detail };
+    let fail = |detail: String| TemplateError::Build {
+        template: spec.name.clone(),
+        detail,
+    };
     let vm_id = format!("build-{}", crate::ids::random_hex(4));
     progress("booting base");
-    let vm = Vm::boot(paths, &vm_id, spec.machine, artifacts, StartOptions::default())
-        .await
-        .map_err(|e| fail(e.to_string()))?;
+    let vm = Vm::boot(
+        paths,
+        &vm_id,
+        spec.machine,
+        artifacts,
+        StartOptions::default(),
+    )
+    .await
+    .map_err(|e| fail(e.to_string()))?;
     let steps = async {
         for (i, cmd) in spec.run.iter().enumerate() {
             progress(&format!("run {}/{}: {cmd}", i + 1, spec.run.len()));
-            let out = vm.exec("root", cmd, Duration::from_secs(3600)).await.map_err(|e| fail(e.to_string()))?;
+            let out = vm
+                .exec("root", cmd, Duration::from_secs(3600))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
             if out.exit_code != 0 {
-                let tail = String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..]).into_owned();
-                return Err(fail(format!("`{cmd}` exited with {}: {tail}", out.exit_code)));
+                let tail =
+                    String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..])
+                        .into_owned();
+                return Err(fail(format!(
+                    "`{cmd}` exited with {}: {tail}",
+                    out.exit_code
+                )));
             }
         }
         if let Some(start) = &spec.start {
             progress(&format!("start: {start}"));
             let quoted = start.replace('\'', r"'\''");
-            let detach = format!("nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &");
-            vm.exec("root", &detach, Duration::from_secs(60)).await.map_err(|e| fail(e.to_string()))?;
+            let detach = format!(
+                "nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &"
+            );
+            vm.exec("root", &detach, Duration::from_secs(60))
+                .await
+                .map_err(|e| fail(e.to_string()))?;
         }
         if let Some(ready) = &spec.ready {
             progress(&format!("waiting until ready: {ready}"));
             let deadline = Instant::now() + spec.ready_timeout;
             loop {
-                let out = vm.exec("root", ready, Duration::from_secs(60)).await.map_err(|e| fail(e.to_string()))?;
+                let out = vm
+                    .exec("root", ready, Duration::from_secs(60))
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
                 if out.exit_code == 0 {
                     break;
                 }
                 if Instant::now() > deadline {
-                    return Err(fail(format!("not ready after {:?}: `{ready}` exited with {}", spec.ready_timeout, out.exit_code)));
+                    return Err(fail(format!(
+                        "not ready after {:?}: `{ready}` exited with {}",
+                        spec.ready_timeout, out.exit_code
+                    )));
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
@@ -176,7 +243,9 @@ async fn capture(
         return Err(e);
     }
     progress("capturing");
-    vm.capture_and_kill(snap_id).await.map_err(|e| fail(e.to_string()))
+    vm.capture_and_kill(snap_id)
+        .await
+        .map_err(|e| fail(e.to_string()))
 }
 
 /// `tine template build`: make template `spec.name` (replacing an older
@@ -195,11 +264,16 @@ pub async fn build(
         )));
     }
     if spec.name == DEFAULT_TEMPLATE {
-        return Err(TemplateError::Invalid(format!("'{DEFAULT_TEMPLATE}' is built in")));
+        return Err(TemplateError::Invalid(format!(
+            "'{DEFAULT_TEMPLATE}' is built in"
+        )));
     }
     let older = db.find_template(&spec.name, None)?;
     let id = format!("tpl-{}-{}", spec.name, crate::ids::random_hex(4));
-    let artifacts = artifacts.resolve().map_err(|e| TemplateError::Build { template: spec.name.clone(), detail: e.to_string() })?;
+    let artifacts = artifacts.resolve().map_err(|e| TemplateError::Build {
+        template: spec.name.clone(),
+        detail: e.to_string(),
+    })?;
     capture(paths, &artifacts, spec, &id, progress).await?;
     let row = SnapshotRow {
         id,
@@ -223,7 +297,9 @@ pub async fn build(
 /// Delete template `name` (all its rows); files go once unused.
 pub fn delete(db: &Db, name: &str) -> Result<bool, TemplateError> {
     if name == DEFAULT_TEMPLATE {
-        return Err(TemplateError::Invalid(format!("'{DEFAULT_TEMPLATE}' is built in")));
+        return Err(TemplateError::Invalid(format!(
+            "'{DEFAULT_TEMPLATE}' is built in"
+        )));
     }
     Ok(db.delete_snapshot(name)?)
 }

@@ -18,7 +18,9 @@ pub struct Paths {
 }
 
 fn env_dir(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| PathBuf::from(default))
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(default))
 }
 
 impl Paths {
@@ -78,7 +80,10 @@ pub struct Artifacts {
 impl Artifacts {
     pub fn resolve(&self) -> Result<Self> {
         let check = |what: &'static str, p: &Path| -> Result<PathBuf> {
-            std::fs::canonicalize(p).map_err(|_| Error::MissingArtifact { what, path: p.to_path_buf() })
+            std::fs::canonicalize(p).map_err(|_| Error::MissingArtifact {
+                what,
+                path: p.to_path_buf(),
+            })
         };
         Ok(Self {
             kernel: check("guest kernel", &self.kernel)?,
@@ -111,7 +116,11 @@ impl Accel {
             .lines()
             .filter(|l| l.starts_with("flags"))
             .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
-        let kvm_opens = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok();
+        let kvm_opens = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .is_ok();
         if hw && kvm_opens {
             Accel::Kvm
         } else {
@@ -137,6 +146,10 @@ pub struct Machine {
 
 impl Default for Machine {
     fn default() -> Self {
-        Self { vcpus: 1, memory_mib: 512, accel: Accel::probe() }
+        Self {
+            vcpus: 1,
+            memory_mib: 512,
+            accel: Accel::probe(),
+        }
     }
 }

@@ -35,7 +35,11 @@ pub async fn create_overlay(backing: &Path, format: BackingFormat, path: &Path) 
         .ctx(|| "running qemu-img (is qemu-utils installed?)".into())?;
     if !out.status.success() {
         return Err(Error::Io {
-            context: format!("qemu-img create {} over {}", path.display(), backing.display()),
+            context: format!(
+                "qemu-img create {} over {}",
+                path.display(),
+                backing.display()
+            ),
             source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
         });
     }

@@ -24,8 +24,14 @@ pub enum Error {
         console: String,
     },
 
-    #[error("the agent of VM {vm} did not answer within {secs} s; last console lines: {console:?}")]
-    AgentTimeout { vm: String, secs: u64, console: String },
+    #[error(
+        "the agent of VM {vm} did not answer within {secs} s; last console lines: {console:?}"
+    )]
+    AgentTimeout {
+        vm: String,
+        secs: u64,
+        console: String,
+    },
 
     #[error("QMP: {0}")]
     Qmp(#[from] crate::qmp::QmpError),
@@ -37,7 +43,11 @@ pub enum Error {
     Snapshot { path: PathBuf, detail: String },
 
     #[error("VM {vm} is {state}, cannot {op}")]
-    InvalidState { vm: String, state: &'static str, op: &'static str },
+    InvalidState {
+        vm: String,
+        state: &'static str,
+        op: &'static str,
+    },
 
     #[error("guest agent of VM {vm}: {detail}")]
     Agent { vm: String, detail: String },
@@ -59,6 +69,9 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for std::io::Result<T> {
     fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|source| Error::Io { context: context(), source })
+        self.map_err(|source| Error::Io {
+            context: context(),
+            source,
+        })
     }
 }

@@ -60,32 +60,55 @@ impl Flatten<'_> {
         let _ = std::fs::remove_file(&qmp_socket);
         let process = QemuProcess::spawn(&qemu::binary(), &qemu::args(&launch), self.netns, &log)?;
         let result = self.drive(&process, &qmp_socket, stream, state).await;
-        if tokio::time::timeout(Duration::from_secs(10), process.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(10), process.wait())
+            .await
+            .is_err()
+        {
             process.kill().await;
         }
         result.map_err(|e| Error::Snapshot {
             path: stream.to_path_buf(),
-            detail: format!("flattening RAM: {e}; the helper QEMU said {:?}", crate::vm::log_tail(&log, 600)),
+            detail: format!(
+                "flattening RAM: {e}; the helper QEMU said {:?}",
+                crate::vm::log_tail(&log, 600)
+            ),
         })
     }
 
-    async fn drive(&self, process: &QemuProcess, socket: &Path, stream: &Path, state: &Path) -> Result<()> {
+    async fn drive(
+        &self,
+        process: &QemuProcess,
+        socket: &Path,
+        stream: &Path,
+        state: &Path,
+    ) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut qmp = loop {
             match Qmp::connect(socket).await {
                 Ok(q) => break q,
-                Err(e) if Instant::now() > deadline || process.exit_status().is_some() => return Err(e.into()),
+                Err(e) if Instant::now() > deadline || process.exit_status().is_some() => {
+                    return Err(e.into())
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
             }
         };
         // The stream was saved without `x-ignore-shared` (so it carries all
         // RAM and QEMU accepts it into shared RAM); the new state is saved
         // with it, leaving RAM in the file.
-        qmp.run("migrate-incoming", Some(json!({ "uri": format!("file:{}", stream.display()) }))).await?;
+        qmp.run(
+            "migrate-incoming",
+            Some(json!({ "uri": format!("file:{}", stream.display()) })),
+        )
+        .await?;
         qmp.wait_migration("replaying the RAM stream").await?;
         qmp.set_migrate_capability("x-ignore-shared", true).await?;
-        qmp.run("migrate", Some(json!({ "uri": format!("file:{}", state.display()) }))).await?;
-        qmp.wait_migration("saving the flattened device state").await?;
+        qmp.run(
+            "migrate",
+            Some(json!({ "uri": format!("file:{}", state.display()) })),
+        )
+        .await?;
+        qmp.wait_migration("saving the flattened device state")
+            .await?;
         let _ = qmp.run("quit", None).await;
         Ok(())
     }

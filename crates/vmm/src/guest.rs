@@ -19,7 +19,12 @@ pub const AGENT_PORT: u16 = 49983;
 pub async fn connect(netns: &Netns, timeout: Duration) -> std::io::Result<tokio::net::TcpStream> {
     tokio::time::timeout(timeout, netns.connect(AGENT_PORT))
         .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect to the agent timed out"))?
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connect to the agent timed out",
+            )
+        })?
 }
 
 /// How long a call to a running agent may take to connect. Generous: on a
@@ -31,11 +36,18 @@ const CALL_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const PROBE_CONNECT_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// One HTTP/1.1 request on a fresh connection; returns status and body.
-pub async fn request(netns: &Netns, req: Request<Full<Bytes>>) -> std::io::Result<(StatusCode, Bytes)> {
+pub async fn request(
+    netns: &Netns,
+    req: Request<Full<Bytes>>,
+) -> std::io::Result<(StatusCode, Bytes)> {
     request_with(netns, req, CALL_CONNECT_TIMEOUT).await
 }
 
-async fn request_with(netns: &Netns, req: Request<Full<Bytes>>, connect_timeout: Duration) -> std::io::Result<(StatusCode, Bytes)> {
+async fn request_with(
+    netns: &Netns,
+    req: Request<Full<Bytes>>,
+    connect_timeout: Duration,
+) -> std::io::Result<(StatusCode, Bytes)> {
     let stream = connect(netns, connect_timeout).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -43,9 +55,17 @@ async fn request_with(netns: &Netns, req: Request<Full<Bytes>>, connect_timeout:
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let resp = sender.send_request(req).await.map_err(std::io::Error::other)?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(std::io::Error::other)?;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(std::io::Error::other)?
+        .to_bytes();
     Ok((status, body))
 }
 
@@ -63,14 +83,23 @@ pub async fn healthy(netns: &Netns) -> bool {
 
 /// Poll `/health` until it answers, `give_up` returns true, or `timeout`
 /// passes. Returns whether the agent answered.
-pub async fn wait_healthy(netns: &Netns, timeout: Duration, mut give_up: impl FnMut() -> bool) -> bool {
+pub async fn wait_healthy(
+    netns: &Netns,
+    timeout: Duration,
+    mut give_up: impl FnMut() -> bool,
+) -> bool {
     let deadline = Instant::now() + timeout;
     let mut delay = Duration::from_millis(1);
     let start = Instant::now();
     while Instant::now() < deadline {
         let t = Instant::now();
         let ok = healthy(netns).await;
-        tracing::trace!(ok, attempt_ms = t.elapsed().as_secs_f64() * 1e3, since_ms = start.elapsed().as_secs_f64() * 1e3, "health probe");
+        tracing::trace!(
+            ok,
+            attempt_ms = t.elapsed().as_secs_f64() * 1e3,
+            since_ms = start.elapsed().as_secs_f64() * 1e3,
+            "health probe"
+        );
         if ok {
             return true;
         }
@@ -96,7 +125,12 @@ pub struct ExecOutput {
 /// Run `cmd` with `bash -l -c` as `user` through the agent's
 /// `process.Process/Start` (the call `commands.run` of the E2B SDK makes),
 /// collecting its output until it ends or `timeout` passes.
-pub async fn exec(netns: &Netns, user: &str, cmd: &str, timeout: Duration) -> Result<ExecOutput, String> {
+pub async fn exec(
+    netns: &Netns,
+    user: &str,
+    cmd: &str,
+    timeout: Duration,
+) -> Result<ExecOutput, String> {
     use base64::Engine as _;
     let b64 = base64::engine::general_purpose::STANDARD;
     let body = tine_connect::encode_message(&serde_json::json!({
@@ -107,14 +141,21 @@ pub async fn exec(netns: &Netns, user: &str, cmd: &str, timeout: Duration) -> Re
     let req = Request::post("/process.Process/Start")
         .header("host", "agent")
         .header("content-type", tine_connect::CONTENT_TYPE_STREAM_JSON)
-        .header(tine_connect::HEADER_TIMEOUT_MS, timeout.as_millis().to_string())
-        .header("authorization", format!("Basic {}", b64.encode(format!("{user}:"))))
+        .header(
+            tine_connect::HEADER_TIMEOUT_MS,
+            timeout.as_millis().to_string(),
+        )
+        .header(
+            "authorization",
+            format!("Basic {}", b64.encode(format!("{user}:"))),
+        )
         .body(Full::new(body))
         .expect("request is valid");
-    let (status, body) = tokio::time::timeout(timeout + Duration::from_secs(5), request(netns, req))
-        .await
-        .map_err(|_| format!("no answer within {timeout:?}"))?
-        .map_err(|e| format!("request failed: {e}"))?;
+    let (status, body) =
+        tokio::time::timeout(timeout + Duration::from_secs(5), request(netns, req))
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|e| format!("request failed: {e}"))?;
     if status != StatusCode::OK {
         let err = tine_connect::Error::from_unary_response(status.as_u16(), &body);
         return Err(format!("HTTP {status}: {err}"));
@@ -126,7 +167,8 @@ pub async fn exec(netns: &Netns, user: &str, cmd: &str, timeout: Duration) -> Re
     while let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
         match frame {
             tine_connect::Frame::Message(json) => {
-                let msg: serde_json::Value = serde_json::from_slice(&json).map_err(|e| e.to_string())?;
+                let msg: serde_json::Value =
+                    serde_json::from_slice(&json).map_err(|e| e.to_string())?;
                 let event = &msg["event"];
                 if let Some(start) = event.get("start") {
                     out.pid = start["pid"].as_u64().unwrap_or(0) as u32;

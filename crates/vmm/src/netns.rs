@@ -40,24 +40,42 @@ pub struct Netns {
 }
 
 fn netns_err(name: &str, detail: impl Into<String>) -> Error {
-    Error::Netns { name: name.to_string(), detail: detail.into() }
+    Error::Netns {
+        name: name.to_string(),
+        detail: detail.into(),
+    }
 }
 
 async fn ip(name: &str, args: &[&str], stdin: Option<&str>) -> Result<()> {
     let mut cmd = tokio::process::Command::new("ip");
     cmd.args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| netns_err(name, format!("running ip: {e}")))?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| netns_err(name, format!("running ip: {e}")))?;
     if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input.as_bytes()).await.map_err(|e| netns_err(name, e.to_string()))?;
+        pipe.write_all(input.as_bytes())
+            .await
+            .map_err(|e| netns_err(name, e.to_string()))?;
     }
-    let out = child.wait_with_output().await.map_err(|e| netns_err(name, e.to_string()))?;
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| netns_err(name, e.to_string()))?;
     if !out.status.success() {
         return Err(netns_err(
             name,
-            format!("ip {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()),
+            format!(
+                "ip {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
         ));
     }
     Ok(())
@@ -84,8 +102,12 @@ impl Netns {
 
     /// Open an existing namespace by name (e.g. when adopting a VM).
     pub fn open(name: &str) -> Result<Self> {
-        let file = File::open(Self::path_of(name)).map_err(|e| netns_err(name, format!("opening: {e}")))?;
-        Ok(Self { name: name.to_string(), file })
+        let file = File::open(Self::path_of(name))
+            .map_err(|e| netns_err(name, format!("opening: {e}")))?;
+        Ok(Self {
+            name: name.to_string(),
+            file,
+        })
     }
 
     fn path_of(name: &str) -> PathBuf {
@@ -95,7 +117,10 @@ impl Netns {
     /// A second handle on the same namespace (for connecting to the guest
     /// without holding the VM).
     pub fn try_clone(&self) -> std::io::Result<Self> {
-        Ok(Self { name: self.name.clone(), file: self.file.try_clone()? })
+        Ok(Self {
+            name: self.name.clone(),
+            file: self.file.try_clone()?,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -114,7 +139,8 @@ impl Netns {
             // This thread exists only to create the socket, so it never has
             // to switch back to the host namespace.
             setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM.cloexec(), None)?;
+            let s =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM.cloexec(), None)?;
             s.set_nonblocking(true)?;
             s.set_tcp_nodelay(true)?;
             Ok(s)

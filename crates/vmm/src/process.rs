@@ -29,10 +29,15 @@ impl QemuProcess {
     /// `log`.
     pub fn spawn(binary: &str, args: &[String], netns: &Netns, log: &Path) -> Result<Self> {
         let log_file = std::fs::File::create(log).ctx(|| format!("creating {}", log.display()))?;
-        let log_err = log_file.try_clone().ctx(|| "duplicating the log fd".into())?;
+        let log_err = log_file
+            .try_clone()
+            .ctx(|| "duplicating the log fd".into())?;
         let ns_fd = netns.file().as_raw_fd();
         let mut cmd = std::process::Command::new(binary);
-        cmd.args(args).stdin(Stdio::null()).stdout(log_file).stderr(log_err);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(log_file)
+            .stderr(log_err);
         // SAFETY: the closure runs in the forked child before exec and only
         // makes async-signal-safe system calls (setsid, setns).
         unsafe {
@@ -48,7 +53,10 @@ impl QemuProcess {
         let mut child = tokio::process::Command::from(cmd)
             .kill_on_drop(false)
             .spawn()
-            .map_err(|source| Error::Spawn { binary: binary.to_string(), source })?;
+            .map_err(|source| Error::Spawn {
+                binary: binary.to_string(),
+                source,
+            })?;
         let pid = child.id().expect("a just-spawned child has a pid") as i32;
         let (tx, rx) = watch::channel(None);
         tokio::spawn(async move {
@@ -74,9 +82,10 @@ impl QemuProcess {
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         // SAFETY: the OwnedFd is moved into the AsyncFd and stays open and
         // unchanged for the AsyncFd's whole life.
-        let async_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)
-            .ctx(|| "registering the pidfd".into())?;
+        let async_fd =
+            unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+                .map_err(|e| e.into_parts().1)
+                .ctx(|| "registering the pidfd".into())?;
         let (tx, rx) = watch::channel(None);
         tokio::spawn(async move {
             // A pidfd becomes readable when the process exits.

@@ -37,7 +37,14 @@ pub struct Launch {
 /// `/proc/cpuinfo`.
 pub fn host_cpu_khz() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let mhz: f64 = info.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse().ok()?;
+    let mhz: f64 = info
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))?
+        .split(':')
+        .nth(1)?
+        .trim()
+        .parse()
+        .ok()?;
     Some((mhz * 1000.0) as u64)
 }
 
@@ -149,8 +156,16 @@ mod tests {
 
     fn launch(incoming: bool, shared: bool) -> Launch {
         Launch {
-            machine: Machine { vcpus: 2, memory_mib: 256, accel: Accel::Tcg },
-            artifacts: Artifacts { kernel: "/k".into(), initramfs: "/i".into(), rootfs: "/r".into() },
+            machine: Machine {
+                vcpus: 2,
+                memory_mib: 256,
+                accel: Accel::Tcg,
+            },
+            artifacts: Artifacts {
+                kernel: "/k".into(),
+                initramfs: "/i".into(),
+                rootfs: "/r".into(),
+            },
             disk: "/vm/disk.qcow2".into(),
             disk_readonly: false,
             ram: "/shm/ram".into(),

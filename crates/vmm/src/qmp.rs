@@ -24,7 +24,10 @@ const GREETING_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
     #[error("connecting to {path}: {source}")]
-    Connect { path: String, source: std::io::Error },
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("I/O on the QMP socket: {0}")]
     Io(#[from] std::io::Error),
     #[error("no QMP greeting on {0}: another process (a tine server?) controls this VM")]
@@ -36,7 +39,11 @@ pub enum QmpError {
     #[error("malformed QMP message {line:?}: {detail}")]
     Protocol { line: String, detail: String },
     #[error("{command} failed: {class}: {desc}")]
-    Command { command: String, class: String, desc: String },
+    Command {
+        command: String,
+        class: String,
+        desc: String,
+    },
 }
 
 pub struct Qmp {
@@ -49,19 +56,28 @@ pub struct Qmp {
 impl Qmp {
     /// Connect, read the greeting and leave capabilities negotiation mode.
     pub async fn connect(path: &Path) -> Result<Self, QmpError> {
-        let stream = UnixStream::connect(path).await.map_err(|source| QmpError::Connect {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|source| QmpError::Connect {
+                path: path.display().to_string(),
+                source,
+            })?;
         let (r, w) = stream.into_split();
-        let mut qmp = Self { reader: BufReader::new(r), writer: w, events: Vec::new() };
+        let mut qmp = Self {
+            reader: BufReader::new(r),
+            writer: w,
+            events: Vec::new(),
+        };
         // QEMU serves one QMP client at a time; a second one is accepted
         // but gets no greeting until the first leaves.
         let greeting = tokio::time::timeout(GREETING_TIMEOUT, qmp.read_message("greeting"))
             .await
             .map_err(|_| QmpError::Busy(path.display().to_string()))??;
         if greeting.get("QMP").is_none() {
-            return Err(QmpError::Protocol { line: greeting.to_string(), detail: "expected the QMP greeting".into() });
+            return Err(QmpError::Protocol {
+                line: greeting.to_string(),
+                detail: "expected the QMP greeting".into(),
+            });
         }
         qmp.execute::<Value>("qmp_capabilities", None).await?;
         Ok(qmp)
@@ -75,11 +91,18 @@ impl Qmp {
         if n == 0 {
             return Err(QmpError::Closed);
         }
-        serde_json::from_str(&line).map_err(|e| QmpError::Protocol { line, detail: e.to_string() })
+        serde_json::from_str(&line).map_err(|e| QmpError::Protocol {
+            line,
+            detail: e.to_string(),
+        })
     }
 
     /// Run `command` with optional `arguments` and decode its `return`.
-    pub async fn execute<R: DeserializeOwned>(&mut self, command: &str, arguments: Option<Value>) -> Result<R, QmpError> {
+    pub async fn execute<R: DeserializeOwned>(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<R, QmpError> {
         let mut msg = json!({ "execute": command });
         if let Some(args) = arguments {
             msg["arguments"] = args;
@@ -106,7 +129,10 @@ impl Qmp {
                     desc: err["desc"].as_str().unwrap_or("?").to_string(),
                 });
             }
-            return Err(QmpError::Protocol { line: reply.to_string(), detail: "neither return, error nor event".into() });
+            return Err(QmpError::Protocol {
+                line: reply.to_string(),
+                detail: "neither return, error nor event".into(),
+            });
         }
     }
 
@@ -121,7 +147,11 @@ impl Qmp {
     }
 
     /// Enable or disable migration capabilities.
-    pub async fn set_migrate_capability(&mut self, capability: &str, state: bool) -> Result<(), QmpError> {
+    pub async fn set_migrate_capability(
+        &mut self,
+        capability: &str,
+        state: bool,
+    ) -> Result<(), QmpError> {
         self.run(
             "migrate-set-capabilities",
             Some(json!({ "capabilities": [{ "capability": capability, "state": state }] })),
@@ -141,7 +171,10 @@ impl Qmp {
                     return Err(QmpError::Command {
                         command: what.to_string(),
                         class: status["status"].as_str().unwrap_or("failed").to_string(),
-                        desc: status["error-desc"].as_str().unwrap_or("no detail from QEMU").to_string(),
+                        desc: status["error-desc"]
+                            .as_str()
+                            .unwrap_or("no detail from QEMU")
+                            .to_string(),
                     })
                 }
                 _ => {

@@ -52,17 +52,29 @@ impl Snapshot {
     /// than inside QEMU.
     pub fn open(paths: &Paths, id: &str) -> Result<Self> {
         let dir = paths.snapshot_dir(id);
-        let bad = |detail: String| Error::Snapshot { path: dir.clone(), detail };
+        let bad = |detail: String| Error::Snapshot {
+            path: dir.clone(),
+            detail,
+        };
         let meta_bytes = std::fs::read(dir.join("meta.json"))
             .map_err(|e| bad(format!("reading meta.json: {e}")))?;
-        let meta: SnapshotMeta =
-            serde_json::from_slice(&meta_bytes).map_err(|e| bad(format!("meta.json is corrupt: {e}")))?;
+        let meta: SnapshotMeta = serde_json::from_slice(&meta_bytes)
+            .map_err(|e| bad(format!("meta.json is corrupt: {e}")))?;
         if meta.version != META_VERSION {
-            return Err(bad(format!("meta.json version {} (this tine reads {META_VERSION})", meta.version)));
+            return Err(bad(format!(
+                "meta.json version {} (this tine reads {META_VERSION})",
+                meta.version
+            )));
         }
-        let snap = Self { ram: paths.snapshot_ram(id), dir: dir.clone(), meta };
+        let snap = Self {
+            ram: paths.snapshot_ram(id),
+            dir: dir.clone(),
+            meta,
+        };
         check_state_file(&snap.state_path()).map_err(bad)?;
-        let ram_len = std::fs::metadata(&snap.ram).map_err(|e| bad(format!("RAM file {}: {e}", snap.ram.display())))?.len();
+        let ram_len = std::fs::metadata(&snap.ram)
+            .map_err(|e| bad(format!("RAM file {}: {e}", snap.ram.display())))?
+            .len();
         let want = u64::from(snap.meta.machine.memory_mib) << 20;
         if ram_len != want {
             return Err(bad(format!("RAM file is {ram_len} bytes, expected {want}")));
@@ -77,19 +89,26 @@ impl Snapshot {
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Error::Io { context: format!("removing {}", dir.display()), source: e }),
+            Err(e) => Err(Error::Io {
+                context: format!("removing {}", dir.display()),
+                source: e,
+            }),
         }
     }
 }
 
 fn check_state_file(path: &Path) -> std::result::Result<(), String> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| format!("device state {}: {e}", path.display()))?;
+    let mut f =
+        std::fs::File::open(path).map_err(|e| format!("device state {}: {e}", path.display()))?;
     let mut magic = [0u8; 4];
     f.read_exact(&mut magic)
         .map_err(|_| format!("device state {} is truncated", path.display()))?;
     if &magic != QEMU_STATE_MAGIC {
-        return Err(format!("device state {} is not a QEMU migration stream", path.display()));
+        return Err(format!(
+            "device state {} is not a QEMU migration stream",
+            path.display()
+        ));
     }
     Ok(())
 }
@@ -149,10 +168,16 @@ mod tests {
         drop(f);
         let copied = super::move_sparse(&from, &to).unwrap();
         assert!(!from.exists(), "the source is removed");
-        assert!(copied >= (3 << 20) + 5 && copied < 8 << 20, "only data extents are copied: {copied}");
+        assert!(
+            copied >= (3 << 20) + 5 && copied < 8 << 20,
+            "only data extents are copied: {copied}"
+        );
         let g = std::fs::File::open(&to).unwrap();
         assert_eq!(g.metadata().unwrap().len(), 64 << 20);
-        assert!(g.metadata().unwrap().blocks() * 512 < 16 << 20, "holes stay holes");
+        assert!(
+            g.metadata().unwrap().blocks() * 512 < 16 << 20,
+            "holes stay holes"
+        );
         let mut buf = [0u8; 5];
         g.read_exact_at(&mut buf, 0).unwrap();
         assert_eq!(&buf, b"start");

@@ -91,7 +91,10 @@ pub struct Vm {
 }
 
 fn unix_ms() -> u128 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
 }
 
 /// The last `max` bytes of a log file, as text.
@@ -111,7 +114,10 @@ fn remove_dir(path: &Path) -> Result<()> {
     match std::fs::remove_dir_all(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::Io { context: format!("removing {}", path.display()), source: e }),
+        Err(e) => Err(Error::Io {
+            context: format!("removing {}", path.display()),
+            source: e,
+        }),
     }
 }
 
@@ -143,7 +149,9 @@ impl VmFiles {
 
 impl Vm {
     fn files(&self) -> VmFiles {
-        VmFiles { dir: self.paths.vm_dir(&self.record.id) }
+        VmFiles {
+            dir: self.paths.vm_dir(&self.record.id),
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -174,9 +182,17 @@ impl Vm {
 
     /// Cold-boot a VM from kernel + initramfs + a read-only rootfs image,
     /// and wait until its agent answers.
-    pub async fn boot(paths: &Paths, id: &str, machine: Machine, artifacts: &Artifacts, opts: StartOptions) -> Result<Vm> {
+    pub async fn boot(
+        paths: &Paths,
+        id: &str,
+        machine: Machine,
+        artifacts: &Artifacts,
+        opts: StartOptions,
+    ) -> Result<Vm> {
         let artifacts = artifacts.resolve()?;
-        let files = VmFiles { dir: paths.vm_dir(id) };
+        let files = VmFiles {
+            dir: paths.vm_dir(id),
+        };
         let ram_dir = paths.vm_ram_dir(id);
         prepare_dirs(&files.dir, &ram_dir)?;
         let ram = ram_dir.join("ram");
@@ -209,7 +225,8 @@ impl Vm {
             };
             let mut vm = Vm::launch(paths, record, netns, &launch, "during boot").await?;
             vm.state = VmState::Running;
-            vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot").await?;
+            vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
+                .await?;
             Ok(vm)
         }
         .await;
@@ -221,7 +238,12 @@ impl Vm {
 
     /// Start a clone of `snapshot`: its RAM file mapped MAP_PRIVATE, a new
     /// overlay over its frozen disk, its device state loaded over QMP.
-    pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot, opts: StartOptions) -> Result<Vm> {
+    pub async fn restore(
+        paths: &Paths,
+        id: &str,
+        snapshot: &Snapshot,
+        opts: StartOptions,
+    ) -> Result<Vm> {
         let t = Instant::now();
         let mut vm = Vm::restore_paused(paths, id, snapshot).await?;
         let loaded = t.elapsed();
@@ -243,12 +265,18 @@ impl Vm {
     /// device state loaded, vCPUs not yet running (state `Paused`). A warm
     /// pool keeps VMs in this state; [`Vm::start_restored`] finishes.
     pub async fn restore_paused(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Vm> {
-        let files = VmFiles { dir: paths.vm_dir(id) };
+        let files = VmFiles {
+            dir: paths.vm_dir(id),
+        };
         prepare_dirs(&files.dir, &paths.vm_ram_dir(id))?;
         let result = async {
             let t = Instant::now();
             let netns = Netns::create(id).await?;
-            tracing::debug!(vm = id, netns_ms = t.elapsed().as_secs_f64() * 1e3, "namespace ready");
+            tracing::debug!(
+                vm = id,
+                netns_ms = t.elapsed().as_secs_f64() * 1e3,
+                "namespace ready"
+            );
             Vm::launch_clone(paths, id, netns, snapshot).await
         }
         .await;
@@ -261,13 +289,21 @@ impl Vm {
     /// Run a VM from [`Vm::restore_paused`] and wait until its agent answers.
     pub async fn start_restored(&mut self, ready_timeout: Option<Duration>) -> Result<()> {
         self.resume().await?;
-        self.wait_ready(ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore").await
+        self.wait_ready(ready_timeout.unwrap_or(RESTORE_TIMEOUT), "after restore")
+            .await
     }
 
     /// Spawn QEMU for a clone of `snapshot` in `netns` and load the device
     /// state; the clone stays paused.
-    async fn launch_clone(paths: &Paths, id: &str, netns: Netns, snapshot: &Snapshot) -> Result<Vm> {
-        let files = VmFiles { dir: paths.vm_dir(id) };
+    async fn launch_clone(
+        paths: &Paths,
+        id: &str,
+        netns: Netns,
+        snapshot: &Snapshot,
+    ) -> Result<Vm> {
+        let files = VmFiles {
+            dir: paths.vm_dir(id),
+        };
         let t = Instant::now();
         let _ = std::fs::remove_file(files.disk());
         disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
@@ -301,9 +337,14 @@ impl Vm {
         let t_qmp = t.elapsed();
         let state = snapshot.state_path();
         let loaded = async {
-            vm.qmp.set_migrate_capability("x-ignore-shared", true).await?;
             vm.qmp
-                .run("migrate-incoming", Some(json!({ "uri": format!("file:{}", state.display()) })))
+                .set_migrate_capability("x-ignore-shared", true)
+                .await?;
+            vm.qmp
+                .run(
+                    "migrate-incoming",
+                    Some(json!({ "uri": format!("file:{}", state.display()) })),
+                )
                 .await?;
             vm.qmp.wait_migration("loading the device state").await
         }
@@ -332,12 +373,28 @@ impl Vm {
     }
 
     /// Spawn QEMU and connect to its QMP socket.
-    async fn launch(paths: &Paths, mut record: VmRecord, netns: Netns, launch: &Launch, during: &'static str) -> Result<Vm> {
-        let files = VmFiles { dir: paths.vm_dir(&record.id) };
+    async fn launch(
+        paths: &Paths,
+        mut record: VmRecord,
+        netns: Netns,
+        launch: &Launch,
+        during: &'static str,
+    ) -> Result<Vm> {
+        let files = VmFiles {
+            dir: paths.vm_dir(&record.id),
+        };
         let _ = std::fs::remove_file(files.qmp());
-        let process = QemuProcess::spawn(&qemu::binary(), &qemu::args(launch), &netns, &files.qemu_log())?;
+        let process = QemuProcess::spawn(
+            &qemu::binary(),
+            &qemu::args(launch),
+            &netns,
+            &files.qemu_log(),
+        )?;
         record.pid = process.pid();
-        write_atomic(&files.record(), &serde_json::to_vec_pretty(&record).expect("record serializes"))?;
+        write_atomic(
+            &files.record(),
+            &serde_json::to_vec_pretty(&record).expect("record serializes"),
+        )?;
         let deadline = Instant::now() + QMP_TIMEOUT;
         let qmp = loop {
             if let Some(status) = process.exit_status() {
@@ -345,16 +402,26 @@ impl Vm {
             }
             match Qmp::connect(&files.qmp()).await {
                 Ok(q) => break q,
-                Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(1)).await,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                }
                 Err(e) => return Err(e.into()),
             }
         };
-        Ok(Vm { paths: paths.clone(), record, netns, process, qmp, state: VmState::Paused })
+        Ok(Vm {
+            paths: paths.clone(),
+            record,
+            netns,
+            process,
+            qmp,
+            state: VmState::Paused,
+        })
     }
 
     async fn wait_ready(&mut self, timeout: Duration, during: &'static str) -> Result<()> {
         let process = &self.process;
-        let ok = guest::wait_healthy(&self.netns, timeout, || process.exit_status().is_some()).await;
+        let ok =
+            guest::wait_healthy(&self.netns, timeout, || process.exit_status().is_some()).await;
         if ok {
             return Ok(());
         }
@@ -392,7 +459,11 @@ impl Vm {
         if allowed.contains(&self.state) {
             Ok(())
         } else {
-            Err(Error::InvalidState { vm: self.id().to_string(), state: self.state.as_str(), op })
+            Err(Error::InvalidState {
+                vm: self.id().to_string(),
+                state: self.state.as_str(),
+                op,
+            })
         }
     }
 
@@ -438,13 +509,20 @@ impl Vm {
         let snap_dir = self.paths.snapshot_dir(snap_id);
         let snap_ram = self.paths.snapshot_ram(snap_id);
         if snap_dir.exists() {
-            return Err(Error::Snapshot { path: snap_dir, detail: "already exists".into() });
+            return Err(Error::Snapshot {
+                path: snap_dir,
+                detail: "already exists".into(),
+            });
         }
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
         let state_tmp = snap_dir.join("state.partial");
         // A clone's RAM is private, so QEMU streams all of it into the state;
         // that stream is then flattened into a RAM file (see `flatten`).
-        let stream = if self.record.ram_shared { state_tmp.clone() } else { snap_dir.join("state.full") };
+        let stream = if self.record.ram_shared {
+            state_tmp.clone()
+        } else {
+            snap_dir.join("state.full")
+        };
 
         let t_save = Instant::now();
         if self.state == VmState::Running {
@@ -455,15 +533,24 @@ impl Vm {
             // Shared RAM stays in its file; private RAM is streamed without
             // the capability, as `flatten` loads it (a QEMU with it on
             // refuses pages for RAM it maps shared).
-            self.qmp.set_migrate_capability("x-ignore-shared", self.record.ram_shared).await?;
             self.qmp
-                .run("migrate", Some(json!({ "uri": format!("file:{}", stream.display()) })))
+                .set_migrate_capability("x-ignore-shared", self.record.ram_shared)
+                .await?;
+            self.qmp
+                .run(
+                    "migrate",
+                    Some(json!({ "uri": format!("file:{}", stream.display()) })),
+                )
                 .await?;
             self.qmp.wait_migration("saving the device state").await?;
             Ok::<_, Error>(())
         }
         .await;
-        tracing::debug!(vm = self.id(), state_saved_ms = t_save.elapsed().as_secs_f64() * 1e3, "device state saved");
+        tracing::debug!(
+            vm = self.id(),
+            state_saved_ms = t_save.elapsed().as_secs_f64() * 1e3,
+            "device state saved"
+        );
         if let Err(e) = saved {
             let _ = Snapshot::delete(&self.paths, snap_id);
             return Err(e);
@@ -471,17 +558,27 @@ impl Vm {
         // The state is saved; QEMU's exit closes the disk (flushed when the
         // migration completed) and leaves the RAM file as it is.
         let _ = self.qmp.run("quit", None).await;
-        if tokio::time::timeout(Duration::from_secs(10), self.process.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(10), self.process.wait())
+            .await
+            .is_err()
+        {
             self.process.kill().await;
         }
         self.state = VmState::Stopped;
 
         let files = self.files();
-        std::fs::rename(files.disk(), snap_dir.join("disk.qcow2")).ctx(|| "sealing the disk overlay".into())?;
+        std::fs::rename(files.disk(), snap_dir.join("disk.qcow2"))
+            .ctx(|| "sealing the disk overlay".into())?;
         if self.record.ram_shared {
             let t = Instant::now();
-            let bytes = crate::snapshot::move_sparse(&self.record.ram, &snap_ram).ctx(|| "freezing the RAM file".into())?;
-            tracing::debug!(vm = self.id(), mib = bytes >> 20, ms = t.elapsed().as_secs_f64() * 1e3, "RAM moved into the snapshot");
+            let bytes = crate::snapshot::move_sparse(&self.record.ram, &snap_ram)
+                .ctx(|| "freezing the RAM file".into())?;
+            tracing::debug!(
+                vm = self.id(),
+                mib = bytes >> 20,
+                ms = t.elapsed().as_secs_f64() * 1e3,
+                "RAM moved into the snapshot"
+            );
         } else {
             let t = Instant::now();
             let job = crate::flatten::Flatten {
@@ -497,9 +594,14 @@ impl Vm {
                 let _ = Snapshot::delete(&self.paths, snap_id);
                 return Err(e);
             }
-            tracing::debug!(vm = self.id(), flatten_ms = t.elapsed().as_secs_f64() * 1e3, "RAM flattened into a file");
+            tracing::debug!(
+                vm = self.id(),
+                flatten_ms = t.elapsed().as_secs_f64() * 1e3,
+                "RAM flattened into a file"
+            );
         }
-        std::fs::rename(&state_tmp, snap_dir.join("state")).ctx(|| "finishing the device state".into())?;
+        std::fs::rename(&state_tmp, snap_dir.join("state"))
+            .ctx(|| "finishing the device state".into())?;
         let meta = SnapshotMeta {
             version: META_VERSION,
             id: snap_id.to_string(),
@@ -509,7 +611,10 @@ impl Vm {
             extra_cmdline: self.record.extra_cmdline.clone(),
             created_unix_ms: unix_ms(),
         };
-        write_atomic(&snap_dir.join("meta.json"), &serde_json::to_vec_pretty(&meta).expect("meta serializes"))?;
+        write_atomic(
+            &snap_dir.join("meta.json"),
+            &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
+        )?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
         Ok(snapshot)
     }
@@ -530,10 +635,15 @@ impl Vm {
 
     /// Take over a VM that another process started (its `vm.json`).
     pub async fn adopt(paths: &Paths, id: &str) -> Result<Vm> {
-        let files = VmFiles { dir: paths.vm_dir(id) };
-        let bytes = std::fs::read(files.record()).ctx(|| format!("no VM {id} ({})", files.record().display()))?;
-        let record: VmRecord = serde_json::from_slice(&bytes)
-            .map_err(|e| Error::Io { context: format!("{} is corrupt", files.record().display()), source: e.into() })?;
+        let files = VmFiles {
+            dir: paths.vm_dir(id),
+        };
+        let bytes = std::fs::read(files.record())
+            .ctx(|| format!("no VM {id} ({})", files.record().display()))?;
+        let record: VmRecord = serde_json::from_slice(&bytes).map_err(|e| Error::Io {
+            context: format!("{} is corrupt", files.record().display()),
+            source: e.into(),
+        })?;
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", record.pid)).unwrap_or_default();
         let needle = files.qmp().display().to_string();
         if !String::from_utf8_lossy(&cmdline).contains(&needle) {
@@ -549,8 +659,19 @@ impl Vm {
         let netns = Netns::open(&record.netns)?;
         let mut qmp = Qmp::connect(&files.qmp()).await?;
         let status: serde_json::Value = qmp.execute("query-status", None).await?;
-        let state = if status["running"].as_bool() == Some(true) { VmState::Running } else { VmState::Paused };
-        Ok(Vm { paths: paths.clone(), record, netns, process, qmp, state })
+        let state = if status["running"].as_bool() == Some(true) {
+            VmState::Running
+        } else {
+            VmState::Paused
+        };
+        Ok(Vm {
+            paths: paths.clone(),
+            record,
+            netns,
+            process,
+            qmp,
+            state,
+        })
     }
 }
 
@@ -597,7 +718,11 @@ pub async fn cleanup(paths: &Paths, id: &str) {
 /// IDs of all VMs that have a directory.
 pub fn list(paths: &Paths) -> Vec<String> {
     let mut ids: Vec<String> = std::fs::read_dir(paths.vms_dir())
-        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.file_name().into_string().ok()).collect())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
         .unwrap_or_default();
     ids.sort();
     ids
@@ -605,9 +730,17 @@ pub fn list(paths: &Paths) -> Vec<String> {
 
 impl Vm {
     /// Run a shell command in the guest as `user` (see [`guest::exec`]).
-    pub async fn exec(&self, user: &str, cmd: &str, timeout: Duration) -> Result<guest::ExecOutput> {
+    pub async fn exec(
+        &self,
+        user: &str,
+        cmd: &str,
+        timeout: Duration,
+    ) -> Result<guest::ExecOutput> {
         guest::exec(&self.netns, user, cmd, timeout)
             .await
-            .map_err(|detail| Error::Agent { vm: self.id().to_string(), detail })
+            .map_err(|detail| Error::Agent {
+                vm: self.id().to_string(),
+                detail,
+            })
     }
 }

@@ -15,26 +15,47 @@ const T: Duration = Duration::from_secs(60);
 fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts) {
     let real = Paths::from_env();
     let artifacts = real.current_artifacts();
-    artifacts.resolve().unwrap_or_else(|e| panic!("{e}: run scripts/setup-host.sh and scripts/build-initramfs.sh first"));
-    let data = tempfile::Builder::new().prefix("tine-test-").tempdir_in(&real.data_dir).unwrap();
+    artifacts.resolve().unwrap_or_else(|e| {
+        panic!("{e}: run scripts/setup-host.sh and scripts/build-initramfs.sh first")
+    });
+    let data = tempfile::Builder::new()
+        .prefix("tine-test-")
+        .tempdir_in(&real.data_dir)
+        .unwrap();
     std::fs::create_dir_all("/dev/shm/tine-test").unwrap();
     let shm = tempfile::tempdir_in("/dev/shm/tine-test").unwrap();
-    let paths = Paths { data_dir: data.path().to_path_buf(), shm_dir: shm.path().to_path_buf() };
+    let paths = Paths {
+        data_dir: data.path().to_path_buf(),
+        shm_dir: shm.path().to_path_buf(),
+    };
     (data, shm, paths, artifacts)
 }
 
 fn machine() -> Machine {
-    Machine { vcpus: 1, memory_mib: 256, ..Machine::default() }
+    Machine {
+        vcpus: 1,
+        memory_mib: 256,
+        ..Machine::default()
+    }
 }
 
 fn uniq(prefix: &str) -> String {
-    let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
     format!("{prefix}{:x}{:x}", std::process::id() % 4096, n % 65536)
 }
 
 async fn sh(vm: &Vm, cmd: &str) -> (String, i32) {
-    let out = vm.exec("root", cmd, T).await.unwrap_or_else(|e| panic!("exec {cmd:?} in {}: {e}", vm.id()));
-    (String::from_utf8_lossy(&out.stdout).trim().to_string(), out.exit_code)
+    let out = vm
+        .exec("root", cmd, T)
+        .await
+        .unwrap_or_else(|e| panic!("exec {cmd:?} in {}: {e}", vm.id()));
+    (
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        out.exit_code,
+    )
 }
 
 fn qemu_processes_under(dir: &std::path::Path) -> Vec<i32> {
@@ -51,10 +72,16 @@ fn qemu_processes_under(dir: &std::path::Path) -> Vec<i32> {
 }
 
 fn assert_gone(paths: &Paths, ids: &[String]) {
-    assert!(qemu_processes_under(&paths.data_dir).is_empty(), "QEMU processes left behind");
+    assert!(
+        qemu_processes_under(&paths.data_dir).is_empty(),
+        "QEMU processes left behind"
+    );
     let namespaces = tine_vmm::netns::list_ours();
     for id in ids {
-        assert!(!namespaces.contains(&format!("tine-{id}")), "namespace of {id} left behind");
+        assert!(
+            !namespaces.contains(&format!("tine-{id}")),
+            "namespace of {id} left behind"
+        );
         assert!(!paths.vm_dir(id).exists(), "directory of {id} left behind");
         assert!(!paths.vm_ram_dir(id).exists(), "RAM of {id} left behind");
     }
@@ -64,9 +91,15 @@ fn assert_gone(paths: &Paths, ids: &[String]) {
 async fn boot_snapshot_clone_kill() {
     let (_d, _s, paths, artifacts) = setup();
     let src_id = uniq("src");
-    let mut src = Vm::boot(&paths, &src_id, machine(), &artifacts, StartOptions::default())
-        .await
-        .expect("cold boot of the base template");
+    let mut src = Vm::boot(
+        &paths,
+        &src_id,
+        machine(),
+        &artifacts,
+        StartOptions::default(),
+    )
+    .await
+    .expect("cold boot of the base template");
     assert_eq!(src.state(), VmState::Running);
 
     // The guest runs the Debian cloud kernel that setup unpacked.
@@ -74,7 +107,10 @@ async fn boot_snapshot_clone_kill() {
     let (uname, code) = sh(&src, "uname -r").await;
     assert_eq!((uname.as_str(), code), (release.trim(), 0));
     // stdout, stderr and exit codes come back.
-    let out = src.exec("root", "echo out; echo err >&2; exit 3", T).await.unwrap();
+    let out = src
+        .exec("root", "echo out; echo err >&2; exit 3", T)
+        .await
+        .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
     assert_eq!(out.exit_code, 3);
@@ -85,31 +121,58 @@ async fn boot_snapshot_clone_kill() {
     sh(&src, "echo before > /root/marker").await;
     let snap_id = uniq("snap");
     let snap = src.snapshot(&snap_id).await.expect("snapshot");
-    assert_eq!(src.state(), VmState::Running, "the source continues after a snapshot");
+    assert_eq!(
+        src.state(),
+        VmState::Running,
+        "the source continues after a snapshot"
+    );
 
     let mut clones = Vec::new();
     for i in 0..3 {
         let id = uniq(&format!("c{i}"));
-        let vm = Vm::restore(&paths, &id, &snap, StartOptions::default()).await.expect("restore a clone");
+        let vm = Vm::restore(&paths, &id, &snap, StartOptions::default())
+            .await
+            .expect("restore a clone");
         clones.push(vm);
     }
     for (i, vm) in clones.iter().enumerate() {
-        assert_eq!(sh(vm, "cat /root/marker").await, ("before".into(), 0), "clone {i} sees the snapshot's file");
+        assert_eq!(
+            sh(vm, "cat /root/marker").await,
+            ("before".into(), 0),
+            "clone {i} sees the snapshot's file"
+        );
         sh(vm, &format!("echo clone{i} > /root/mine")).await;
     }
     sh(&src, "echo source > /root/mine").await;
     for (i, vm) in clones.iter().enumerate() {
-        assert_eq!(sh(vm, "cat /root/mine").await.0, format!("clone{i}"), "clone {i} sees only its own write");
+        assert_eq!(
+            sh(vm, "cat /root/mine").await.0,
+            format!("clone{i}"),
+            "clone {i} sees only its own write"
+        );
     }
     // Ten clones of one snapshot share its RAM pages in the host page cache.
     let mut more = Vec::new();
     for i in 0..7 {
-        more.push(Vm::restore(&paths, &uniq(&format!("m{i}")), &snap, StartOptions::default()).await.expect("restore"));
+        more.push(
+            Vm::restore(
+                &paths,
+                &uniq(&format!("m{i}")),
+                &snap,
+                StartOptions::default(),
+            )
+            .await
+            .expect("restore"),
+        );
     }
     for vm in clones.iter().chain(more.iter()) {
         let (rss, pss, shared) = ram_mapping_usage(vm.pid(), &snap.ram);
         assert!(rss > 0, "clone {} maps the snapshot's RAM file", vm.id());
-        assert!(shared > 0 && pss < rss, "clone {} shares RAM pages: rss {rss} pss {pss} shared {shared} KiB", vm.id());
+        assert!(
+            shared > 0 && pss < rss,
+            "clone {} shares RAM pages: rss {rss} pss {pss} shared {shared} KiB",
+            vm.id()
+        );
     }
     for vm in more {
         vm.kill().await.unwrap();
@@ -126,15 +189,23 @@ async fn boot_snapshot_clone_kill() {
     // A snapshot of a clone (its RAM is private, so it goes into the state
     // file) restores too.
     let snap2_id = uniq("snap2");
-    let snap2 = clones[0].snapshot(&snap2_id).await.expect("snapshot of a clone");
-    let grandchild = Vm::restore(&paths, &uniq("gc"), &snap2, StartOptions::default()).await.expect("restore");
+    let snap2 = clones[0]
+        .snapshot(&snap2_id)
+        .await
+        .expect("snapshot of a clone");
+    let grandchild = Vm::restore(&paths, &uniq("gc"), &snap2, StartOptions::default())
+        .await
+        .expect("restore");
     assert_eq!(sh(&grandchild, "cat /root/mine").await.0, "clone0");
     clones.push(grandchild);
 
     // Another process can take a VM over (as the CLI or a restarted server
     // does) once the one controlling it lets go; not while it holds QMP.
     let id1 = clones[1].id().to_string();
-    let err = Vm::adopt(&paths, &id1).await.err().expect("QMP is held by clones[1]");
+    let err = Vm::adopt(&paths, &id1)
+        .await
+        .err()
+        .expect("QMP is held by clones[1]");
     assert!(err.to_string().contains("another process"), "{err}");
     drop(clones.remove(1));
     let adopted = Vm::adopt(&paths, &id1).await.expect("adopt");
@@ -170,7 +241,12 @@ fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64) {
         if !inside {
             continue;
         }
-        let kib = |l: &str| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let kib = |l: &str| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
         match first {
             "Rss:" => rss += kib(line),
             "Pss:" => pss += kib(line),
@@ -182,7 +258,10 @@ fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64) {
 }
 
 fn paths_real_release() -> PathBuf {
-    Paths::from_env().data_dir.join("current").join("kernel-release")
+    Paths::from_env()
+        .data_dir
+        .join("current")
+        .join("kernel-release")
 }
 
 #[tokio::test]
@@ -191,13 +270,28 @@ async fn missing_artifacts_are_named() {
     let mut bad = artifacts.clone();
     bad.kernel = PathBuf::from("/nonexistent/vmlinuz");
     let id = uniq("mk");
-    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default()).await.err().expect("must fail");
-    assert!(matches!(err, Error::MissingArtifact { what: "guest kernel", .. }), "{err}");
+    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default())
+        .await
+        .err()
+        .expect("must fail");
+    assert!(
+        matches!(
+            err,
+            Error::MissingArtifact {
+                what: "guest kernel",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("/nonexistent/vmlinuz"), "{err}");
 
     let mut bad = artifacts.clone();
     bad.rootfs = PathBuf::from("/nonexistent/rootfs.ext4");
-    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default()).await.err().expect("must fail");
+    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default())
+        .await
+        .err()
+        .expect("must fail");
     assert!(err.to_string().contains("rootfs image"), "{err}");
     assert_gone(&paths, &[id]);
 }
@@ -208,12 +302,21 @@ async fn a_vm_that_dies_during_boot_says_why() {
     // The agent cannot find its root disk: it reports that on the console
     // and powers the VM off.
     let id = uniq("die");
-    let opts = StartOptions { extra_cmdline: vec!["tine.root=/dev/nonexistent".into()], ..Default::default() };
-    let err = Vm::boot(&paths, &id, machine(), &artifacts, opts).await.err().expect("must fail");
+    let opts = StartOptions {
+        extra_cmdline: vec!["tine.root=/dev/nonexistent".into()],
+        ..Default::default()
+    };
+    let err = Vm::boot(&paths, &id, machine(), &artifacts, opts)
+        .await
+        .err()
+        .expect("must fail");
     let msg = err.to_string();
     assert!(matches!(err, Error::QemuExited { .. }), "{msg}");
     assert!(msg.contains("during boot"), "{msg}");
-    assert!(msg.contains("/dev/nonexistent"), "the console tail names the missing disk: {msg}");
+    assert!(
+        msg.contains("/dev/nonexistent"),
+        "the console tail names the missing disk: {msg}"
+    );
     assert_gone(&paths, &[id]);
 }
 
@@ -239,30 +342,50 @@ async fn damaged_snapshots_are_refused_clearly() {
     std::fs::write(dir.join("disk.qcow2"), b"").unwrap();
     let ram = paths.snapshot_ram(id);
     std::fs::create_dir_all(ram.parent().unwrap()).unwrap();
-    std::fs::File::create(&ram).unwrap().set_len(256 << 20).unwrap();
+    std::fs::File::create(&ram)
+        .unwrap()
+        .set_len(256 << 20)
+        .unwrap();
     let err = Snapshot::open(&paths, id).err().expect("must fail");
-    assert!(err.to_string().contains("not a QEMU migration stream"), "{err}");
+    assert!(
+        err.to_string().contains("not a QEMU migration stream"),
+        "{err}"
+    );
 
     // A state file with the right magic but a corrupt body gets past the
     // check; QEMU must refuse it and the error must say so.
     let mut state = b"QEVM".to_vec();
     state.extend_from_slice(&[0xff; 64]);
     std::fs::write(dir.join("state"), &state).unwrap();
-    let overlay_base = Paths::from_env().current_artifacts().resolve().unwrap().rootfs;
+    let overlay_base = Paths::from_env()
+        .current_artifacts()
+        .resolve()
+        .unwrap()
+        .rootfs;
     std::fs::remove_file(dir.join("disk.qcow2")).unwrap();
-    tine_vmm::disk::create_overlay(&overlay_base, tine_vmm::disk::BackingFormat::Raw, &dir.join("disk.qcow2"))
-        .await
-        .unwrap();
+    tine_vmm::disk::create_overlay(
+        &overlay_base,
+        tine_vmm::disk::BackingFormat::Raw,
+        &dir.join("disk.qcow2"),
+    )
+    .await
+    .unwrap();
     let snap = Snapshot::open(&paths, id).unwrap();
     let vm_id = uniq("bad");
-    let err = Vm::restore(&paths, &vm_id, &snap, StartOptions::default()).await.err().expect("must fail");
+    let err = Vm::restore(&paths, &vm_id, &snap, StartOptions::default())
+        .await
+        .err()
+        .expect("must fail");
     let msg = err.to_string();
     assert!(matches!(err, Error::Snapshot { .. }), "{msg}");
     assert!(msg.contains("could not load the device state"), "{msg}");
     assert_gone(&paths, &[vm_id]);
 
     // A RAM file of the wrong size.
-    std::fs::File::create(&ram).unwrap().set_len(1 << 20).unwrap();
+    std::fs::File::create(&ram)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
     let err = Snapshot::open(&paths, id).err().expect("must fail");
     assert!(err.to_string().contains("RAM file is"), "{err}");
 }

@@ -45,7 +45,9 @@ impl AccessToken {
     /// `Some(true)` when the header carries the token, `Some(false)` when it
     /// carries something else, `None` when there is no header.
     fn header_matches(&self, token: &str, headers: &HeaderMap) -> Option<bool> {
-        headers.get(ACCESS_TOKEN_HEADER).map(|v| constant_time_eq(v.as_bytes(), token.as_bytes()))
+        headers
+            .get(ACCESS_TOKEN_HEADER)
+            .map(|v| constant_time_eq(v.as_bytes(), token.as_bytes()))
     }
 
     /// Whether `headers` satisfy the token (always true when none is set).
@@ -58,12 +60,24 @@ impl AccessToken {
 
     /// Authorizes a `/files` request: the token header, or a signature of
     /// `path:operation:username:token[:expiration]` (as the SDKs compute it).
-    pub fn check_signature(&self, headers: &HeaderMap, path: &str, operation: &str, username: Option<&str>, signature: Option<&str>, expiration: Option<i64>) -> Result<()> {
-        let Some(token) = self.get() else { return Ok(()) };
+    pub fn check_signature(
+        &self,
+        headers: &HeaderMap,
+        path: &str,
+        operation: &str,
+        username: Option<&str>,
+        signature: Option<&str>,
+        expiration: Option<i64>,
+    ) -> Result<()> {
+        let Some(token) = self.get() else {
+            return Ok(());
+        };
         let unauthorized = |m: &str| Err(EnvdError::Unauthenticated(m.to_string()));
         match self.header_matches(&token, headers) {
             Some(true) => return Ok(()),
-            Some(false) => return unauthorized("access token present in header but does not match"),
+            Some(false) => {
+                return unauthorized("access token present in header but does not match")
+            }
             None => {}
         }
         let Some(signature) = signature else {
@@ -74,7 +88,10 @@ impl AccessToken {
             return unauthorized("invalid signature");
         }
         if let Some(exp) = expiration {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0);
             if exp < now {
                 return unauthorized("signature is already expired");
             }
@@ -84,13 +101,22 @@ impl AccessToken {
 }
 
 /// `v1_` + unpadded base64 of sha256(`path:operation:user:token[:exp]`).
-pub fn sign(path: &str, operation: &str, username: &str, token: &str, expiration: Option<i64>) -> String {
+pub fn sign(
+    path: &str,
+    operation: &str,
+    username: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
     let raw = match expiration {
         Some(exp) => format!("{path}:{operation}:{username}:{token}:{exp}"),
         None => format!("{path}:{operation}:{username}:{token}"),
     };
     let digest = Sha256::digest(raw.as_bytes());
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 /// Middleware: 401 JSON unless the request may pass.
@@ -100,7 +126,11 @@ pub async fn require_token(State(envd): State<Arc<Envd>>, req: Request, next: Ne
     if open || envd.auth.allows(req.headers()) {
         return next.run(req).await;
     }
-    EnvdError::Unauthenticated("unauthorized access, please provide a valid access token or method signing if supported".into()).into_response()
+    EnvdError::Unauthenticated(
+        "unauthorized access, please provide a valid access token or method signing if supported"
+            .into(),
+    )
+    .into_response()
 }
 
 #[cfg(test)]
@@ -115,16 +145,39 @@ mod tests {
         assert_eq!(s, "v1_2/gNbgFPxFSqkheS/SD0NHlzA121E/nxkOtc/ovxeoI");
         let t = AccessToken::default();
         let h = HeaderMap::new();
-        assert!(t.check_signature(&h, "/a", "read", None, None, None).is_ok(), "no token: open");
+        assert!(
+            t.check_signature(&h, "/a", "read", None, None, None)
+                .is_ok(),
+            "no token: open"
+        );
         t.set(Some("tok".into()));
-        assert!(t.check_signature(&h, "/a", "read", None, Some(&s), None).is_ok());
-        assert!(t.check_signature(&h, "/a", "write", None, Some(&s), None).is_err());
-        assert!(t.check_signature(&h, "/b", "read", None, Some(&s), None).is_err());
-        assert!(t.check_signature(&h, "/a", "read", None, None, None).is_err());
+        assert!(t
+            .check_signature(&h, "/a", "read", None, Some(&s), None)
+            .is_ok());
+        assert!(t
+            .check_signature(&h, "/a", "write", None, Some(&s), None)
+            .is_err());
+        assert!(t
+            .check_signature(&h, "/b", "read", None, Some(&s), None)
+            .is_err());
+        assert!(t
+            .check_signature(&h, "/a", "read", None, None, None)
+            .is_err());
         let expired = sign("/a", "read", "", "tok", Some(1));
-        assert!(t.check_signature(&h, "/a", "read", None, Some(&expired), Some(1)).is_err());
+        assert!(t
+            .check_signature(&h, "/a", "read", None, Some(&expired), Some(1))
+            .is_err());
         let later = sign("/a", "read", "root", "tok", Some(4_000_000_000));
-        assert!(t.check_signature(&h, "/a", "read", Some("root"), Some(&later), Some(4_000_000_000)).is_ok());
+        assert!(t
+            .check_signature(
+                &h,
+                "/a",
+                "read",
+                Some("root"),
+                Some(&later),
+                Some(4_000_000_000)
+            )
+            .is_ok());
         let mut good = HeaderMap::new();
         good.insert(ACCESS_TOKEN_HEADER, HeaderValue::from_static("tok"));
         assert!(t.allows(&good));
@@ -132,6 +185,8 @@ mod tests {
         let mut bad = HeaderMap::new();
         bad.insert(ACCESS_TOKEN_HEADER, HeaderValue::from_static("nope"));
         assert!(!t.allows(&bad));
-        assert!(t.check_signature(&bad, "/a", "read", None, Some(&s), None).is_err());
+        assert!(t
+            .check_signature(&bad, "/a", "read", None, Some(&s), None)
+            .is_err());
     }
 }

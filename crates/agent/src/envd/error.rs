@@ -40,11 +40,17 @@ impl EnvdError {
         let msg = format!("{what}: {err}");
         match err.raw_os_error() {
             Some(libc::ENOENT) => Self::NotFound(msg),
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Self::PermissionDenied(msg),
+            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
+                Self::PermissionDenied(msg)
+            }
             Some(libc::EEXIST) | Some(libc::ENOTEMPTY) => Self::AlreadyExists(msg),
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => Self::NoSpace(msg),
-            Some(libc::ENOTDIR) | Some(libc::EISDIR) | Some(libc::EINVAL) | Some(libc::ENAMETOOLONG)
-            | Some(libc::ELOOP) | Some(libc::EXDEV) => Self::InvalidArgument(msg),
+            Some(libc::ENOTDIR)
+            | Some(libc::EISDIR)
+            | Some(libc::EINVAL)
+            | Some(libc::ENAMETOOLONG)
+            | Some(libc::ELOOP)
+            | Some(libc::EXDEV) => Self::InvalidArgument(msg),
             _ => Self::Internal(msg),
         }
     }
@@ -111,7 +117,10 @@ mod tests {
         assert_eq!(e(libc::ENOENT).code(), Code::NotFound);
         assert_eq!(e(libc::EACCES).code(), Code::PermissionDenied);
         assert_eq!(e(libc::EEXIST).code(), Code::AlreadyExists);
-        assert_eq!(e(libc::ENOSPC).http_status(), StatusCode::INSUFFICIENT_STORAGE);
+        assert_eq!(
+            e(libc::ENOSPC).http_status(),
+            StatusCode::INSUFFICIENT_STORAGE
+        );
         assert_eq!(e(libc::ENOTDIR).http_status(), StatusCode::BAD_REQUEST);
         assert_eq!(e(libc::EIO).code(), Code::Internal);
         assert!(e(libc::ENOENT).to_string().starts_with("/x: "));

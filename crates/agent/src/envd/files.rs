@@ -27,7 +27,12 @@ use super::user::{run_as, User};
 use super::Envd;
 
 pub fn routes() -> Router<Arc<Envd>> {
-    Router::new().route("/files", get(download).post(upload).layer(DefaultBodyLimit::disable()))
+    Router::new().route(
+        "/files",
+        get(download)
+            .post(upload)
+            .layer(DefaultBodyLimit::disable()),
+    )
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -56,7 +61,9 @@ fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>> {
             if key.is_empty() {
                 continue;
             }
-            let value = value.to_str().map_err(|_| EnvdError::InvalidArgument(format!("metadata {key:?} is not valid text")))?;
+            let value = value.to_str().map_err(|_| {
+                EnvdError::InvalidArgument(format!("metadata {key:?} is not valid text"))
+            })?;
             out.insert(key.to_ascii_lowercase(), value.to_string());
         }
     }
@@ -71,7 +78,10 @@ async fn apply_metadata(user: &User, path: &Path, meta: &BTreeMap<String, String
     let (p, m) = (path.to_path_buf(), meta.clone());
     run_as(user, move || {
         super::xattr::replace_metadata(&p, &m).map_err(|e| match e.raw_os_error() {
-            Some(libc::EOPNOTSUPP) => EnvdError::FailedPrecondition(format!("{}: the filesystem does not support file metadata (xattrs)", p.display())),
+            Some(libc::EOPNOTSUPP) => EnvdError::FailedPrecondition(format!(
+                "{}: the filesystem does not support file metadata (xattrs)",
+                p.display()
+            )),
             _ => EnvdError::io(&e, format!("setting metadata on {}", p.display())),
         })
     })
@@ -81,10 +91,19 @@ async fn apply_metadata(user: &User, path: &Path, meta: &BTreeMap<String, String
 /// Authorizes and resolves the caller of a `/files` request.
 fn authorize(envd: &Envd, headers: &HeaderMap, q: &FilesQuery, operation: &str) -> Result<User> {
     let expiration = match q.signature_expiration.as_deref() {
-        Some(s) => Some(s.parse::<i64>().map_err(|_| EnvdError::InvalidArgument(format!("invalid signature_expiration {s:?}")))?),
+        Some(s) => Some(s.parse::<i64>().map_err(|_| {
+            EnvdError::InvalidArgument(format!("invalid signature_expiration {s:?}"))
+        })?),
         None => None,
     };
-    envd.auth.check_signature(headers, q.path.as_deref().unwrap_or(""), operation, q.username.as_deref(), q.signature.as_deref(), expiration)?;
+    envd.auth.check_signature(
+        headers,
+        q.path.as_deref().unwrap_or(""),
+        operation,
+        q.username.as_deref(),
+        q.signature.as_deref(),
+        expiration,
+    )?;
     envd.user_from_headers(headers, q.username.as_deref())
 }
 
@@ -95,32 +114,52 @@ fn resolve(envd: &Envd, user: &User, path: &str) -> Result<PathBuf> {
     user.resolve(path, envd.defaults().workdir.as_deref())
 }
 
-fn parse_query(raw: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>) -> Result<FilesQuery> {
-    raw.map(|Query(q)| q).map_err(|e| EnvdError::InvalidArgument(format!("invalid query: {e}")))
+fn parse_query(
+    raw: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<FilesQuery> {
+    raw.map(|Query(q)| q)
+        .map_err(|e| EnvdError::InvalidArgument(format!("invalid query: {e}")))
 }
 
-async fn download(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>, headers: HeaderMap) -> Result<Response> {
+async fn download(
+    State(envd): State<Arc<Envd>>,
+    query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response> {
     let q = parse_query(query)?;
     let user = authorize(&envd, &headers, &q, "read")?;
     let path = resolve(&envd, &user, q.path.as_deref().unwrap_or(""))?;
     let (file, len) = run_as(&user, move || {
         let file = File::open(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
-        let meta = file.metadata().map_err(|e| EnvdError::io(&e, path.display()))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| EnvdError::io(&e, path.display()))?;
         if meta.is_dir() {
-            return Err(EnvdError::InvalidArgument(format!("path {} is a directory", path.display())));
+            return Err(EnvdError::InvalidArgument(format!(
+                "path {} is a directory",
+                path.display()
+            )));
         }
         Ok((file, meta.len()))
     })
     .await?;
-    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 << 10);
+    let stream =
+        tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 << 10);
     let mut resp = Response::new(Body::from_stream(stream));
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
     h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     Ok(resp)
 }
 
-async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>, req: Request) -> Result<Json<Vec<UploadedEntry>>> {
+async fn upload(
+    State(envd): State<Arc<Envd>>,
+    query: std::result::Result<Query<FilesQuery>, axum::extract::rejection::QueryRejection>,
+    req: Request,
+) -> Result<Json<Vec<UploadedEntry>>> {
     let q = parse_query(query)?;
     let headers = req.headers().clone();
     let user = authorize(&envd, &headers, &q, "write")?;
@@ -128,7 +167,13 @@ async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<
     let media = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
         .unwrap_or_default();
     let written = match media.as_str() {
         "multipart/form-data" => upload_multipart(&envd, &user, q.path.as_deref(), &metadata, req).await?,
@@ -157,26 +202,46 @@ async fn upload(State(envd): State<Arc<Envd>>, query: std::result::Result<Query<
 
 fn uploaded(path: &Path, metadata: &BTreeMap<String, String>) -> UploadedEntry {
     UploadedEntry {
-        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         path: path.display().to_string(),
         kind: "file",
         metadata: metadata.clone(),
     }
 }
 
-async fn upload_multipart(envd: &Envd, user: &User, query_path: Option<&str>, metadata: &BTreeMap<String, String>, req: Request) -> Result<Vec<UploadedEntry>> {
-    let bad = |e: axum::extract::multipart::MultipartError| EnvdError::InvalidArgument(format!("invalid multipart body: {e}"));
-    let mut form = axum::extract::Multipart::from_request(req, &()).await.map_err(|e| EnvdError::InvalidArgument(format!("invalid multipart body: {e}")))?;
+async fn upload_multipart(
+    envd: &Envd,
+    user: &User,
+    query_path: Option<&str>,
+    metadata: &BTreeMap<String, String>,
+    req: Request,
+) -> Result<Vec<UploadedEntry>> {
+    let bad = |e: axum::extract::multipart::MultipartError| {
+        EnvdError::InvalidArgument(format!("invalid multipart body: {e}"))
+    };
+    let mut form = axum::extract::Multipart::from_request(req, &())
+        .await
+        .map_err(|e| EnvdError::InvalidArgument(format!("invalid multipart body: {e}")))?;
     let mut written = Vec::new();
     while let Some(mut field) = form.next_field().await.map_err(bad)? {
         let file_name = field.file_name().map(str::to_string);
         if field.name() != Some("file") && file_name.is_none() {
             continue; // not a file part
         }
-        let dest = match (query_path.filter(|p| !p.is_empty()), file_name.as_deref().filter(|f| !f.is_empty())) {
+        let dest = match (
+            query_path.filter(|p| !p.is_empty()),
+            file_name.as_deref().filter(|f| !f.is_empty()),
+        ) {
             (Some(p), _) => p.to_string(),
             (None, Some(f)) => f.to_string(),
-            (None, None) => return Err(EnvdError::InvalidArgument("a file part has no filename and there is no path parameter".into())),
+            (None, None) => {
+                return Err(EnvdError::InvalidArgument(
+                    "a file part has no filename and there is no path parameter".into(),
+                ))
+            }
         };
         let path = resolve(envd, user, &dest)?;
         let mut sink = Sink::open(user, path.clone(), false).await?;
@@ -207,7 +272,10 @@ impl Sink {
                 std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
             }
             if p.is_dir() {
-                return Err(EnvdError::InvalidArgument(format!("path {} is a directory", p.display())));
+                return Err(EnvdError::InvalidArgument(format!(
+                    "path {} is a directory",
+                    p.display()
+                )));
             }
             File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))
         })
@@ -216,11 +284,18 @@ impl Sink {
         let writer = tokio::task::spawn_blocking(move || {
             let fail = |e: std::io::Error| EnvdError::io(&e, path.display());
             if gzip {
-                let mut dec = flate2::write::GzDecoder::new(std::io::BufWriter::with_capacity(256 << 10, file));
+                let mut dec = flate2::write::GzDecoder::new(std::io::BufWriter::with_capacity(
+                    256 << 10,
+                    file,
+                ));
                 while let Some(chunk) = rx.blocking_recv() {
-                    dec.write_all(&chunk).map_err(|e| EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display())))?;
+                    dec.write_all(&chunk).map_err(|e| {
+                        EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
+                    })?;
                 }
-                dec.try_finish().map_err(|e| EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display())))?;
+                dec.try_finish().map_err(|e| {
+                    EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
+                })?;
                 dec.get_mut().flush().map_err(fail)?;
             } else {
                 let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
@@ -231,7 +306,10 @@ impl Sink {
             }
             Ok(())
         });
-        Ok(Sink { tx: Some(tx), writer })
+        Ok(Sink {
+            tx: Some(tx),
+            writer,
+        })
     }
 
     async fn write(&mut self, chunk: Bytes) -> Result<()> {
@@ -252,6 +330,8 @@ impl Sink {
 
     async fn finish(mut self) -> Result<()> {
         self.tx = None;
-        (&mut self.writer).await.map_err(|e| EnvdError::Internal(format!("file writer: {e}")))?
+        (&mut self.writer)
+            .await
+            .map_err(|e| EnvdError::Internal(format!("file writer: {e}")))?
     }
 }

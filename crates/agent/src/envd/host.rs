@@ -14,7 +14,10 @@ use super::error::{EnvdError, Result};
 use super::{Envd, User};
 
 pub fn routes() -> Router<Arc<Envd>> {
-    Router::new().route("/init", post(init)).route("/envs", get(envs)).route("/metrics", get(metrics))
+    Router::new()
+        .route("/init", post(init))
+        .route("/envs", get(envs))
+        .route("/metrics", get(metrics))
 }
 
 /// The `/init` body (envd.yaml's fields; unknown fields are ignored).
@@ -51,23 +54,38 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
     let req: InitRequest = if body.iter().all(u8::is_ascii_whitespace) {
         InitRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| EnvdError::InvalidArgument(format!("invalid /init body: {e}")))?
+        serde_json::from_slice(&body)
+            .map_err(|e| EnvdError::InvalidArgument(format!("invalid /init body: {e}")))?
     };
     if let Some(user) = req.default_user.as_deref().filter(|u| !u.is_empty()) {
-        User::lookup(user).map_err(|_| EnvdError::InvalidArgument(format!("default user {user:?} does not exist")))?;
+        User::lookup(user).map_err(|_| {
+            EnvdError::InvalidArgument(format!("default user {user:?} does not exist"))
+        })?;
     }
-    let workdir = req.default_workdir.as_deref().filter(|w| !w.is_empty()).map(std::path::PathBuf::from);
+    let workdir = req
+        .default_workdir
+        .as_deref()
+        .filter(|w| !w.is_empty())
+        .map(std::path::PathBuf::from);
     if let Some(w) = &workdir {
         if !w.is_absolute() {
-            return Err(EnvdError::InvalidArgument("defaultWorkdir must be absolute".into()));
+            return Err(EnvdError::InvalidArgument(
+                "defaultWorkdir must be absolute".into(),
+            ));
         }
     }
     let timestamp = match req.timestamp.as_deref() {
-        Some(t) => Some(super::time::parse_rfc3339(t).ok_or_else(|| EnvdError::InvalidArgument(format!("invalid timestamp {t:?}")))?),
+        Some(t) => Some(
+            super::time::parse_rfc3339(t)
+                .ok_or_else(|| EnvdError::InvalidArgument(format!("invalid timestamp {t:?}")))?,
+        ),
         None => None,
     };
     let entropy = match req.entropy.as_deref() {
-        Some(e) => Some(super::proto::decode_bytes(e).map_err(|_| EnvdError::InvalidArgument("entropy is not base64".into()))?),
+        Some(e) => Some(
+            super::proto::decode_bytes(e)
+                .map_err(|_| EnvdError::InvalidArgument("entropy is not base64".into()))?,
+        ),
         None => None,
     };
     {
@@ -102,7 +120,9 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
 }
 
 fn sync_clock(ts: std::time::Duration) {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     let drift = now.abs_diff(ts);
     if drift <= std::time::Duration::from_secs(1) || !nix::unistd::Uid::effective().is_root() {
         return;
@@ -119,7 +139,9 @@ fn add_entropy(bytes: &[u8]) {
     if bytes.is_empty() || !nix::unistd::Uid::effective().is_root() {
         return;
     }
-    let Ok(file) = std::fs::OpenOptions::new().write(true).open("/dev/random") else { return };
+    let Ok(file) = std::fs::OpenOptions::new().write(true).open("/dev/random") else {
+        return;
+    };
     let len = bytes.len().min(4096);
     // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
     let mut info = Vec::with_capacity(8 + len + 4);
@@ -140,7 +162,7 @@ fn add_entropy(bytes: &[u8]) {
     // minute away), and clones of one snapshot share the CRNG state until
     // then: force the reseed so /dev/urandom and getrandom diverge now.
     const RNDRESEEDCRNG: libc::c_ulong = 0x5207; // _IO('R', 0x07)
-    // SAFETY: RNDRESEEDCRNG takes no argument.
+                                                 // SAFETY: RNDRESEEDCRNG takes no argument.
     if unsafe { libc::ioctl(file.as_raw_fd(), RNDRESEEDCRNG as _) } < 0 {
         tracing::warn!(err = %std::io::Error::last_os_error(), "RNDRESEEDCRNG failed");
     }
@@ -148,9 +170,15 @@ fn add_entropy(bytes: &[u8]) {
 
 /// A host name is 1–64 letters, digits, '-' and '.'.
 fn set_hostname(name: &str) -> Result<()> {
-    let valid = !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
     if !valid {
-        return Err(EnvdError::InvalidArgument(format!("invalid hostname {name:?}")));
+        return Err(EnvdError::InvalidArgument(format!(
+            "invalid hostname {name:?}"
+        )));
     }
     if !nix::unistd::Uid::effective().is_root() {
         return Ok(()); // on a host (tests), the agent leaves the host's name alone
@@ -162,7 +190,9 @@ fn set_hostname(name: &str) -> Result<()> {
 
 fn set_machine_id(id: &str) -> Result<()> {
     if id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(EnvdError::InvalidArgument("machineId must be 32 hex digits".into()));
+        return Err(EnvdError::InvalidArgument(
+            "machineId must be 32 hex digits".into(),
+        ));
     }
     if std::process::id() != 1 {
         return Ok(()); // only the guest's init owns /etc/machine-id
@@ -184,17 +214,30 @@ pub struct CpuSample {
 fn read_cpu() -> Option<CpuSample> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?.strip_prefix("cpu ")?;
-    let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
     let total: u64 = v.iter().take(8).sum();
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
-    Some(CpuSample { busy: total.saturating_sub(idle), total })
+    Some(CpuSample {
+        busy: total.saturating_sub(idle),
+        total,
+    })
 }
 
 fn meminfo() -> (u64, u64) {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let field = |name: &str| {
         text.lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
             .unwrap_or(0)
             * 1024
     };
@@ -221,7 +264,9 @@ async fn metrics(State(envd): State<Arc<Envd>>) -> Json<Metrics> {
     let cpu_used_pct = {
         let mut last = envd.cpu.lock().unwrap_or_else(|e| e.into_inner());
         let pct = match (*last, now) {
-            (Some(a), Some(b)) if b.total > a.total => (b.busy.saturating_sub(a.busy)) as f32 * 100.0 / (b.total - a.total) as f32,
+            (Some(a), Some(b)) if b.total > a.total => {
+                (b.busy.saturating_sub(a.busy)) as f32 * 100.0 / (b.total - a.total) as f32
+            }
             _ => 0.0,
         };
         *last = now;
@@ -231,13 +276,21 @@ async fn metrics(State(envd): State<Arc<Envd>>) -> Json<Metrics> {
     let (disk_total, disk_used) = nix::sys::statvfs::statvfs("/")
         .map(|s| {
             let f = s.fragment_size() as u64;
-            (s.blocks() as u64 * f, (s.blocks() - s.blocks_free()) as u64 * f)
+            (
+                s.blocks() as u64 * f,
+                (s.blocks() - s.blocks_free()) as u64 * f,
+            )
         })
         .unwrap_or((0, 0));
-    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
     Json(Metrics {
         ts,
-        cpu_count: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        cpu_count: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
         cpu_used_pct,
         mem_total,
         mem_used,

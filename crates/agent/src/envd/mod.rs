@@ -8,8 +8,8 @@
 
 mod auth;
 mod error;
-mod filesystem;
 mod files;
+mod filesystem;
 mod host;
 mod process;
 mod proto;
@@ -72,7 +72,10 @@ impl Envd {
     }
 
     pub fn defaults(&self) -> Defaults {
-        self.defaults.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.defaults
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The user a call runs as: `explicit` (a `username` query parameter),
@@ -85,7 +88,10 @@ impl Envd {
         if let Some(name) = rpc::basic_auth_user(headers)? {
             return User::lookup(&name);
         }
-        let name = self.defaults().user.unwrap_or_else(|| DEFAULT_USER.to_string());
+        let name = self
+            .defaults()
+            .user
+            .unwrap_or_else(|| DEFAULT_USER.to_string());
         match User::lookup(&name) {
             Ok(u) => Ok(u),
             Err(EnvdError::Unauthenticated(_)) if name == DEFAULT_USER => User::current(),
@@ -106,7 +112,10 @@ pub fn app(envd: Arc<Envd>) -> Router {
         .merge(host::routes())
         .route("/{service}/{method}", post(rpc_call))
         .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(envd.clone(), auth::require_token))
+        .layer(axum::middleware::from_fn_with_state(
+            envd.clone(),
+            auth::require_token,
+        ))
         .with_state(envd)
 }
 
@@ -116,7 +125,12 @@ async fn not_found() -> EnvdError {
 
 /// `POST /<pkg.Service>/<Method>`: an unknown service or method is
 /// Connect's `unimplemented` with HTTP 404, as connect-go answers.
-async fn rpc_call(State(envd): State<Arc<Envd>>, Path((service, method)): Path<(String, String)>, headers: HeaderMap, body: Body) -> Response {
+async fn rpc_call(
+    State(envd): State<Arc<Envd>>,
+    Path((service, method)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let ctx = rpc::Ctx::new(envd, &headers);
     let wire = rpc::Wire::new(&headers, &service, &method);
     let resp = match service.as_str() {

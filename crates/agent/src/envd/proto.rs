@@ -6,7 +6,8 @@ use base64::engine::{general_purpose, DecodePaddingMode, GeneralPurpose, General
 use base64::Engine;
 use serde::{Deserialize, Deserializer, Serializer};
 
-const LENIENT: GeneralPurposeConfig = GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
+const LENIENT: GeneralPurposeConfig =
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent);
 const STD_LENIENT: GeneralPurpose = GeneralPurpose::new(&base64::alphabet::STANDARD, LENIENT);
 const URL_LENIENT: GeneralPurpose = GeneralPurpose::new(&base64::alphabet::URL_SAFE, LENIENT);
 

@@ -39,10 +39,20 @@ pub struct Schema {
 }
 
 const fn f(num: u32, name: &'static str, ty: Ty) -> Field {
-    Field { num, name, ty, repeated: false }
+    Field {
+        num,
+        name,
+        ty,
+        repeated: false,
+    }
 }
 const fn rep(num: u32, name: &'static str, ty: Ty) -> Field {
-    Field { num, name, ty, repeated: true }
+    Field {
+        num,
+        name,
+        ty,
+        repeated: true,
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +73,9 @@ impl<'a> Reader<'a> {
     fn varint(&mut self) -> Result<u64, ProtoError> {
         let mut v = 0u64;
         for i in 0..10 {
-            let Some((&b, rest)) = self.buf.split_first() else { return err("truncated varint") };
+            let Some((&b, rest)) = self.buf.split_first() else {
+                return err("truncated varint");
+            };
             self.buf = rest;
             v |= u64::from(b & 0x7f) << (7 * i);
             if b & 0x80 == 0 {
@@ -91,7 +103,11 @@ fn scalar_from_varint(ty: Ty, v: u64) -> Result<Value, ProtoError> {
         Ty::I64 => Value::String((v as i64).to_string()),
         Ty::Enum(names) => {
             let n = v as i32 as i64;
-            names.iter().find(|(_, x)| *x == n).map(|(s, _)| Value::from(*s)).unwrap_or(Value::from(n))
+            names
+                .iter()
+                .find(|(_, x)| *x == n)
+                .map(|(s, _)| Value::from(*s))
+                .unwrap_or(Value::from(n))
         }
         _ => return err("unexpected varint"),
     })
@@ -120,20 +136,36 @@ pub fn decode(schema: &Schema, bytes: &[u8]) -> Result<Value, ProtoError> {
                 None
             }
             (2, f) => {
-                let n = usize::try_from(r.varint()?).map_err(|_| ProtoError("length overflow".into()))?;
+                let n = usize::try_from(r.varint()?)
+                    .map_err(|_| ProtoError("length overflow".into()))?;
                 let data = r.take(n)?;
                 match f {
                     None => None,
                     Some(f) => match f.ty {
-                        Ty::Str => Some(Value::String(String::from_utf8(data.to_vec()).map_err(|_| ProtoError(format!("field {} is not UTF-8", f.name)))?)),
-                        Ty::Bytes => Some(Value::String(base64::engine::general_purpose::STANDARD.encode(data))),
+                        Ty::Str => {
+                            Some(Value::String(String::from_utf8(data.to_vec()).map_err(
+                                |_| ProtoError(format!("field {} is not UTF-8", f.name)),
+                            )?))
+                        }
+                        Ty::Bytes => Some(Value::String(
+                            base64::engine::general_purpose::STANDARD.encode(data),
+                        )),
                         Ty::Msg(s) => Some(decode(s, data)?),
                         Ty::Timestamp => Some(decode_timestamp(data)?),
                         Ty::StrMap => {
                             let entry = decode(&MAP_ENTRY, data)?;
-                            let k = entry.get("key").and_then(Value::as_str).unwrap_or("").to_string();
-                            let v = entry.get("value").cloned().unwrap_or(Value::String(String::new()));
-                            let map = out.entry(f.name).or_insert_with(|| Value::Object(Map::new()));
+                            let k = entry
+                                .get("key")
+                                .and_then(Value::as_str)
+                                .unwrap_or("")
+                                .to_string();
+                            let v = entry
+                                .get("value")
+                                .cloned()
+                                .unwrap_or(Value::String(String::new()));
+                            let map = out
+                                .entry(f.name)
+                                .or_insert_with(|| Value::Object(Map::new()));
                             if let Value::Object(m) = map {
                                 m.insert(k, v);
                             }
@@ -142,7 +174,9 @@ pub fn decode(schema: &Schema, bytes: &[u8]) -> Result<Value, ProtoError> {
                         // Packed repeated scalars.
                         ty if f.repeated => {
                             let mut pr = Reader { buf: data };
-                            let arr = out.entry(f.name).or_insert_with(|| Value::Array(Vec::new()));
+                            let arr = out
+                                .entry(f.name)
+                                .or_insert_with(|| Value::Array(Vec::new()));
                             while !pr.buf.is_empty() {
                                 let v = scalar_from_varint(ty, pr.varint()?)?;
                                 if let Value::Array(a) = arr {
@@ -159,7 +193,9 @@ pub fn decode(schema: &Schema, bytes: &[u8]) -> Result<Value, ProtoError> {
         };
         if let (Some(v), Some(f)) = (value, field) {
             if f.repeated {
-                let arr = out.entry(f.name).or_insert_with(|| Value::Array(Vec::new()));
+                let arr = out
+                    .entry(f.name)
+                    .or_insert_with(|| Value::Array(Vec::new()));
                 if let Value::Array(a) = arr {
                     a.push(v);
                 }
@@ -171,14 +207,25 @@ pub fn decode(schema: &Schema, bytes: &[u8]) -> Result<Value, ProtoError> {
     Ok(Value::Object(out))
 }
 
-static MAP_ENTRY: Schema = Schema { fields: &[f(1, "key", Ty::Str), f(2, "value", Ty::Str)] };
-static TIMESTAMP: Schema = Schema { fields: &[f(1, "seconds", Ty::I64), f(2, "nanos", Ty::U32)] };
+static MAP_ENTRY: Schema = Schema {
+    fields: &[f(1, "key", Ty::Str), f(2, "value", Ty::Str)],
+};
+static TIMESTAMP: Schema = Schema {
+    fields: &[f(1, "seconds", Ty::I64), f(2, "nanos", Ty::U32)],
+};
 
 fn decode_timestamp(data: &[u8]) -> Result<Value, ProtoError> {
     let v = decode(&TIMESTAMP, data)?;
-    let secs = v.get("seconds").and_then(Value::as_str).and_then(|s| s.parse().ok()).unwrap_or(0i64);
+    let secs = v
+        .get("seconds")
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0i64);
     let nanos = v.get("nanos").and_then(Value::as_u64).unwrap_or(0) as u32;
-    Ok(Value::String(super::time::format_rfc3339(secs, nanos.min(999_999_999))))
+    Ok(Value::String(super::time::format_rfc3339(
+        secs,
+        nanos.min(999_999_999),
+    )))
 }
 
 // ---- encoding: JSON → binary ----
@@ -202,11 +249,18 @@ fn put_len(out: &mut Vec<u8>, num: u32, data: &[u8]) {
 }
 
 fn as_i64(v: &Value) -> Option<i64> {
-    v.as_i64().or_else(|| v.as_str().and_then(|s| s.parse().ok())).or_else(|| v.as_u64().map(|u| u as i64))
+    v.as_i64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+        .or_else(|| v.as_u64().map(|u| u as i64))
 }
 
 fn encode_one(out: &mut Vec<u8>, field: &Field, v: &Value) -> Result<(), ProtoError> {
-    let bad = || ProtoError(format!("field {} has an unexpected JSON value {v}", field.name));
+    let bad = || {
+        ProtoError(format!(
+            "field {} has an unexpected JSON value {v}",
+            field.name
+        ))
+    };
     match field.ty {
         Ty::Str => put_len(out, field.num, v.as_str().ok_or_else(bad)?.as_bytes()),
         Ty::Bytes => {
@@ -219,7 +273,10 @@ fn encode_one(out: &mut Vec<u8>, field: &Field, v: &Value) -> Result<(), ProtoEr
         }
         Ty::U32 => {
             put_key(out, field.num, 0);
-            put_varint(out, u64::from(u32::try_from(as_i64(v).ok_or_else(bad)?).map_err(|_| bad())?));
+            put_varint(
+                out,
+                u64::from(u32::try_from(as_i64(v).ok_or_else(bad)?).map_err(|_| bad())?),
+            );
         }
         Ty::S32 => {
             let n = as_i64(v).ok_or_else(bad)?;
@@ -232,7 +289,11 @@ fn encode_one(out: &mut Vec<u8>, field: &Field, v: &Value) -> Result<(), ProtoEr
         }
         Ty::Enum(names) => {
             let n = match v {
-                Value::String(s) => names.iter().find(|(x, _)| x == s).map(|(_, n)| *n).ok_or_else(bad)?,
+                Value::String(s) => names
+                    .iter()
+                    .find(|(x, _)| x == s)
+                    .map(|(_, n)| *n)
+                    .ok_or_else(bad)?,
                 other => as_i64(other).ok_or_else(bad)?,
             };
             put_key(out, field.num, 0);
@@ -241,7 +302,8 @@ fn encode_one(out: &mut Vec<u8>, field: &Field, v: &Value) -> Result<(), ProtoEr
         Ty::Msg(s) => put_len(out, field.num, &encode(s, v)?),
         Ty::Timestamp => {
             let d = super::time::parse_rfc3339(v.as_str().ok_or_else(bad)?).unwrap_or_default();
-            let ts = serde_json::json!({"seconds": d.as_secs().to_string(), "nanos": d.subsec_nanos()});
+            let ts =
+                serde_json::json!({"seconds": d.as_secs().to_string(), "nanos": d.subsec_nanos()});
             put_len(out, field.num, &encode(&TIMESTAMP, &ts)?);
         }
         Ty::StrMap => {
@@ -256,15 +318,22 @@ fn encode_one(out: &mut Vec<u8>, field: &Field, v: &Value) -> Result<(), ProtoEr
 
 /// Encodes a proto3 JSON object as a binary message.
 pub fn encode(schema: &Schema, v: &Value) -> Result<Vec<u8>, ProtoError> {
-    let obj = v.as_object().ok_or_else(|| ProtoError("message is not a JSON object".into()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ProtoError("message is not a JSON object".into()))?;
     let mut out = Vec::new();
     for field in schema.fields {
-        let Some(val) = obj.get(field.name) else { continue };
+        let Some(val) = obj.get(field.name) else {
+            continue;
+        };
         if val.is_null() {
             continue;
         }
         if field.repeated {
-            for item in val.as_array().ok_or_else(|| ProtoError(format!("field {} is not an array", field.name)))? {
+            for item in val
+                .as_array()
+                .ok_or_else(|| ProtoError(format!("field {} is not an array", field.name)))?
+            {
                 encode_one(&mut out, field, item)?;
             }
         } else {
@@ -278,32 +347,116 @@ pub fn encode(schema: &Schema, v: &Value) -> Result<Vec<u8>, ProtoError> {
 
 static EMPTY: Schema = Schema { fields: &[] };
 
-const SIGNAL: &[(&str, i64)] = &[("SIGNAL_UNSPECIFIED", 0), ("SIGNAL_SIGTERM", 15), ("SIGNAL_SIGKILL", 9)];
-static PTY_SIZE: Schema = Schema { fields: &[f(1, "cols", Ty::U32), f(2, "rows", Ty::U32)] };
-static PTY: Schema = Schema { fields: &[f(1, "size", Ty::Msg(&PTY_SIZE))] };
-static PROCESS_CONFIG: Schema = Schema { fields: &[f(1, "cmd", Ty::Str), rep(2, "args", Ty::Str), f(3, "envs", Ty::StrMap), f(4, "cwd", Ty::Str)] };
-static SELECTOR: Schema = Schema { fields: &[f(1, "pid", Ty::U32), f(2, "tag", Ty::Str)] };
-static SELECTOR_REQUEST: Schema = Schema { fields: &[f(1, "process", Ty::Msg(&SELECTOR))] };
-static PROCESS_INFO: Schema = Schema { fields: &[f(1, "config", Ty::Msg(&PROCESS_CONFIG)), f(2, "pid", Ty::U32), f(3, "tag", Ty::Str)] };
-static LIST_RESPONSE: Schema = Schema { fields: &[rep(1, "processes", Ty::Msg(&PROCESS_INFO))] };
-static START_REQUEST: Schema = Schema { fields: &[f(1, "process", Ty::Msg(&PROCESS_CONFIG)), f(2, "pty", Ty::Msg(&PTY)), f(3, "tag", Ty::Str), f(4, "stdin", Ty::Bool)] };
-static UPDATE_REQUEST: Schema = Schema { fields: &[f(1, "process", Ty::Msg(&SELECTOR)), f(2, "pty", Ty::Msg(&PTY))] };
-static START_EVENT: Schema = Schema { fields: &[f(1, "pid", Ty::U32)] };
-static DATA_EVENT: Schema = Schema { fields: &[f(1, "stdout", Ty::Bytes), f(2, "stderr", Ty::Bytes), f(3, "pty", Ty::Bytes)] };
-static END_EVENT: Schema = Schema { fields: &[f(1, "exitCode", Ty::S32), f(2, "exited", Ty::Bool), f(3, "status", Ty::Str), f(4, "error", Ty::Str)] };
+const SIGNAL: &[(&str, i64)] = &[
+    ("SIGNAL_UNSPECIFIED", 0),
+    ("SIGNAL_SIGTERM", 15),
+    ("SIGNAL_SIGKILL", 9),
+];
+static PTY_SIZE: Schema = Schema {
+    fields: &[f(1, "cols", Ty::U32), f(2, "rows", Ty::U32)],
+};
+static PTY: Schema = Schema {
+    fields: &[f(1, "size", Ty::Msg(&PTY_SIZE))],
+};
+static PROCESS_CONFIG: Schema = Schema {
+    fields: &[
+        f(1, "cmd", Ty::Str),
+        rep(2, "args", Ty::Str),
+        f(3, "envs", Ty::StrMap),
+        f(4, "cwd", Ty::Str),
+    ],
+};
+static SELECTOR: Schema = Schema {
+    fields: &[f(1, "pid", Ty::U32), f(2, "tag", Ty::Str)],
+};
+static SELECTOR_REQUEST: Schema = Schema {
+    fields: &[f(1, "process", Ty::Msg(&SELECTOR))],
+};
+static PROCESS_INFO: Schema = Schema {
+    fields: &[
+        f(1, "config", Ty::Msg(&PROCESS_CONFIG)),
+        f(2, "pid", Ty::U32),
+        f(3, "tag", Ty::Str),
+    ],
+};
+static LIST_RESPONSE: Schema = Schema {
+    fields: &[rep(1, "processes", Ty::Msg(&PROCESS_INFO))],
+};
+static START_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&PROCESS_CONFIG)),
+        f(2, "pty", Ty::Msg(&PTY)),
+        f(3, "tag", Ty::Str),
+        f(4, "stdin", Ty::Bool),
+    ],
+};
+static UPDATE_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "pty", Ty::Msg(&PTY)),
+    ],
+};
+static START_EVENT: Schema = Schema {
+    fields: &[f(1, "pid", Ty::U32)],
+};
+static DATA_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "stdout", Ty::Bytes),
+        f(2, "stderr", Ty::Bytes),
+        f(3, "pty", Ty::Bytes),
+    ],
+};
+static END_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "exitCode", Ty::S32),
+        f(2, "exited", Ty::Bool),
+        f(3, "status", Ty::Str),
+        f(4, "error", Ty::Str),
+    ],
+};
 static PROCESS_EVENT: Schema = Schema {
-    fields: &[f(1, "start", Ty::Msg(&START_EVENT)), f(2, "data", Ty::Msg(&DATA_EVENT)), f(3, "end", Ty::Msg(&END_EVENT)), f(4, "keepalive", Ty::Msg(&EMPTY))],
+    fields: &[
+        f(1, "start", Ty::Msg(&START_EVENT)),
+        f(2, "data", Ty::Msg(&DATA_EVENT)),
+        f(3, "end", Ty::Msg(&END_EVENT)),
+        f(4, "keepalive", Ty::Msg(&EMPTY)),
+    ],
 };
-static EVENT_RESPONSE: Schema = Schema { fields: &[f(1, "event", Ty::Msg(&PROCESS_EVENT))] };
-static PROCESS_INPUT: Schema = Schema { fields: &[f(1, "stdin", Ty::Bytes), f(2, "pty", Ty::Bytes)] };
-static SEND_INPUT_REQUEST: Schema = Schema { fields: &[f(1, "process", Ty::Msg(&SELECTOR)), f(2, "input", Ty::Msg(&PROCESS_INPUT))] };
-static STREAM_INPUT_DATA: Schema = Schema { fields: &[f(2, "input", Ty::Msg(&PROCESS_INPUT))] };
+static EVENT_RESPONSE: Schema = Schema {
+    fields: &[f(1, "event", Ty::Msg(&PROCESS_EVENT))],
+};
+static PROCESS_INPUT: Schema = Schema {
+    fields: &[f(1, "stdin", Ty::Bytes), f(2, "pty", Ty::Bytes)],
+};
+static SEND_INPUT_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "input", Ty::Msg(&PROCESS_INPUT)),
+    ],
+};
+static STREAM_INPUT_DATA: Schema = Schema {
+    fields: &[f(2, "input", Ty::Msg(&PROCESS_INPUT))],
+};
 static STREAM_INPUT_REQUEST: Schema = Schema {
-    fields: &[f(1, "start", Ty::Msg(&SELECTOR_REQUEST)), f(2, "data", Ty::Msg(&STREAM_INPUT_DATA)), f(3, "keepalive", Ty::Msg(&EMPTY))],
+    fields: &[
+        f(1, "start", Ty::Msg(&SELECTOR_REQUEST)),
+        f(2, "data", Ty::Msg(&STREAM_INPUT_DATA)),
+        f(3, "keepalive", Ty::Msg(&EMPTY)),
+    ],
 };
-static SEND_SIGNAL_REQUEST: Schema = Schema { fields: &[f(1, "process", Ty::Msg(&SELECTOR)), f(2, "signal", Ty::Enum(SIGNAL))] };
+static SEND_SIGNAL_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "signal", Ty::Enum(SIGNAL)),
+    ],
+};
 
-const FILE_TYPE: &[(&str, i64)] = &[("FILE_TYPE_UNSPECIFIED", 0), ("FILE_TYPE_FILE", 1), ("FILE_TYPE_DIRECTORY", 2), ("FILE_TYPE_SYMLINK", 3)];
+const FILE_TYPE: &[(&str, i64)] = &[
+    ("FILE_TYPE_UNSPECIFIED", 0),
+    ("FILE_TYPE_FILE", 1),
+    ("FILE_TYPE_DIRECTORY", 2),
+    ("FILE_TYPE_SYMLINK", 3),
+];
 const EVENT_TYPE: &[(&str, i64)] = &[
     ("EVENT_TYPE_UNSPECIFIED", 0),
     ("EVENT_TYPE_CREATE", 1),
@@ -328,18 +481,49 @@ static ENTRY_INFO: Schema = Schema {
         f(12, "isSymlink", Ty::Bool),
     ],
 };
-static PATH_REQUEST: Schema = Schema { fields: &[f(1, "path", Ty::Str)] };
-static ENTRY_RESPONSE: Schema = Schema { fields: &[f(1, "entry", Ty::Msg(&ENTRY_INFO))] };
-static MOVE_REQUEST: Schema = Schema { fields: &[f(1, "source", Ty::Str), f(2, "destination", Ty::Str)] };
-static LIST_DIR_REQUEST: Schema = Schema { fields: &[f(1, "path", Ty::Str), f(2, "depth", Ty::U32)] };
-static LIST_DIR_RESPONSE: Schema = Schema { fields: &[rep(1, "entries", Ty::Msg(&ENTRY_INFO))] };
-static WATCH_REQUEST: Schema = Schema {
-    fields: &[f(1, "path", Ty::Str), f(2, "recursive", Ty::Bool), f(3, "includeEntry", Ty::Bool), f(4, "allowNetworkMounts", Ty::Bool)],
+static PATH_REQUEST: Schema = Schema {
+    fields: &[f(1, "path", Ty::Str)],
 };
-static FS_EVENT: Schema = Schema { fields: &[f(1, "name", Ty::Str), f(2, "type", Ty::Enum(EVENT_TYPE)), f(3, "entry", Ty::Msg(&ENTRY_INFO))] };
-static WATCH_DIR_RESPONSE: Schema = Schema { fields: &[f(1, "start", Ty::Msg(&EMPTY)), f(2, "filesystem", Ty::Msg(&FS_EVENT)), f(3, "keepalive", Ty::Msg(&EMPTY))] };
-static WATCHER_ID: Schema = Schema { fields: &[f(1, "watcherId", Ty::Str)] };
-static WATCHER_EVENTS: Schema = Schema { fields: &[rep(1, "events", Ty::Msg(&FS_EVENT))] };
+static ENTRY_RESPONSE: Schema = Schema {
+    fields: &[f(1, "entry", Ty::Msg(&ENTRY_INFO))],
+};
+static MOVE_REQUEST: Schema = Schema {
+    fields: &[f(1, "source", Ty::Str), f(2, "destination", Ty::Str)],
+};
+static LIST_DIR_REQUEST: Schema = Schema {
+    fields: &[f(1, "path", Ty::Str), f(2, "depth", Ty::U32)],
+};
+static LIST_DIR_RESPONSE: Schema = Schema {
+    fields: &[rep(1, "entries", Ty::Msg(&ENTRY_INFO))],
+};
+static WATCH_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "path", Ty::Str),
+        f(2, "recursive", Ty::Bool),
+        f(3, "includeEntry", Ty::Bool),
+        f(4, "allowNetworkMounts", Ty::Bool),
+    ],
+};
+static FS_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "name", Ty::Str),
+        f(2, "type", Ty::Enum(EVENT_TYPE)),
+        f(3, "entry", Ty::Msg(&ENTRY_INFO)),
+    ],
+};
+static WATCH_DIR_RESPONSE: Schema = Schema {
+    fields: &[
+        f(1, "start", Ty::Msg(&EMPTY)),
+        f(2, "filesystem", Ty::Msg(&FS_EVENT)),
+        f(3, "keepalive", Ty::Msg(&EMPTY)),
+    ],
+};
+static WATCHER_ID: Schema = Schema {
+    fields: &[f(1, "watcherId", Ty::Str)],
+};
+static WATCHER_EVENTS: Schema = Schema {
+    fields: &[rep(1, "events", Ty::Msg(&FS_EVENT))],
+};
 
 /// Request and response schemas of `service/method`.
 pub fn method(service: &str, method: &str) -> Option<(&'static Schema, &'static Schema)> {
@@ -375,28 +559,58 @@ mod tests {
         let bin = encode(&START_REQUEST, &start).unwrap();
         assert_eq!(decode(&START_REQUEST, &bin).unwrap(), start);
         let end = json!({"event": {"end": {"exitCode": -1, "exited": false, "status": "signal: killed"}}});
-        assert_eq!(decode(&EVENT_RESPONSE, &encode(&EVENT_RESPONSE, &end).unwrap()).unwrap(), end);
+        assert_eq!(
+            decode(&EVENT_RESPONSE, &encode(&EVENT_RESPONSE, &end).unwrap()).unwrap(),
+            end
+        );
         let keepalive = json!({"event": {"keepalive": {}}});
         let bin = encode(&EVENT_RESPONSE, &keepalive).unwrap();
-        assert_eq!(bin, vec![0x0a, 0x02, 0x22, 0x00], "an empty oneof message is still present");
+        assert_eq!(
+            bin,
+            vec![0x0a, 0x02, 0x22, 0x00],
+            "an empty oneof message is still present"
+        );
         assert_eq!(decode(&EVENT_RESPONSE, &bin).unwrap(), keepalive);
         let entry = json!({"entry": {"name": "a", "type": "FILE_TYPE_FILE", "path": "/a", "size": "5", "mode": 420, "permissions": "-rw-r--r--", "owner": "u", "group": "g", "modifiedTime": "2023-11-14T22:13:20.000000500Z", "metadata": {"k": "v"}, "isSymlink": true}});
-        assert_eq!(decode(&ENTRY_RESPONSE, &encode(&ENTRY_RESPONSE, &entry).unwrap()).unwrap(), entry);
+        assert_eq!(
+            decode(&ENTRY_RESPONSE, &encode(&ENTRY_RESPONSE, &entry).unwrap()).unwrap(),
+            entry
+        );
         let sig = json!({"process": {"pid": 7}, "signal": "SIGNAL_SIGKILL"});
-        assert_eq!(encode(&SEND_SIGNAL_REQUEST, &sig).unwrap(), vec![0x0a, 0x02, 0x08, 0x07, 0x10, 0x09]);
+        assert_eq!(
+            encode(&SEND_SIGNAL_REQUEST, &sig).unwrap(),
+            vec![0x0a, 0x02, 0x08, 0x07, 0x10, 0x09]
+        );
     }
 
     #[test]
     fn known_bytes_and_bad_input() {
         // protoc --encode: StartRequest{process{cmd:"ls"}, stdin:true}
         let bin = [0x0a, 0x04, 0x0a, 0x02, b'l', b's', 0x20, 0x01];
-        assert_eq!(decode(&START_REQUEST, &bin).unwrap(), json!({"process": {"cmd": "ls"}, "stdin": true}));
+        assert_eq!(
+            decode(&START_REQUEST, &bin).unwrap(),
+            json!({"process": {"cmd": "ls"}, "stdin": true})
+        );
         // Unknown fields of every wire type are skipped.
-        let with_unknown = [0x78, 0x01, 0x81, 0x01, 1, 2, 3, 4, 5, 6, 7, 8, 0x85, 0x01, 1, 2, 3, 4, 0x0a, 0x00];
-        assert_eq!(decode(&START_REQUEST, &with_unknown).unwrap(), json!({"process": {}}));
-        for bad in [&[0x0a, 0x05, 0x0a][..], &[0x0a][..], &[0xff; 11][..], &[0x0b][..], &[0x0a, 0x02, 0x0a, 0x01][..]] {
+        let with_unknown = [
+            0x78, 0x01, 0x81, 0x01, 1, 2, 3, 4, 5, 6, 7, 8, 0x85, 0x01, 1, 2, 3, 4, 0x0a, 0x00,
+        ];
+        assert_eq!(
+            decode(&START_REQUEST, &with_unknown).unwrap(),
+            json!({"process": {}})
+        );
+        for bad in [
+            &[0x0a, 0x05, 0x0a][..],
+            &[0x0a][..],
+            &[0xff; 11][..],
+            &[0x0b][..],
+            &[0x0a, 0x02, 0x0a, 0x01][..],
+        ] {
             assert!(decode(&START_REQUEST, bad).is_err(), "{bad:?}");
         }
-        assert!(decode(&PATH_REQUEST, &[0x0a, 0x01, 0xff]).is_err(), "invalid UTF-8");
+        assert!(
+            decode(&PATH_REQUEST, &[0x0a, 0x01, 0xff]).is_err(),
+            "invalid UTF-8"
+        );
     }
 }

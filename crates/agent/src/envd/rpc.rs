@@ -48,7 +48,12 @@ impl Ctx {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .filter(|s| *s > 0)
             .map(Duration::from_secs);
-        Ok(Ctx { envd, user, timeout, keepalive })
+        Ok(Ctx {
+            envd,
+            user,
+            timeout,
+            keepalive,
+        })
     }
 }
 
@@ -57,13 +62,19 @@ pub fn basic_auth_user(headers: &HeaderMap) -> Result<Option<String>> {
     let Some(value) = headers.get(header::AUTHORIZATION) else {
         return Ok(None);
     };
-    let bad = || EnvdError::Unauthenticated("invalid Authorization header: expected Basic base64(\"user:\")".into());
+    let bad = || {
+        EnvdError::Unauthenticated(
+            "invalid Authorization header: expected Basic base64(\"user:\")".into(),
+        )
+    };
     let value = value.to_str().map_err(|_| bad())?;
     let (scheme, creds) = value.trim().split_once(' ').ok_or_else(bad)?;
     if !scheme.eq_ignore_ascii_case("basic") {
         return Err(bad());
     }
-    let decoded = base64::engine::general_purpose::STANDARD.decode(creds.trim()).map_err(|_| bad())?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(creds.trim())
+        .map_err(|_| bad())?;
     let decoded = String::from_utf8(decoded).map_err(|_| bad())?;
     let name = decoded.split_once(':').map(|(u, _)| u).unwrap_or(&decoded);
     Ok(Some(name.to_string()))
@@ -73,7 +84,13 @@ fn media_type(headers: &HeaderMap) -> String {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
         .unwrap_or_default()
 }
 
@@ -104,7 +121,11 @@ enum Encoding {
 }
 
 fn encoding(headers: &HeaderMap, name: &str) -> Encoding {
-    match headers.get(name).and_then(|v| v.to_str().ok()).map(|v| v.trim().to_ascii_lowercase()) {
+    match headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_ascii_lowercase())
+    {
         None => Encoding::Identity,
         Some(v) if v.is_empty() || v == "identity" => Encoding::Identity,
         Some(v) if v == "gzip" => Encoding::Gzip,
@@ -121,18 +142,33 @@ fn gunzip(data: &[u8]) -> Result<Vec<u8>> {
         .read_to_end(&mut out)
         .map_err(|e| EnvdError::InvalidArgument(format!("invalid gzip message: {e}")))?;
     if out.len() > MAX_MESSAGE {
-        return Err(EnvdError::InvalidArgument(format!("message is larger than {MAX_MESSAGE} bytes once inflated")));
+        return Err(EnvdError::InvalidArgument(format!(
+            "message is larger than {MAX_MESSAGE} bytes once inflated"
+        )));
     }
     Ok(out)
 }
 
-const MEDIA: [&str; 4] = ["application/json", "application/proto", "application/connect+json", "application/connect+proto"];
+const MEDIA: [&str; 4] = [
+    "application/json",
+    "application/proto",
+    "application/connect+json",
+    "application/connect+proto",
+];
 
 impl Wire {
     pub fn new(headers: &HeaderMap, service: &str, method: &str) -> Wire {
         let got = media_type(headers);
-        let media = if got.is_empty() { "application/json" } else { MEDIA.into_iter().find(|m| *m == got).unwrap_or("") };
-        let proto = if media.ends_with("proto") { protobin::method(service, method) } else { None };
+        let media = if got.is_empty() {
+            "application/json"
+        } else {
+            MEDIA.into_iter().find(|m| *m == got).unwrap_or("")
+        };
+        let proto = if media.ends_with("proto") {
+            protobin::method(service, method)
+        } else {
+            None
+        };
         let gzip = if media.starts_with("application/connect+") {
             encoding(headers, "connect-content-encoding")
         } else {
@@ -144,24 +180,39 @@ impl Wire {
     fn check(&self, streaming: bool) -> Result<()> {
         let ok = match (streaming, self.media) {
             (false, "application/json") | (true, "application/connect+json") => true,
-            (false, "application/proto") | (true, "application/connect+proto") => self.proto.is_some(),
+            (false, "application/proto") | (true, "application/connect+proto") => {
+                self.proto.is_some()
+            }
             _ => false,
         };
         if ok && self.gzip == Encoding::Unsupported {
-            return Err(EnvdError::Unimplemented("unsupported request compression (identity and gzip are)".into()));
+            return Err(EnvdError::Unimplemented(
+                "unsupported request compression (identity and gzip are)".into(),
+            ));
         }
         if ok {
             return Ok(());
         }
-        let want = if streaming { "application/connect+json or application/connect+proto" } else { "application/json or application/proto" };
-        Err(EnvdError::UnsupportedMediaType(format!("unsupported content type {:?}, expected {want}", self.media)))
+        let want = if streaming {
+            "application/connect+json or application/connect+proto"
+        } else {
+            "application/json or application/proto"
+        };
+        Err(EnvdError::UnsupportedMediaType(format!(
+            "unsupported content type {:?}, expected {want}",
+            self.media
+        )))
     }
 
     fn parse<T: DeserializeOwned>(&self, payload: &[u8]) -> Result<T> {
         match self.proto {
             Some((req, _)) => {
-                let json = protobin::decode(req, payload).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))?;
-                serde_json::from_value(json).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
+                let json = protobin::decode(req, payload).map_err(|e| {
+                    EnvdError::InvalidArgument(format!("invalid request message: {e}"))
+                })?;
+                serde_json::from_value(json).map_err(|e| {
+                    EnvdError::InvalidArgument(format!("invalid request message: {e}"))
+                })
             }
             None => parse_json(payload),
         }
@@ -179,7 +230,11 @@ impl Wire {
     }
 
     fn stream_content_type(&self) -> HeaderValue {
-        HeaderValue::from_static(if self.proto.is_some() { "application/connect+proto" } else { tine_connect::CONTENT_TYPE_STREAM_JSON })
+        HeaderValue::from_static(if self.proto.is_some() {
+            "application/connect+proto"
+        } else {
+            tine_connect::CONTENT_TYPE_STREAM_JSON
+        })
     }
 
     /// The message of a unary call.
@@ -198,7 +253,9 @@ impl Wire {
             return Ok(env.payload);
         }
         if self.gzip != Encoding::Gzip {
-            return Err(EnvdError::InvalidArgument("compressed message without Connect-Content-Encoding: gzip".into()));
+            return Err(EnvdError::InvalidArgument(
+                "compressed message without Connect-Content-Encoding: gzip".into(),
+            ));
         }
         gunzip(&env.payload).map(Bytes::from)
     }
@@ -209,17 +266,26 @@ impl Wire {
         let bytes = read_body(body).await?;
         let mut dec = Decoder::new(MAX_MESSAGE);
         dec.push(&bytes);
-        let env = dec.next_envelope().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+        let env = dec
+            .next_envelope()
+            .map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
         let msg = match env {
             Some(env) if env.flags & tine_connect::FLAG_END_STREAM == 0 => self.payload(env)?,
             _ => {
-                dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
+                dec.finish()
+                    .map_err(|e| EnvdError::InvalidArgument(e.to_string()))?;
                 return Err(EnvdError::InvalidArgument("request has no message".into()));
             }
         };
         match dec.next_envelope() {
-            Ok(None) => dec.finish().map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
-            _ => return Err(EnvdError::InvalidArgument("server-streaming request has more than one message".into())),
+            Ok(None) => dec
+                .finish()
+                .map_err(|e| EnvdError::InvalidArgument(e.to_string()))?,
+            _ => {
+                return Err(EnvdError::InvalidArgument(
+                    "server-streaming request has more than one message".into(),
+                ))
+            }
         }
         self.parse(&msg)
     }
@@ -227,7 +293,12 @@ impl Wire {
     /// Reads a client stream message by message.
     pub fn client_stream(&self, body: Body) -> Result<ClientStream> {
         self.check(true)?;
-        Ok(ClientStream { wire: *self, body: body.into_data_stream(), dec: Decoder::new(MAX_MESSAGE), done: false })
+        Ok(ClientStream {
+            wire: *self,
+            body: body.into_data_stream(),
+            dec: Decoder::new(MAX_MESSAGE),
+            done: false,
+        })
     }
 
     /// A unary answer: the message, or the Connect error JSON (always JSON,
@@ -235,9 +306,14 @@ impl Wire {
     pub fn unary_response<R: Serialize>(&self, result: Result<R>) -> Response {
         match result.and_then(|msg| self.encode(&msg)) {
             Ok(body) => {
-                let ct = if self.proto.is_some() { "application/proto" } else { "application/json" };
+                let ct = if self.proto.is_some() {
+                    "application/proto"
+                } else {
+                    "application/json"
+                };
                 let mut resp = Response::new(Body::from(body));
-                resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
                 resp
             }
             Err(e) => unary_error(&e),
@@ -248,9 +324,14 @@ impl Wire {
     pub fn stream_response(&self) -> (StreamTx, Response) {
         // A small channel keeps backpressure: a slow client slows the producer.
         let (tx, rx) = mpsc::channel::<Bytes>(8);
-        let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx)) });
+        let body = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+        });
         let mut resp = Response::new(Body::from_stream(body));
-        resp.headers_mut().insert(header::CONTENT_TYPE, self.stream_content_type());
+        resp.headers_mut()
+            .insert(header::CONTENT_TYPE, self.stream_content_type());
         (StreamTx { tx, wire: *self }, resp)
     }
 
@@ -263,14 +344,20 @@ impl Wire {
         }
         let frame = tine_connect::encode_end_stream(&EndStream::err(err.to_connect()));
         let mut resp = Response::new(Body::from(frame));
-        resp.headers_mut().insert(header::CONTENT_TYPE, self.stream_content_type());
+        resp.headers_mut()
+            .insert(header::CONTENT_TYPE, self.stream_content_type());
         resp
     }
 }
 
 fn parse_json<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
-    let payload: &[u8] = if payload.iter().all(u8::is_ascii_whitespace) { b"{}" } else { payload };
-    serde_json::from_slice(payload).map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
+    let payload: &[u8] = if payload.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        payload
+    };
+    serde_json::from_slice(payload)
+        .map_err(|e| EnvdError::InvalidArgument(format!("invalid request message: {e}")))
 }
 
 /// Reads the messages of a client stream one by one.
@@ -298,7 +385,11 @@ impl ClientStream {
                 }
                 None => match self.body.next().await {
                     Some(Ok(chunk)) => self.dec.push(&chunk),
-                    Some(Err(e)) => return Err(EnvdError::InvalidArgument(format!("reading the request: {e}"))),
+                    Some(Err(e)) => {
+                        return Err(EnvdError::InvalidArgument(format!(
+                            "reading the request: {e}"
+                        )))
+                    }
                     None => self.done = true,
                 },
             }
@@ -312,10 +403,14 @@ pub fn unary_error(err: &EnvdError) -> Response {
     if let EnvdError::UnsupportedMediaType(_) = err {
         return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();
     }
-    let status = StatusCode::from_u16(err.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let status =
+        StatusCode::from_u16(err.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = Response::new(Body::from(err.to_connect().to_json()));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -339,7 +434,10 @@ impl StreamTx {
                 return Ok(());
             }
         };
-        self.tx.send(tine_connect::encode_envelope(0, &payload)).await.map_err(|_| Disconnected)
+        self.tx
+            .send(tine_connect::encode_envelope(0, &payload))
+            .await
+            .map_err(|_| Disconnected)
     }
 
     /// Ends the stream with the end-of-stream message.
@@ -365,7 +463,10 @@ mod tests {
     fn basic_auth() {
         let mut h = HeaderMap::new();
         assert_eq!(basic_auth_user(&h).unwrap(), None);
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic cm9vdDo=")); // "root:"
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Basic cm9vdDo="),
+        ); // "root:"
         assert_eq!(basic_auth_user(&h).unwrap().as_deref(), Some("root"));
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer x"));
         assert!(basic_auth_user(&h).is_err());

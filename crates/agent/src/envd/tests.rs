@@ -16,7 +16,11 @@ use tine_connect::{Code, Decoder, Frame};
 fn rt() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RT.get_or_init(|| {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         crate::reaper::global().start().unwrap();
         rt
     })
@@ -31,33 +35,73 @@ async fn agent() -> Agent {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, super::router()).await });
-    Agent { addr, client: Client::builder(TokioExecutor::new()).build_http() }
+    Agent {
+        addr,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
 }
 
 const ROOT: &str = "Basic cm9vdDo="; // base64("root:")
 
 impl Agent {
-    async fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> (u16, Bytes) {
-        let mut req = http::Request::builder().method(method).uri(format!("http://{}{}", self.addr, path));
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> (u16, Bytes) {
+        let mut req = http::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{}", self.addr, path));
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let resp = self.client.request(req.body(Full::new(body.into())).unwrap()).await.unwrap();
+        let resp = self
+            .client
+            .request(req.body(Full::new(body.into())).unwrap())
+            .await
+            .unwrap();
         let status = resp.status().as_u16();
         (status, resp.into_body().collect().await.unwrap().to_bytes())
     }
 
     async fn unary(&self, path: &str, msg: Value) -> (u16, Value) {
-        let (status, body) = self.request("POST", path, &[("content-type", "application/json"), ("authorization", ROOT)], msg.to_string()).await;
+        let (status, body) = self
+            .request(
+                "POST",
+                path,
+                &[
+                    ("content-type", "application/json"),
+                    ("authorization", ROOT),
+                ],
+                msg.to_string(),
+            )
+            .await;
         (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
     }
 
     /// A server-streaming call: its messages and its end-of-stream error.
-    async fn stream(&self, path: &str, msg: Value, extra: &[(&str, &str)]) -> (Vec<Value>, Option<tine_connect::Error>) {
-        let mut headers = vec![("content-type", "application/connect+json"), ("authorization", ROOT)];
+    async fn stream(
+        &self,
+        path: &str,
+        msg: Value,
+        extra: &[(&str, &str)],
+    ) -> (Vec<Value>, Option<tine_connect::Error>) {
+        let mut headers = vec![
+            ("content-type", "application/connect+json"),
+            ("authorization", ROOT),
+        ];
         headers.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
         headers.extend_from_slice(extra);
-        let (status, body) = self.request("POST", path, &headers, tine_connect::encode_message(&msg).unwrap()).await;
+        let (status, body) = self
+            .request(
+                "POST",
+                path,
+                &headers,
+                tine_connect::encode_message(&msg).unwrap(),
+            )
+            .await;
         assert_eq!(status, 200);
         decode_stream(&body)
     }
@@ -106,7 +150,13 @@ fn start_sends_start_data_end_in_order() {
 fn fast_writer_output_is_complete_and_ordered() {
     rt().block_on(async {
         let a = agent().await;
-        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "seq", "args": ["1", "300000"]}}), &[]).await;
+        let (events, err) = a
+            .stream(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "seq", "args": ["1", "300000"]}}),
+                &[],
+            )
+            .await;
         assert!(err.is_none());
         let expected: String = (1..=300000).map(|i| format!("{i}\n")).collect();
         assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), expected);
@@ -117,7 +167,13 @@ fn fast_writer_output_is_complete_and_ordered() {
 fn deadline_kills_the_process_and_ends_with_deadline_exceeded() {
     rt().block_on(async {
         let a = agent().await;
-        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "sleep", "args": ["30"]}}), &[("connect-timeout-ms", "300")]).await;
+        let (events, err) = a
+            .stream(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "sleep", "args": ["30"]}}),
+                &[("connect-timeout-ms", "300")],
+            )
+            .await;
         assert_eq!(err.unwrap().code, Code::DeadlineExceeded);
         let end = &events.last().unwrap()["event"]["end"];
         assert_eq!(end["exitCode"], -1);
@@ -129,7 +185,13 @@ fn deadline_kills_the_process_and_ends_with_deadline_exceeded() {
 fn keepalives_are_sent_while_idle() {
     rt().block_on(async {
         let a = agent().await;
-        let (events, _) = a.stream("/process.Process/Start", json!({"process": {"cmd": "sleep", "args": ["2.5"]}}), &[("keepalive-ping-interval", "1")]).await;
+        let (events, _) = a
+            .stream(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "sleep", "args": ["2.5"]}}),
+                &[("keepalive-ping-interval", "1")],
+            )
+            .await;
         assert!(events.iter().any(|e| e["event"].get("keepalive").is_some()));
         assert!(events.last().unwrap()["event"].get("end").is_some());
     });
@@ -139,14 +201,38 @@ fn keepalives_are_sent_while_idle() {
 fn users_get_their_ids_and_unknown_users_are_unauthenticated() {
     rt().block_on(async {
         let a = agent().await;
-        if nix::unistd::Uid::effective().is_root() && nix::unistd::User::from_name("nobody").ok().flatten().is_some() {
+        if nix::unistd::Uid::effective().is_root()
+            && nix::unistd::User::from_name("nobody")
+                .ok()
+                .flatten()
+                .is_some()
+        {
             let nobody = "Basic bm9ib2R5Og=="; // base64("nobody:")
-            let (events, _) = a.stream("/process.Process/Start", json!({"process": {"cmd": "id", "args": ["-u"], "cwd": "/"}}), &[("authorization", nobody)]).await;
-            let uid = nix::unistd::User::from_name("nobody").unwrap().unwrap().uid.as_raw();
-            assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), format!("{uid}\n"));
+            let (events, _) = a
+                .stream(
+                    "/process.Process/Start",
+                    json!({"process": {"cmd": "id", "args": ["-u"], "cwd": "/"}}),
+                    &[("authorization", nobody)],
+                )
+                .await;
+            let uid = nix::unistd::User::from_name("nobody")
+                .unwrap()
+                .unwrap()
+                .uid
+                .as_raw();
+            assert_eq!(
+                String::from_utf8(stdout_of(&events)).unwrap(),
+                format!("{uid}\n")
+            );
         }
         let bogus = "Basic bm8tc3VjaC11c2VyOg=="; // base64("no-such-user:")
-        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "true"}}), &[("authorization", bogus)]).await;
+        let (events, err) = a
+            .stream(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "true"}}),
+                &[("authorization", bogus)],
+            )
+            .await;
         assert!(events.is_empty());
         assert_eq!(err.unwrap().code, Code::Unauthenticated);
     });
@@ -157,41 +243,112 @@ fn bad_input_gets_the_right_errors() {
     rt().block_on(async {
         let a = agent().await;
         let (status, body) = a.unary("/process.Process/Frobnicate", json!({})).await;
-        assert_eq!((status, body["code"].as_str()), (404, Some("unimplemented")));
-        let (status, body) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json")], "{nope").await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("unimplemented"))
+        );
+        let (status, body) = a
+            .request(
+                "POST",
+                "/filesystem.Filesystem/Stat",
+                &[("content-type", "application/json")],
+                "{nope",
+            )
+            .await;
         assert_eq!(status, 400);
-        assert_eq!(tine_connect::Error::from_unary_response(status, &body).code, Code::InvalidArgument);
-        let (status, body) = a.unary("/filesystem.Filesystem/Stat", json!({"path": "/nonexistent/tine"})).await;
+        assert_eq!(
+            tine_connect::Error::from_unary_response(status, &body).code,
+            Code::InvalidArgument
+        );
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/Stat",
+                json!({"path": "/nonexistent/tine"}),
+            )
+            .await;
         assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
-        let (status, body) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": 999_999}, "signal": "SIGNAL_SIGKILL"})).await;
+        let (status, body) = a
+            .unary(
+                "/process.Process/SendSignal",
+                json!({"process": {"pid": 999_999}, "signal": "SIGNAL_SIGKILL"}),
+            )
+            .await;
         assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
-        let (status, _) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": 1}, "signal": "SIGNAL_BOGUS"})).await;
+        let (status, _) = a
+            .unary(
+                "/process.Process/SendSignal",
+                json!({"process": {"pid": 1}, "signal": "SIGNAL_BOGUS"}),
+            )
+            .await;
         assert_eq!(status, 400);
-        let (status, body) = a.unary("/process.Process/Start", json!({"process": {"cmd": "/nonexistent/binary"}})).await;
-        assert_eq!(status, 415, "a stream method with a unary content type: {body}");
+        let (status, body) = a
+            .unary(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "/nonexistent/binary"}}),
+            )
+            .await;
+        assert_eq!(
+            status, 415,
+            "a stream method with a unary content type: {body}"
+        );
 
-        let stream_hdr = [("content-type", "application/connect+json"), ("authorization", ROOT)];
+        let stream_hdr = [
+            ("content-type", "application/connect+json"),
+            ("authorization", ROOT),
+        ];
         let full = tine_connect::encode_message(&json!({"process": {"cmd": "true"}})).unwrap();
-        let (status, body) = a.request("POST", "/process.Process/Start", &stream_hdr, full.slice(..full.len() - 2)).await;
+        let (status, body) = a
+            .request(
+                "POST",
+                "/process.Process/Start",
+                &stream_hdr,
+                full.slice(..full.len() - 2),
+            )
+            .await;
         assert_eq!(status, 200);
         assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
         let huge = tine_connect::encode_envelope(0, b"{}").slice(..1);
         let mut oversized = huge.to_vec();
         oversized.extend_from_slice(&u32::MAX.to_be_bytes());
-        let (_, body) = a.request("POST", "/process.Process/Start", &stream_hdr, oversized).await;
+        let (_, body) = a
+            .request("POST", "/process.Process/Start", &stream_hdr, oversized)
+            .await;
         assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
-        let (_, body) = a.request("POST", "/process.Process/Start", &stream_hdr, tine_connect::encode_envelope(0, b"[1,2")).await;
+        let (_, body) = a
+            .request(
+                "POST",
+                "/process.Process/Start",
+                &stream_hdr,
+                tine_connect::encode_envelope(0, b"[1,2"),
+            )
+            .await;
         assert_eq!(decode_stream(&body).1.unwrap().code, Code::InvalidArgument);
-        let (events, err) = a.stream("/process.Process/Start", json!({"process": {"cmd": "/nonexistent/binary"}}), &[]).await;
+        let (events, err) = a
+            .stream(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "/nonexistent/binary"}}),
+                &[],
+            )
+            .await;
         assert!(events.is_empty());
         assert_eq!(err.unwrap().code, Code::InvalidArgument);
-        let (_, err) = a.stream("/process.Process/Connect", json!({"process": {"pid": 999_999}}), &[]).await;
+        let (_, err) = a
+            .stream(
+                "/process.Process/Connect",
+                json!({"process": {"pid": 999_999}}),
+                &[],
+            )
+            .await;
         assert_eq!(err.unwrap().code, Code::NotFound);
 
-        let (status, body) = a.request("GET", "/files?path=/nonexistent/tine", &[], "").await;
+        let (status, body) = a
+            .request("GET", "/files?path=/nonexistent/tine", &[], "")
+            .await;
         assert_eq!(status, 404);
         assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 404);
-        let (status, _) = a.request("GET", "/files?path=/&signature_expiration=soon", &[], "").await;
+        let (status, _) = a
+            .request("GET", "/files?path=/&signature_expiration=soon", &[], "")
+            .await;
         assert_eq!(status, 400);
     });
 }
@@ -202,33 +359,97 @@ fn filesystem_calls_and_a_big_streamed_file() {
         let a = agent().await;
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().display().to_string();
-        let (status, body) = a.unary("/filesystem.Filesystem/MakeDir", json!({"path": format!("{d}/x/y")})).await;
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/MakeDir",
+                json!({"path": format!("{d}/x/y")}),
+            )
+            .await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["entry"]["type"], "FILE_TYPE_DIRECTORY");
-        let (status, body) = a.unary("/filesystem.Filesystem/MakeDir", json!({"path": format!("{d}/x/y")})).await;
-        assert_eq!((status, body["code"].as_str()), (409, Some("already_exists")));
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/MakeDir",
+                json!({"path": format!("{d}/x/y")}),
+            )
+            .await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (409, Some("already_exists"))
+        );
 
         // 48 MiB through the raw upload and back through the download.
-        let data: Vec<u8> = (0..48u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let data: Vec<u8> = (0..48u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
         let path = format!("{d}/x/big.bin");
-        let (status, body) = a.request("POST", &format!("/files?path={path}"), &[("content-type", "application/octet-stream"), ("authorization", ROOT)], data.clone()).await;
+        let (status, body) = a
+            .request(
+                "POST",
+                &format!("/files?path={path}"),
+                &[
+                    ("content-type", "application/octet-stream"),
+                    ("authorization", ROOT),
+                ],
+                data.clone(),
+            )
+            .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
         let written: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(written[0]["path"], path);
-        let (status, got) = a.request("GET", &format!("/files?path={path}&username=root"), &[], "").await;
+        let (status, got) = a
+            .request("GET", &format!("/files?path={path}&username=root"), &[], "")
+            .await;
         assert_eq!(status, 200);
         assert!(got == data, "downloaded bytes differ");
 
-        let (_, body) = a.unary("/filesystem.Filesystem/ListDir", json!({"path": d, "depth": 2})).await;
-        let paths: Vec<&str> = body["entries"].as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
-        assert_eq!(paths, vec![format!("{d}/x"), format!("{d}/x/big.bin"), format!("{d}/x/y")]);
-        let (_, body) = a.unary("/filesystem.Filesystem/Stat", json!({"path": path})).await;
+        let (_, body) = a
+            .unary(
+                "/filesystem.Filesystem/ListDir",
+                json!({"path": d, "depth": 2}),
+            )
+            .await;
+        let paths: Vec<&str> = body["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["path"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            paths,
+            vec![
+                format!("{d}/x"),
+                format!("{d}/x/big.bin"),
+                format!("{d}/x/y")
+            ]
+        );
+        let (_, body) = a
+            .unary("/filesystem.Filesystem/Stat", json!({"path": path}))
+            .await;
         assert_eq!(body["entry"]["size"], (48u64 << 20).to_string());
-        let (status, body) = a.unary("/filesystem.Filesystem/Move", json!({"source": path, "destination": format!("{d}/z/moved.bin")})).await;
-        assert_eq!((status, body["entry"]["name"].as_str()), (200, Some("moved.bin")));
-        let (status, _) = a.unary("/filesystem.Filesystem/Remove", json!({"path": format!("{d}/x")})).await;
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/Move",
+                json!({"source": path, "destination": format!("{d}/z/moved.bin")}),
+            )
+            .await;
+        assert_eq!(
+            (status, body["entry"]["name"].as_str()),
+            (200, Some("moved.bin"))
+        );
+        let (status, _) = a
+            .unary(
+                "/filesystem.Filesystem/Remove",
+                json!({"path": format!("{d}/x")}),
+            )
+            .await;
         assert_eq!(status, 200);
-        let (status, _) = a.unary("/filesystem.Filesystem/Remove", json!({"path": format!("{d}/x")})).await;
+        let (status, _) = a
+            .unary(
+                "/filesystem.Filesystem/Remove",
+                json!({"path": format!("{d}/x")}),
+            )
+            .await;
         assert_eq!(status, 404);
     });
 }
@@ -238,7 +459,12 @@ fn polled_watcher_reports_recursive_events() {
     rt().block_on(async {
         let a = agent().await;
         let dir = tempfile::tempdir().unwrap();
-        let (status, body) = a.unary("/filesystem.Filesystem/CreateWatcher", json!({"path": dir.path(), "recursive": true})).await;
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/CreateWatcher",
+                json!({"path": dir.path(), "recursive": true}),
+            )
+            .await;
         assert_eq!(status, 200, "{body}");
         let id = body["watcherId"].as_str().unwrap().to_string();
         std::fs::create_dir(dir.path().join("sub")).unwrap();
@@ -250,9 +476,17 @@ fn polled_watcher_reports_recursive_events() {
             async move {
                 let mut got = Vec::new();
                 for _ in 0..200 {
-                    let (_, body) = a.unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id})).await;
+                    let (_, body) = a
+                        .unary(
+                            "/filesystem.Filesystem/GetWatcherEvents",
+                            json!({"watcherId": id}),
+                        )
+                        .await;
                     for e in body["events"].as_array().unwrap() {
-                        got.push((e["name"].as_str().unwrap().to_string(), e["type"].as_str().unwrap().to_string()));
+                        got.push((
+                            e["name"].as_str().unwrap().to_string(),
+                            e["type"].as_str().unwrap().to_string(),
+                        ));
                     }
                     if got.iter().any(|(n, _)| n == want) {
                         break;
@@ -267,18 +501,43 @@ fn polled_watcher_reports_recursive_events() {
         std::fs::remove_file(dir.path().join("sub/f.txt")).unwrap();
         seen.extend(poll("sub/f.txt").await);
         for _ in 0..100 {
-            if seen.iter().any(|(n, t)| n == "sub/f.txt" && t == "EVENT_TYPE_REMOVE") {
+            if seen
+                .iter()
+                .any(|(n, t)| n == "sub/f.txt" && t == "EVENT_TYPE_REMOVE")
+            {
                 break;
             }
             seen.extend(poll("never").await);
         }
-        assert!(seen.contains(&("sub".into(), "EVENT_TYPE_CREATE".into())), "{seen:?}");
-        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_CREATE".into())), "{seen:?}");
-        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_WRITE".into())), "{seen:?}");
-        assert!(seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_REMOVE".into())), "{seen:?}");
-        let (status, _) = a.unary("/filesystem.Filesystem/RemoveWatcher", json!({"watcherId": id})).await;
+        assert!(
+            seen.contains(&("sub".into(), "EVENT_TYPE_CREATE".into())),
+            "{seen:?}"
+        );
+        assert!(
+            seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_CREATE".into())),
+            "{seen:?}"
+        );
+        assert!(
+            seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_WRITE".into())),
+            "{seen:?}"
+        );
+        assert!(
+            seen.contains(&("sub/f.txt".into(), "EVENT_TYPE_REMOVE".into())),
+            "{seen:?}"
+        );
+        let (status, _) = a
+            .unary(
+                "/filesystem.Filesystem/RemoveWatcher",
+                json!({"watcherId": id}),
+            )
+            .await;
         assert_eq!(status, 200);
-        let (status, body) = a.unary("/filesystem.Filesystem/GetWatcherEvents", json!({"watcherId": id})).await;
+        let (status, body) = a
+            .unary(
+                "/filesystem.Filesystem/GetWatcherEvents",
+                json!({"watcherId": id}),
+            )
+            .await;
         assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
     });
 }
@@ -287,13 +546,25 @@ fn polled_watcher_reports_recursive_events() {
 fn access_token_is_enforced_after_init() {
     rt().block_on(async {
         let a = agent().await;
-        let (status, _) = a.request("POST", "/init", &[("content-type", "application/json")], r#"{"accessToken":"sekrit","envVars":{"A":"1"}}"#).await;
+        let (status, _) = a
+            .request(
+                "POST",
+                "/init",
+                &[("content-type", "application/json")],
+                r#"{"accessToken":"sekrit","envVars":{"A":"1"}}"#,
+            )
+            .await;
         assert_eq!(status, 204);
         let (status, body) = a.request("GET", "/envs", &[], "").await;
         assert_eq!(status, 401);
         assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 401);
-        let (status, body) = a.request("GET", "/envs", &[("x-access-token", "sekrit")], "").await;
-        assert_eq!((status, serde_json::from_slice::<Value>(&body).unwrap()), (200, json!({"A": "1"})));
+        let (status, body) = a
+            .request("GET", "/envs", &[("x-access-token", "sekrit")], "")
+            .await;
+        assert_eq!(
+            (status, serde_json::from_slice::<Value>(&body).unwrap()),
+            (200, json!({"A": "1"}))
+        );
         let (status, _) = a.unary("/process.Process/List", json!({})).await;
         assert_eq!(status, 401);
         let (status, _) = a.request("GET", "/health", &[], "").await;
@@ -304,10 +575,20 @@ fn access_token_is_enforced_after_init() {
         let (status, _) = a.request("GET", &format!("/files?path={p}"), &[], "").await;
         assert_eq!(status, 401);
         let sig = crate::envd::auth::sign(&p, "read", "root", "sekrit", None);
-        let url = format!("/files?path={p}&username=root&signature={}", sig.replace('+', "%2B").replace('/', "%2F"));
+        let url = format!(
+            "/files?path={p}&username=root&signature={}",
+            sig.replace('+', "%2B").replace('/', "%2F")
+        );
         let (status, body) = a.request("GET", &url, &[], "").await;
         assert_eq!((status, &body[..]), (200, &b"signed"[..]));
-        let (status, _) = a.request("GET", &url.replace("username=root", "username=nobody"), &[], "").await;
+        let (status, _) = a
+            .request(
+                "GET",
+                &url.replace("username=root", "username=nobody"),
+                &[],
+                "",
+            )
+            .await;
         assert_eq!(status, 401);
     });
 }
@@ -316,7 +597,13 @@ fn access_token_is_enforced_after_init() {
 fn a_full_disk_is_507() {
     rt().block_on(async {
         let dir = tempfile::tempdir().unwrap();
-        let mounted = nix::mount::mount(Some("tmpfs"), dir.path(), Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m"));
+        let mounted = nix::mount::mount(
+            Some("tmpfs"),
+            dir.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=1m"),
+        );
         if mounted.is_err() {
             return; // needs root (CI runs as root)
         }
@@ -330,7 +617,15 @@ fn a_full_disk_is_507() {
         let a = agent().await;
         let path = dir.path().join("too-big.bin");
         let (status, body) = a
-            .request("POST", &format!("/files?path={}", path.display()), &[("content-type", "application/octet-stream"), ("authorization", ROOT)], vec![7u8; 3 << 20])
+            .request(
+                "POST",
+                &format!("/files?path={}", path.display()),
+                &[
+                    ("content-type", "application/octet-stream"),
+                    ("authorization", ROOT),
+                ],
+                vec![7u8; 3 << 20],
+            )
             .await;
         assert_eq!(status, 507, "{}", String::from_utf8_lossy(&body));
         assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["code"], 507);
@@ -379,7 +674,10 @@ impl Agent {
             .unwrap();
         let resp = self.client.request(req).await.unwrap();
         assert_eq!(resp.status(), 200);
-        OpenStream { body: resp.into_body(), dec: Decoder::new(64 << 20) }
+        OpenStream {
+            body: resp.into_body(),
+            dec: Decoder::new(64 << 20),
+        }
     }
 }
 
@@ -387,31 +685,80 @@ impl Agent {
 fn tags_list_input_and_many_clients() {
     rt().block_on(async {
         let a = agent().await;
-        let mut first = a.open("/process.Process/Start", json!({"process": {"cmd": "cat"}, "stdin": true, "tag": "t1"})).await;
-        let pid = first.next_msg().await["event"]["start"]["pid"].as_u64().unwrap();
+        let mut first = a
+            .open(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "cat"}, "stdin": true, "tag": "t1"}),
+            )
+            .await;
+        let pid = first.next_msg().await["event"]["start"]["pid"]
+            .as_u64()
+            .unwrap();
         let (_, list) = a.unary("/process.Process/List", json!({})).await;
-        let me = list["processes"].as_array().unwrap().iter().find(|p| p["pid"] == pid).unwrap().clone();
+        let me = list["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["pid"] == pid)
+            .unwrap()
+            .clone();
         assert_eq!(me["tag"], "t1");
         assert_eq!(me["config"]["cmd"], "cat");
 
-        let mut second = a.open("/process.Process/Connect", json!({"process": {"tag": "t1"}})).await;
-        assert_eq!(second.next_msg().await["event"]["start"]["pid"].as_u64(), Some(pid));
-        let (status, _) = a.unary("/process.Process/SendInput", json!({"process": {"pid": pid}, "input": {"stdin": "aGVsbG8K"}})).await;
+        let mut second = a
+            .open(
+                "/process.Process/Connect",
+                json!({"process": {"tag": "t1"}}),
+            )
+            .await;
+        assert_eq!(
+            second.next_msg().await["event"]["start"]["pid"].as_u64(),
+            Some(pid)
+        );
+        let (status, _) = a
+            .unary(
+                "/process.Process/SendInput",
+                json!({"process": {"pid": pid}, "input": {"stdin": "aGVsbG8K"}}),
+            )
+            .await;
         assert_eq!(status, 200);
-        assert_eq!(first.next_msg().await["event"]["data"]["stdout"], "aGVsbG8K");
-        assert_eq!(second.next_msg().await["event"]["data"]["stdout"], "aGVsbG8K");
+        assert_eq!(
+            first.next_msg().await["event"]["data"]["stdout"],
+            "aGVsbG8K"
+        );
+        assert_eq!(
+            second.next_msg().await["event"]["data"]["stdout"],
+            "aGVsbG8K"
+        );
         // A PTY operation on a pipe process is a failed precondition.
-        let (status, body) = a.unary("/process.Process/Update", json!({"process": {"pid": pid}, "pty": {"size": {"cols": 10, "rows": 10}}})).await;
-        assert_eq!((status, body["code"].as_str()), (400, Some("failed_precondition")));
+        let (status, body) = a
+            .unary(
+                "/process.Process/Update",
+                json!({"process": {"pid": pid}, "pty": {"size": {"cols": 10, "rows": 10}}}),
+            )
+            .await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("failed_precondition"))
+        );
         // The first client leaves; the process goes on for the second.
         drop(first);
-        let (status, _) = a.unary("/process.Process/CloseStdin", json!({"process": {"pid": pid}})).await;
+        let (status, _) = a
+            .unary(
+                "/process.Process/CloseStdin",
+                json!({"process": {"pid": pid}}),
+            )
+            .await;
         assert_eq!(status, 200);
         let end = second.next_msg().await;
         assert_eq!(end["event"]["end"]["exitCode"], 0, "{end}");
         assert!(matches!(second.next().await, Some(Frame::End(e)) if e.error.is_none()));
         let (_, list) = a.unary("/process.Process/List", json!({})).await;
-        assert!(!list["processes"].as_array().unwrap().iter().any(|p| p["pid"] == pid));
+        assert!(!list["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"] == pid));
     });
 }
 
@@ -419,24 +766,59 @@ fn tags_list_input_and_many_clients() {
 fn stream_input_takes_a_client_stream() {
     rt().block_on(async {
         let a = agent().await;
-        let mut proc = a.open("/process.Process/Start", json!({"process": {"cmd": "cat"}, "stdin": true})).await;
-        let pid = proc.next_msg().await["event"]["start"]["pid"].as_u64().unwrap();
+        let mut proc = a
+            .open(
+                "/process.Process/Start",
+                json!({"process": {"cmd": "cat"}, "stdin": true}),
+            )
+            .await;
+        let pid = proc.next_msg().await["event"]["start"]["pid"]
+            .as_u64()
+            .unwrap();
         let mut body = Vec::new();
-        body.extend_from_slice(&tine_connect::encode_message(&json!({"start": {"process": {"pid": pid}}})).unwrap());
-        body.extend_from_slice(&tine_connect::encode_message(&json!({"data": {"input": {"stdin": "YWI="}}})).unwrap());
+        body.extend_from_slice(
+            &tine_connect::encode_message(&json!({"start": {"process": {"pid": pid}}})).unwrap(),
+        );
+        body.extend_from_slice(
+            &tine_connect::encode_message(&json!({"data": {"input": {"stdin": "YWI="}}})).unwrap(),
+        );
         body.extend_from_slice(&tine_connect::encode_message(&json!({"keepalive": {}})).unwrap());
-        body.extend_from_slice(&tine_connect::encode_message(&json!({"data": {"input": {"stdin": "Ywo="}}})).unwrap());
-        let (status, resp) = a.request("POST", "/process.Process/StreamInput", &[("content-type", "application/connect+json"), ("authorization", ROOT)], body).await;
+        body.extend_from_slice(
+            &tine_connect::encode_message(&json!({"data": {"input": {"stdin": "Ywo="}}})).unwrap(),
+        );
+        let (status, resp) = a
+            .request(
+                "POST",
+                "/process.Process/StreamInput",
+                &[
+                    ("content-type", "application/connect+json"),
+                    ("authorization", ROOT),
+                ],
+                body,
+            )
+            .await;
         assert_eq!(status, 200);
         let (msgs, err) = decode_stream(&resp);
-        assert_eq!((msgs, err), (vec![json!({})], None), "exactly one empty message, then a clean end");
+        assert_eq!(
+            (msgs, err),
+            (vec![json!({})], None),
+            "exactly one empty message, then a clean end"
+        );
         let mut out = Vec::new();
         while out.len() < 4 {
             let m = proc.next_msg().await;
-            out.extend(crate::envd::proto::decode_bytes(m["event"]["data"]["stdout"].as_str().unwrap()).unwrap());
+            out.extend(
+                crate::envd::proto::decode_bytes(m["event"]["data"]["stdout"].as_str().unwrap())
+                    .unwrap(),
+            );
         }
         assert_eq!(out, b"abc\n");
-        let (status, _) = a.unary("/process.Process/SendSignal", json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"})).await;
+        let (status, _) = a
+            .unary(
+                "/process.Process/SendSignal",
+                json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"}),
+            )
+            .await;
         assert_eq!(status, 200);
         let end = proc.next_msg().await;
         assert_eq!(end["event"]["end"]["status"], "signal: terminated");
@@ -494,23 +876,59 @@ fn init_sets_defaults_time_and_entropy() {
             "hyperloopIP": "10.0.0.1",
             "volumeMounts": []
         });
-        let (status, resp) = a.request("POST", "/init", &[("content-type", "application/json")], body.to_string()).await;
+        let (status, resp) = a
+            .request(
+                "POST",
+                "/init",
+                &[("content-type", "application/json")],
+                body.to_string(),
+            )
+            .await;
         assert_eq!(status, 204, "{}", String::from_utf8_lossy(&resp));
         // No Authorization header: the default user and workdir from /init.
-        let msg = tine_connect::encode_message(&json!({"process": {"cmd": "/bin/sh", "args": ["-c", "id -u; pwd; echo $FROM_INIT"]}})).unwrap();
-        let (status, resp) = a.request("POST", "/process.Process/Start", &[("content-type", "application/connect+json")], msg).await;
+        let msg = tine_connect::encode_message(
+            &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "id -u; pwd; echo $FROM_INIT"]}}),
+        )
+        .unwrap();
+        let (status, resp) = a
+            .request(
+                "POST",
+                "/process.Process/Start",
+                &[("content-type", "application/connect+json")],
+                msg,
+            )
+            .await;
         assert_eq!(status, 200);
         let (events, err) = decode_stream(&resp);
         assert!(err.is_none(), "{err:?}");
-        assert_eq!(String::from_utf8(stdout_of(&events)).unwrap(), "0\n/tmp\nyes\n");
-        for bad in [json!({"timestamp": "yesterday"}), json!({"defaultUser": "no-such-user-tine"}), json!({"entropy": "***"}), json!({"defaultWorkdir": "relative"})] {
-            let (status, _) = a.request("POST", "/init", &[("content-type", "application/json")], bad.to_string()).await;
+        assert_eq!(
+            String::from_utf8(stdout_of(&events)).unwrap(),
+            "0\n/tmp\nyes\n"
+        );
+        for bad in [
+            json!({"timestamp": "yesterday"}),
+            json!({"defaultUser": "no-such-user-tine"}),
+            json!({"entropy": "***"}),
+            json!({"defaultWorkdir": "relative"}),
+        ] {
+            let (status, _) = a
+                .request(
+                    "POST",
+                    "/init",
+                    &[("content-type", "application/json")],
+                    bad.to_string(),
+                )
+                .await;
             assert_eq!(status, 400, "{bad}");
         }
         let (status, resp) = a.request("GET", "/metrics", &[], "").await;
         let m: Value = serde_json::from_slice(&resp).unwrap();
         assert_eq!(status, 200);
-        assert!(m["mem_total"].as_u64().unwrap() > 0 && m["disk_total"].as_u64().unwrap() > 0 && m["ts"].as_i64().unwrap() > 0);
+        assert!(
+            m["mem_total"].as_u64().unwrap() > 0
+                && m["disk_total"].as_u64().unwrap() > 0
+                && m["ts"].as_i64().unwrap() > 0
+        );
     });
 }
 
@@ -526,23 +944,71 @@ fn compressed_requests_and_binary_protobuf() {
     rt().block_on(async {
         let a = agent().await;
         let body = gzip(br#"{"path":"/"}"#);
-        let (status, resp) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "gzip"), ("authorization", ROOT)], body).await;
+        let (status, resp) = a
+            .request(
+                "POST",
+                "/filesystem.Filesystem/Stat",
+                &[
+                    ("content-type", "application/json"),
+                    ("content-encoding", "gzip"),
+                    ("authorization", ROOT),
+                ],
+                body,
+            )
+            .await;
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
-        assert_eq!(serde_json::from_slice::<Value>(&resp).unwrap()["entry"]["path"], "/");
-        let (status, _) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "br")], "{}").await;
+        assert_eq!(
+            serde_json::from_slice::<Value>(&resp).unwrap()["entry"]["path"],
+            "/"
+        );
+        let (status, _) = a
+            .request(
+                "POST",
+                "/filesystem.Filesystem/Stat",
+                &[
+                    ("content-type", "application/json"),
+                    ("content-encoding", "br"),
+                ],
+                "{}",
+            )
+            .await;
         assert_eq!(status, 501);
-        let (status, _) = a.request("POST", "/filesystem.Filesystem/Stat", &[("content-type", "application/json"), ("content-encoding", "gzip")], "not gzip").await;
+        let (status, _) = a
+            .request(
+                "POST",
+                "/filesystem.Filesystem/Stat",
+                &[
+                    ("content-type", "application/json"),
+                    ("content-encoding", "gzip"),
+                ],
+                "not gzip",
+            )
+            .await;
         assert_eq!(status, 400);
 
         // A compressed envelope on a stream, answered in binary protobuf.
-        let msg = crate::envd::protobin::encode(crate::envd::protobin::method("process.Process", "Start").unwrap().0, &json!({"process": {"cmd": "echo", "args": ["z"]}})).unwrap();
+        let msg = crate::envd::protobin::encode(
+            crate::envd::protobin::method("process.Process", "Start")
+                .unwrap()
+                .0,
+            &json!({"process": {"cmd": "echo", "args": ["z"]}}),
+        )
+        .unwrap();
         let env = tine_connect::encode_envelope(tine_connect::FLAG_COMPRESSED, &gzip(&msg));
-        let hdrs = [("content-type", "application/connect+proto"), ("connect-content-encoding", "gzip"), ("authorization", ROOT)];
-        let (status, resp) = a.request("POST", "/process.Process/Start", &hdrs, env.clone()).await;
+        let hdrs = [
+            ("content-type", "application/connect+proto"),
+            ("connect-content-encoding", "gzip"),
+            ("authorization", ROOT),
+        ];
+        let (status, resp) = a
+            .request("POST", "/process.Process/Start", &hdrs, env.clone())
+            .await;
         assert_eq!(status, 200);
         let mut dec = Decoder::new(1 << 20);
         dec.push(&resp);
-        let resp_schema = crate::envd::protobin::method("process.Process", "Start").unwrap().1;
+        let resp_schema = crate::envd::protobin::method("process.Process", "Start")
+            .unwrap()
+            .1;
         let mut events = Vec::new();
         while let Some(Frame::Message(m)) = dec.next_frame().unwrap() {
             events.push(crate::envd::protobin::decode(resp_schema, &m).unwrap());
@@ -551,7 +1017,17 @@ fn compressed_requests_and_binary_protobuf() {
         assert_eq!(events[1]["event"]["data"]["stdout"], "ego=");
         assert_eq!(events.last().unwrap()["event"]["end"]["exited"], true);
         // Without the encoding header a compressed envelope is refused.
-        let (_, resp) = a.request("POST", "/process.Process/Start", &[("content-type", "application/connect+proto"), ("authorization", ROOT)], env).await;
+        let (_, resp) = a
+            .request(
+                "POST",
+                "/process.Process/Start",
+                &[
+                    ("content-type", "application/connect+proto"),
+                    ("authorization", ROOT),
+                ],
+                env,
+            )
+            .await;
         assert_eq!(decode_stream(&resp).1.unwrap().code, Code::InvalidArgument);
     });
 }
@@ -603,12 +1079,16 @@ fn garbage_never_takes_the_agent_down() {
                 if mutating.contains(&method) {
                     body.retain(|b| b.is_ascii_graphic() && *b != b'{' && *b != b'[');
                 }
-                let mut enveloped = tine_connect::encode_envelope((round % 4) as u8, &body).to_vec();
+                let mut enveloped =
+                    tine_connect::encode_envelope((round % 4) as u8, &body).to_vec();
                 if round % 3 == 0 {
                     enveloped.truncate(enveloped.len() / 2);
                 }
                 let cases: Vec<(&str, Vec<u8>)> = if mutating.contains(&method) {
-                    vec![("application/json", body.clone()), ("application/connect+json", enveloped)]
+                    vec![
+                        ("application/json", body.clone()),
+                        ("application/connect+json", enveloped),
+                    ]
                 } else {
                     vec![
                         ("application/json", body.clone()),
@@ -627,11 +1107,23 @@ fn garbage_never_takes_the_agent_down() {
                         .header("connect-timeout-ms", "2000")
                         .body(Full::new(Bytes::from(payload)))
                         .unwrap();
-                    let resp = a.client.request(req).await.unwrap_or_else(|e| panic!("{path} {ct}: no answer: {e}"));
+                    let resp = a
+                        .client
+                        .request(req)
+                        .await
+                        .unwrap_or_else(|e| panic!("{path} {ct}: no answer: {e}"));
                     let status = resp.status().as_u16();
-                    let body = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect()).await;
-                    assert!(body.is_ok_and(|b| b.is_ok()), "{path} {ct}: the answer did not complete");
-                    assert!(status < 500 || status == 501, "{path} {ct}: status {status}");
+                    let body =
+                        tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
+                            .await;
+                    assert!(
+                        body.is_ok_and(|b| b.is_ok()),
+                        "{path} {ct}: the answer did not complete"
+                    );
+                    assert!(
+                        status < 500 || status == 501,
+                        "{path} {ct}: status {status}"
+                    );
                 }
             }
         }

@@ -60,12 +60,29 @@ pub fn parse_rfc3339(s: &str) -> Option<Duration> {
     let b = s.as_bytes();
     let num = |r: std::ops::Range<usize>| -> Option<u32> {
         let part = s.get(r)?;
-        if part.bytes().all(|c| c.is_ascii_digit()) { part.parse().ok() } else { None }
+        if part.bytes().all(|c| c.is_ascii_digit()) {
+            part.parse().ok()
+        } else {
+            None
+        }
     };
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') || b[13] != b':' || b[16] != b':' {
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || !matches!(b[10], b'T' | b't' | b' ')
+        || b[13] != b':'
+        || b[16] != b':'
+    {
         return None;
     }
-    let (y, mo, d, h, mi, sec) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    let (y, mo, d, h, mi, sec) = (
+        num(0..4)?,
+        num(5..7)?,
+        num(8..10)?,
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+    );
     if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
         return None;
     }
@@ -90,11 +107,19 @@ pub fn parse_rfc3339(s: &str) -> Option<Duration> {
             let oh = i64::from(num(i + 1..i + 3)?);
             let om = i64::from(num(i + 4..i + 6)?);
             let o = oh * 3600 + om * 60;
-            if *sign == b'+' { o } else { -o }
+            if *sign == b'+' {
+                o
+            } else {
+                -o
+            }
         }
         _ => return None,
     };
-    let secs = days_from_civil(i64::from(y), mo, d) * 86_400 + i64::from(h) * 3600 + i64::from(mi) * 60 + i64::from(sec) - offset;
+    let secs = days_from_civil(i64::from(y), mo, d) * 86_400
+        + i64::from(h) * 3600
+        + i64::from(mi) * 60
+        + i64::from(sec)
+        - offset;
     u64::try_from(secs).ok().map(|s| Duration::new(s, nanos))
 }
 
@@ -105,7 +130,10 @@ mod tests {
     #[test]
     fn formats_known_instants() {
         assert_eq!(format_rfc3339(0, 0), "1970-01-01T00:00:00Z");
-        assert_eq!(format_rfc3339(951_782_400, 5), "2000-02-29T00:00:00.000000005Z");
+        assert_eq!(
+            format_rfc3339(951_782_400, 5),
+            "2000-02-29T00:00:00.000000005Z"
+        );
         assert_eq!(format_rfc3339(1_700_000_000, 0), "2023-11-14T22:13:20Z");
     }
 
@@ -113,12 +141,24 @@ mod tests {
     fn parses_and_round_trips() {
         let d = parse_rfc3339("2023-11-14T22:13:20.5Z").unwrap();
         assert_eq!(d, Duration::new(1_700_000_000, 500_000_000));
-        assert_eq!(parse_rfc3339("2023-11-15T00:13:20+02:00").unwrap().as_secs(), 1_700_000_000);
+        assert_eq!(
+            parse_rfc3339("2023-11-15T00:13:20+02:00")
+                .unwrap()
+                .as_secs(),
+            1_700_000_000
+        );
         for secs in [0i64, 86_399, 951_782_400, 4_102_444_800] {
             let s = format_rfc3339(secs, 0);
             assert_eq!(parse_rfc3339(&s).unwrap().as_secs() as i64, secs);
         }
-        for bad in ["", "2023-13-01T00:00:00Z", "2023-11-14 22:13:20", "2023-11-14T22:13:20.Z", "1969-12-31T23:59:59Z", "2023-11-14T22:13:20Zjunk"] {
+        for bad in [
+            "",
+            "2023-13-01T00:00:00Z",
+            "2023-11-14 22:13:20",
+            "2023-11-14T22:13:20.Z",
+            "1969-12-31T23:59:59Z",
+            "2023-11-14T22:13:20Zjunk",
+        ] {
             assert!(parse_rfc3339(bad).is_none(), "{bad}");
         }
     }

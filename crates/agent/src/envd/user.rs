@@ -66,7 +66,11 @@ impl User {
 
     /// The login environment (`HOME`, `USER`, `LOGNAME`, `SHELL`, `PATH`).
     pub fn login_env(&self) -> Vec<(String, String)> {
-        let shell = if self.shell.as_os_str().is_empty() { "/bin/sh".into() } else { self.shell.display().to_string() };
+        let shell = if self.shell.as_os_str().is_empty() {
+            "/bin/sh".into()
+        } else {
+            self.shell.display().to_string()
+        };
         vec![
             ("HOME".into(), self.home.display().to_string()),
             ("USER".into(), self.name.clone()),
@@ -80,7 +84,9 @@ impl User {
     /// against `base` (the default workdir) or home.
     pub fn resolve(&self, path: &str, base: Option<&Path>) -> Result<PathBuf> {
         if path.contains('\0') {
-            return Err(EnvdError::InvalidArgument("path contains a NUL byte".into()));
+            return Err(EnvdError::InvalidArgument(
+                "path contains a NUL byte".into(),
+            ));
         }
         let p = if path == "~" {
             self.home.clone()
@@ -148,7 +154,10 @@ impl FsCreds {
         // `groups` outlives the call.
         unsafe {
             if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0 {
-                return Err(EnvdError::Internal(format!("setgroups: {}", std::io::Error::last_os_error())));
+                return Err(EnvdError::Internal(format!(
+                    "setgroups: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
             libc::syscall(libc::SYS_setfsgid, user.gid);
             libc::syscall(libc::SYS_setfsuid, user.uid);
@@ -174,12 +183,20 @@ impl Drop for FsCreds {
 
 /// Name of a uid (numeric string when it has no passwd entry).
 pub fn user_name(uid: u32) -> String {
-    nix::unistd::User::from_uid(Uid::from_raw(uid)).ok().flatten().map(|u| u.name).unwrap_or_else(|| uid.to_string())
+    nix::unistd::User::from_uid(Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map(|u| u.name)
+        .unwrap_or_else(|| uid.to_string())
 }
 
 /// Name of a gid (numeric string when it has no group entry).
 pub fn group_name(gid: u32) -> String {
-    nix::unistd::Group::from_gid(Gid::from_raw(gid)).ok().flatten().map(|g| g.name).unwrap_or_else(|| gid.to_string())
+    nix::unistd::Group::from_gid(Gid::from_raw(gid))
+        .ok()
+        .flatten()
+        .map(|g| g.name)
+        .unwrap_or_else(|| gid.to_string())
 }
 
 #[cfg(test)]
@@ -199,12 +216,28 @@ mod tests {
 
     #[test]
     fn paths_resolve_like_envd() {
-        let u = User { name: "u".into(), uid: 1, gid: 1, groups: vec![1], home: "/home/u".into(), shell: "/bin/sh".into() };
+        let u = User {
+            name: "u".into(),
+            uid: 1,
+            gid: 1,
+            groups: vec![1],
+            home: "/home/u".into(),
+            shell: "/bin/sh".into(),
+        };
         assert_eq!(u.resolve("~", None).unwrap(), PathBuf::from("/home/u"));
-        assert_eq!(u.resolve("~/a/../b", None).unwrap(), PathBuf::from("/home/u/b"));
+        assert_eq!(
+            u.resolve("~/a/../b", None).unwrap(),
+            PathBuf::from("/home/u/b")
+        );
         assert_eq!(u.resolve("x", None).unwrap(), PathBuf::from("/home/u/x"));
-        assert_eq!(u.resolve("x", Some(Path::new("/w"))).unwrap(), PathBuf::from("/w/x"));
-        assert_eq!(u.resolve("/../etc/./passwd", None).unwrap(), PathBuf::from("/etc/passwd"));
+        assert_eq!(
+            u.resolve("x", Some(Path::new("/w"))).unwrap(),
+            PathBuf::from("/w/x")
+        );
+        assert_eq!(
+            u.resolve("/../etc/./passwd", None).unwrap(),
+            PathBuf::from("/etc/passwd")
+        );
         assert!(u.resolve("a\0b", None).is_err());
     }
 
@@ -214,21 +247,45 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-        let nobody = User { name: "nobody".into(), uid: 65534, gid: 65534, groups: vec![65534], home: "/".into(), shell: "/bin/sh".into() };
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let nobody = User {
+            name: "nobody".into(),
+            uid: 65534,
+            gid: 65534,
+            groups: vec![65534],
+            home: "/".into(),
+            shell: "/bin/sh".into(),
+        };
         let p = dir.path().join("f");
         let p2 = p.clone();
-        run_as(&nobody, move || std::fs::write(&p2, b"x").map_err(|e| EnvdError::io(&e, "f"))).await.unwrap();
+        run_as(&nobody, move || {
+            std::fs::write(&p2, b"x").map_err(|e| EnvdError::io(&e, "f"))
+        })
+        .await
+        .unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(&p).unwrap().uid(), 65534);
         // A root-only file is out of reach while switched, and reachable after.
         let secret = dir.path().join("secret");
         std::fs::write(&secret, b"s").unwrap();
-        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
         let s2 = secret.clone();
-        let err = run_as(&nobody, move || std::fs::read(&s2).map_err(|e| EnvdError::io(&e, "secret"))).await.unwrap_err();
+        let err = run_as(&nobody, move || {
+            std::fs::read(&s2).map_err(|e| EnvdError::io(&e, "secret"))
+        })
+        .await
+        .unwrap_err();
         assert_eq!(err.code(), tine_connect::Code::PermissionDenied);
         let root = User::lookup("root").unwrap();
-        run_as(&root, move || std::fs::read(&secret).map_err(|e| EnvdError::io(&e, "secret"))).await.unwrap();
+        run_as(&root, move || {
+            std::fs::read(&secret).map_err(|e| EnvdError::io(&e, "secret"))
+        })
+        .await
+        .unwrap();
     }
 }

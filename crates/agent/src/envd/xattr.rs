@@ -10,7 +10,8 @@ use std::path::Path;
 const PREFIX: &str = "user.e2b.";
 
 fn cpath(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 fn list(path: &CString) -> io::Result<Vec<u8>> {
@@ -43,7 +44,14 @@ fn get(path: &CString, name: &CString) -> io::Result<Vec<u8>> {
         }
         let mut buf = vec![0u8; n as usize];
         // SAFETY: `buf` has exactly `buf.len()` writable bytes.
-        let m = unsafe { libc::lgetxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let m = unsafe {
+            libc::lgetxattr(
+                path.as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
         if m >= 0 {
             buf.truncate(m as usize);
             return Ok(buf);
@@ -61,8 +69,13 @@ pub fn read_metadata(path: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let Ok(cp) = cpath(path) else { return out };
     let Ok(names) = list(&cp) else { return out };
-    for name in names.split(|b| *b == 0).filter(|n| n.starts_with(PREFIX.as_bytes())) {
-        let Ok(cname) = CString::new(name) else { continue };
+    for name in names
+        .split(|b| *b == 0)
+        .filter(|n| n.starts_with(PREFIX.as_bytes()))
+    {
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
         if let Ok(value) = get(&cp, &cname) {
             let key = String::from_utf8_lossy(&name[PREFIX.len()..]).into_owned();
             out.insert(key, String::from_utf8_lossy(&value).into_owned());
@@ -75,7 +88,10 @@ pub fn read_metadata(path: &Path) -> BTreeMap<String, String> {
 pub fn replace_metadata(path: &Path, meta: &BTreeMap<String, String>) -> io::Result<()> {
     let cp = cpath(path)?;
     if let Ok(names) = list(&cp) {
-        for name in names.split(|b| *b == 0).filter(|n| n.starts_with(PREFIX.as_bytes())) {
+        for name in names
+            .split(|b| *b == 0)
+            .filter(|n| n.starts_with(PREFIX.as_bytes()))
+        {
             if let Ok(cname) = CString::new(name) {
                 // SAFETY: both pointers are valid NUL-terminated strings.
                 unsafe { libc::lremovexattr(cp.as_ptr(), cname.as_ptr()) };
@@ -83,9 +99,18 @@ pub fn replace_metadata(path: &Path, meta: &BTreeMap<String, String>) -> io::Res
         }
     }
     for (key, value) in meta {
-        let name = CString::new(format!("{PREFIX}{key}")).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let name = CString::new(format!("{PREFIX}{key}"))
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: valid NUL-terminated strings and a value buffer of the given length.
-        let rc = unsafe { libc::lsetxattr(cp.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        let rc = unsafe {
+            libc::lsetxattr(
+                cp.as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
         if rc < 0 {
             return Err(io::Error::last_os_error());
         }

@@ -31,7 +31,8 @@ pub fn boot() -> anyhow::Result<()> {
     load_modules(Path::new("/modules.order")).context("loading kernel modules")?;
 
     let root_dev = cmdline.get("tine.root").unwrap_or("/dev/vda").to_string();
-    wait_for(Path::new(&root_dev)).with_context(|| format!("waiting for the root disk {root_dev}"))?;
+    wait_for(Path::new(&root_dev))
+        .with_context(|| format!("waiting for the root disk {root_dev}"))?;
     mounts::switch_root(Path::new(&root_dev), Path::new("/newroot"))
         .with_context(|| format!("switching root to {root_dev}"))?;
     mounts::late().context("mounting /dev/pts, /dev/shm, /run")?;

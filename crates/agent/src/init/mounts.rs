@@ -8,7 +8,13 @@ use std::path::Path;
 use anyhow::Context;
 use nix::mount::{mount, MsFlags};
 
-fn mount_fs(src: &str, target: &str, fstype: &str, flags: MsFlags, data: Option<&str>) -> anyhow::Result<()> {
+fn mount_fs(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(target).with_context(|| format!("creating {target}"))?;
     match mount(Some(src), target, Some(fstype), flags, data) {
         Ok(()) | Err(nix::errno::Errno::EBUSY) => Ok(()),
@@ -21,7 +27,13 @@ pub fn early() -> anyhow::Result<()> {
     let nodev = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC | MsFlags::MS_NODEV;
     mount_fs("proc", "/proc", "proc", nodev, None)?;
     mount_fs("sysfs", "/sys", "sysfs", nodev, None)?;
-    mount_fs("devtmpfs", "/dev", "devtmpfs", MsFlags::MS_NOSUID, Some("mode=0755"))?;
+    mount_fs(
+        "devtmpfs",
+        "/dev",
+        "devtmpfs",
+        MsFlags::MS_NOSUID,
+        Some("mode=0755"),
+    )?;
     Ok(())
 }
 
@@ -29,7 +41,11 @@ pub fn early() -> anyhow::Result<()> {
 /// only when the initramfs has a `/dev/console` node; after devtmpfs is
 /// mounted it always exists.
 pub fn reopen_console() {
-    if let Ok(console) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/console") {
+    if let Ok(console) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    {
         for fd in 0..3 {
             // SAFETY: dup2 on a valid open descriptor onto 0..2; no Rust
             // object owns fds 0..2 as typed handles that could be invalidated.
@@ -42,16 +58,35 @@ pub fn reopen_console() {
 /// pseudo filesystems along.
 pub fn switch_root(device: &Path, new_root: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(new_root)?;
-    mount(Some(device), new_root, Some("ext4"), MsFlags::MS_NOATIME, None::<&str>)
-        .with_context(|| format!("mounting {} (ext4) on {}", device.display(), new_root.display()))?;
+    mount(
+        Some(device),
+        new_root,
+        Some("ext4"),
+        MsFlags::MS_NOATIME,
+        None::<&str>,
+    )
+    .with_context(|| {
+        format!(
+            "mounting {} (ext4) on {}",
+            device.display(),
+            new_root.display()
+        )
+    })?;
     for dir in ["/dev", "/proc", "/sys"] {
         let target = new_root.join(dir.trim_start_matches('/'));
         std::fs::create_dir_all(&target)?;
-        mount(Some(dir), &target, None::<&str>, MsFlags::MS_MOVE, None::<&str>)
-            .with_context(|| format!("moving {dir} into the new root"))?;
+        mount(
+            Some(dir),
+            &target,
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .with_context(|| format!("moving {dir} into the new root"))?;
     }
     nix::unistd::chdir(new_root)?;
-    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>).context("moving the new root onto /")?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .context("moving the new root onto /")?;
     nix::unistd::chroot(".").context("chroot into the new root")?;
     nix::unistd::chdir("/")?;
     Ok(())
@@ -60,9 +95,27 @@ pub fn switch_root(device: &Path, new_root: &Path) -> anyhow::Result<()> {
 /// Mounts a Debian userland expects, inside the rootfs.
 pub fn late() -> anyhow::Result<()> {
     let nosuid = MsFlags::MS_NOSUID;
-    mount_fs("devpts", "/dev/pts", "devpts", nosuid | MsFlags::MS_NOEXEC, Some("gid=5,mode=0620,ptmxmode=0666"))?;
-    mount_fs("tmpfs", "/dev/shm", "tmpfs", nosuid | MsFlags::MS_NODEV, Some("mode=1777"))?;
-    mount_fs("tmpfs", "/run", "tmpfs", nosuid | MsFlags::MS_NODEV, Some("mode=0755"))?;
+    mount_fs(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        nosuid | MsFlags::MS_NOEXEC,
+        Some("gid=5,mode=0620,ptmxmode=0666"),
+    )?;
+    mount_fs(
+        "tmpfs",
+        "/dev/shm",
+        "tmpfs",
+        nosuid | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    mount_fs(
+        "tmpfs",
+        "/run",
+        "tmpfs",
+        nosuid | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )?;
     for (link, target) in [
         ("/dev/fd", "/proc/self/fd"),
         ("/dev/stdin", "/proc/self/fd/0"),

@@ -33,7 +33,9 @@ fn sockaddr(addr: Ipv4Addr) -> libc::sockaddr {
     let sin = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: 0,
-        sin_addr: libc::in_addr { s_addr: u32::from(addr).to_be() },
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(addr).to_be(),
+        },
         sin_zero: [0; 8],
     };
     // SAFETY: sockaddr_in and sockaddr have the same size and the kernel
@@ -43,7 +45,12 @@ fn sockaddr(addr: Ipv4Addr) -> libc::sockaddr {
 
 // The SIOC* constants are `c_ulong` while `ioctl` takes `Ioctl` (`c_int`
 // on musl, `c_ulong` on glibc), hence the cast at the call.
-fn ioctl(fd: &OwnedFd, request: libc::c_ulong, arg: *mut libc::c_void, what: &str) -> anyhow::Result<()> {
+fn ioctl(
+    fd: &OwnedFd,
+    request: libc::c_ulong,
+    arg: *mut libc::c_void,
+    what: &str,
+) -> anyhow::Result<()> {
     // SAFETY: `arg` points to a live, correctly typed struct for `request`
     // (ifreq or rtentry), owned by the caller for the duration of the call.
     if unsafe { libc::ioctl(fd.as_raw_fd(), request as libc::Ioctl, arg) } < 0 {
@@ -54,10 +61,20 @@ fn ioctl(fd: &OwnedFd, request: libc::c_ulong, arg: *mut libc::c_void, what: &st
 
 fn set_up(fd: &OwnedFd, name: &str) -> anyhow::Result<()> {
     let mut req = ifreq(name)?;
-    ioctl(fd, libc::SIOCGIFFLAGS, &mut req as *mut _ as *mut _, "SIOCGIFFLAGS")?;
+    ioctl(
+        fd,
+        libc::SIOCGIFFLAGS,
+        &mut req as *mut _ as *mut _,
+        "SIOCGIFFLAGS",
+    )?;
     // SAFETY: SIOCGIFFLAGS filled the flags member of the union.
     unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
-    ioctl(fd, libc::SIOCSIFFLAGS, &mut req as *mut _ as *mut _, "SIOCSIFFLAGS")
+    ioctl(
+        fd,
+        libc::SIOCSIFFLAGS,
+        &mut req as *mut _ as *mut _,
+        "SIOCSIFFLAGS",
+    )
 }
 
 pub fn up_loopback() -> anyhow::Result<()> {
@@ -68,7 +85,9 @@ pub fn up_loopback() -> anyhow::Result<()> {
 pub fn parse_cidr(cidr: &str) -> anyhow::Result<(Ipv4Addr, Ipv4Addr)> {
     let (ip, len) = cidr.split_once('/').unwrap_or((cidr, "24"));
     let ip: Ipv4Addr = ip.parse().with_context(|| format!("bad address {ip:?}"))?;
-    let len: u32 = len.parse().with_context(|| format!("bad prefix length {len:?}"))?;
+    let len: u32 = len
+        .parse()
+        .with_context(|| format!("bad prefix length {len:?}"))?;
     if len > 32 {
         bail!("prefix length {len} > 32");
     }
@@ -82,10 +101,20 @@ pub fn configure(name: &str, cidr: &str, gw: Option<&str>) -> anyhow::Result<()>
     let fd = socket()?;
     let mut req = ifreq(name)?;
     req.ifr_ifru.ifru_addr = sockaddr(ip);
-    ioctl(&fd, libc::SIOCSIFADDR, &mut req as *mut _ as *mut _, "SIOCSIFADDR")?;
+    ioctl(
+        &fd,
+        libc::SIOCSIFADDR,
+        &mut req as *mut _ as *mut _,
+        "SIOCSIFADDR",
+    )?;
     let mut req = ifreq(name)?;
     req.ifr_ifru.ifru_netmask = sockaddr(mask);
-    ioctl(&fd, libc::SIOCSIFNETMASK, &mut req as *mut _ as *mut _, "SIOCSIFNETMASK")?;
+    ioctl(
+        &fd,
+        libc::SIOCSIFNETMASK,
+        &mut req as *mut _ as *mut _,
+        "SIOCSIFNETMASK",
+    )?;
     set_up(&fd, name)?;
     if let Some(gw) = gw {
         let gw: Ipv4Addr = gw.parse().with_context(|| format!("bad gateway {gw:?}"))?;
@@ -95,7 +124,12 @@ pub fn configure(name: &str, cidr: &str, gw: Option<&str>) -> anyhow::Result<()>
         rt.rt_genmask = sockaddr(Ipv4Addr::UNSPECIFIED);
         rt.rt_gateway = sockaddr(gw);
         rt.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
-        ioctl(&fd, libc::SIOCADDRT, &mut rt as *mut _ as *mut _, "SIOCADDRT (default route)")?;
+        ioctl(
+            &fd,
+            libc::SIOCADDRT,
+            &mut rt as *mut _ as *mut _,
+            "SIOCADDRT (default route)",
+        )?;
     }
     Ok(())
 }
@@ -108,9 +142,15 @@ mod tests {
     fn cidr_parsing() {
         assert_eq!(
             parse_cidr("10.11.0.2/24").unwrap(),
-            ("10.11.0.2".parse().unwrap(), "255.255.255.0".parse().unwrap())
+            (
+                "10.11.0.2".parse().unwrap(),
+                "255.255.255.0".parse().unwrap()
+            )
         );
-        assert_eq!(parse_cidr("10.0.0.1/30").unwrap().1, "255.255.255.252".parse::<Ipv4Addr>().unwrap());
+        assert_eq!(
+            parse_cidr("10.0.0.1/30").unwrap().1,
+            "255.255.255.252".parse::<Ipv4Addr>().unwrap()
+        );
         assert!(parse_cidr("10.0.0.1/33").is_err());
         assert!(parse_cidr("nonsense/24").is_err());
     }

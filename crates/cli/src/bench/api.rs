@@ -29,8 +29,14 @@ pub struct Sandbox {
 
 impl Sandbox {
     fn from_json(v: &Value) -> anyhow::Result<Self> {
-        let id = v["sandboxID"].as_str().context("no sandboxID in the answer")?.to_string();
-        let token = v["envdAccessToken"].as_str().unwrap_or_default().to_string();
+        let id = v["sandboxID"]
+            .as_str()
+            .context("no sandboxID in the answer")?
+            .to_string();
+        let token = v["envdAccessToken"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         Ok(Self { id, token })
     }
 }
@@ -63,30 +69,48 @@ impl Api {
             .with_context(|| format!("{what}: no answer within {CALL_TIMEOUT:?}"))?
             .with_context(|| what.clone())?;
         let status = resp.status();
-        let body = resp.into_body().collect().await.with_context(|| what.clone())?.to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .with_context(|| what.clone())?
+            .to_bytes();
         Ok((status, body))
     }
 
     /// One REST call; a status other than 2xx is an error carrying the body.
-    pub async fn call(&self, method: Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
         let req = Request::builder()
             .method(method.clone())
             .uri(format!("{}{path}", self.base))
             .header("x-api-key", &self.key)
             .header("content-type", "application/json")
-            .body(Full::new(body.map(|b| Bytes::from(b.to_string())).unwrap_or_default()))?;
+            .body(Full::new(
+                body.map(|b| Bytes::from(b.to_string())).unwrap_or_default(),
+            ))?;
         let (status, bytes) = self.send(req).await?;
         if !status.is_success() {
-            bail!("{method} {path}: HTTP {status}: {}", String::from_utf8_lossy(&bytes).trim());
+            bail!(
+                "{method} {path}: HTTP {status}: {}",
+                String::from_utf8_lossy(&bytes).trim()
+            );
         }
         if bytes.is_empty() {
             return Ok(Value::Null);
         }
-        serde_json::from_slice(&bytes).with_context(|| format!("{method} {path}: the answer is not JSON"))
+        serde_json::from_slice(&bytes)
+            .with_context(|| format!("{method} {path}: the answer is not JSON"))
     }
 
     pub async fn health(&self) -> bool {
-        let Ok(req) = Request::get(format!("{}/health", self.base)).body(Full::default()) else { return false };
+        let Ok(req) = Request::get(format!("{}/health", self.base)).body(Full::default()) else {
+            return false;
+        };
         matches!(tokio::time::timeout(Duration::from_secs(2), self.send(req)).await, Ok(Ok((s, _))) if s.is_success())
     }
 
@@ -101,46 +125,88 @@ impl Api {
     }
 
     fn track(&self, id: &str) {
-        self.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string());
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string());
     }
 
     pub async fn kill(&self, id: &str) -> anyhow::Result<()> {
-        let r = self.call(Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        let r = self
+            .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
         // A 404 means it is gone already.
         if r.is_ok() || r.as_ref().is_err_and(|e| e.to_string().contains("404")) {
-            self.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+            self.sandboxes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(id);
         }
         r.map(drop)
     }
 
     pub async fn pause(&self, id: &str) -> anyhow::Result<()> {
-        self.call(Method::POST, &format!("/sandboxes/{id}/pause"), Some(json!({}))).await.map(drop)
+        self.call(
+            Method::POST,
+            &format!("/sandboxes/{id}/pause"),
+            Some(json!({})),
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn resume(&self, id: &str) -> anyhow::Result<()> {
-        self.call(Method::POST, &format!("/v2/sandboxes/{id}/connect"), Some(json!({ "timeout": 1800 })))
-            .await
-            .map(drop)
+        self.call(
+            Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({ "timeout": 1800 })),
+        )
+        .await
+        .map(drop)
     }
 
     /// A user snapshot; returns its id.
     pub async fn snapshot(&self, id: &str) -> anyhow::Result<String> {
-        let v = self.call(Method::POST, &format!("/sandboxes/{id}/snapshots"), Some(json!({}))).await?;
-        let sid = v["snapshotID"].as_str().context("no snapshotID in the answer")?.to_string();
-        self.snapshots.lock().unwrap_or_else(|e| e.into_inner()).insert(sid.clone());
+        let v = self
+            .call(
+                Method::POST,
+                &format!("/sandboxes/{id}/snapshots"),
+                Some(json!({})),
+            )
+            .await?;
+        let sid = v["snapshotID"]
+            .as_str()
+            .context("no snapshotID in the answer")?
+            .to_string();
+        self.snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sid.clone());
         Ok(sid)
     }
 
     pub async fn delete_snapshot(&self, sid: &str) -> anyhow::Result<()> {
-        self.call(Method::DELETE, &format!("/templates/{sid}"), None).await?;
-        self.snapshots.lock().unwrap_or_else(|e| e.into_inner()).remove(sid);
+        self.call(Method::DELETE, &format!("/templates/{sid}"), None)
+            .await?;
+        self.snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(sid);
         Ok(())
     }
 
     /// Fork into `count` children; each is a sandbox or the error it got.
-    pub async fn fork(&self, id: &str, count: usize) -> anyhow::Result<Vec<Result<Sandbox, String>>> {
+    pub async fn fork(
+        &self,
+        id: &str,
+        count: usize,
+    ) -> anyhow::Result<Vec<Result<Sandbox, String>>> {
         let v = self
-            .call(Method::POST, &format!("/sandboxes/{id}/fork"), Some(json!({ "count": count, "timeout": 1800 })))
+            .call(
+                Method::POST,
+                &format!("/sandboxes/{id}/fork"),
+                Some(json!({ "count": count, "timeout": 1800 })),
+            )
             .await?;
         let items = v.as_array().context("fork did not answer a list")?;
         let mut out = Vec::new();
@@ -158,14 +224,29 @@ impl Api {
 
     /// Every sandbox the server shows (running or paused).
     pub async fn list_all(&self) -> anyhow::Result<Vec<String>> {
-        let v = self.call(Method::GET, "/v2/sandboxes?state=running,paused&limit=1000", None).await?;
+        let v = self
+            .call(
+                Method::GET,
+                "/v2/sandboxes?state=running,paused&limit=1000",
+                None,
+            )
+            .await?;
         Ok(v.as_array()
-            .map(|a| a.iter().filter_map(|s| s["sandboxID"].as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s["sandboxID"].as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default())
     }
 
     /// `commands.run(cmd)` through the server's proxy (what the SDKs do).
-    pub async fn exec(&self, sb: &Sandbox, cmd: &str, timeout: Duration) -> anyhow::Result<envd::ExecOutput> {
+    pub async fn exec(
+        &self,
+        sb: &Sandbox,
+        cmd: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<envd::ExecOutput> {
         let mut req = envd::start_request(cmd, &sb.token, timeout)?;
         *req.uri_mut() = format!("{}/process.Process/Start", self.base).parse()?;
         req.headers_mut().insert("e2b-sandbox-id", sb.id.parse()?);
@@ -178,7 +259,11 @@ impl Api {
     /// Remove every sandbox and snapshot this client made (and, with
     /// `everything`, every sandbox the server has: its data dir is ours).
     pub async fn clean_up(&self, everything: bool) -> Vec<String> {
-        let mut ids: BTreeSet<String> = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut ids: BTreeSet<String> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         if everything {
             if let Ok(all) = self.list_all().await {
                 ids.extend(all);
@@ -192,7 +277,13 @@ impl Api {
                 }
             }
         }
-        let snaps: Vec<String> = self.snapshots.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+        let snaps: Vec<String> = self
+            .snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         for sid in snaps {
             if let Err(e) = self.delete_snapshot(&sid).await {
                 if !e.to_string().contains("404") {

@@ -16,13 +16,22 @@ const CMD_TIMEOUT: Duration = Duration::from_secs(600);
 async fn run(ctx: &Ctx, sb: &Sandbox, cmd: &str) -> anyhow::Result<String> {
     let o = ctx.api.exec(sb, cmd, CMD_TIMEOUT).await?;
     if o.exit_code != 0 {
-        bail!("`{cmd}` exited {}: {}", o.exit_code, String::from_utf8_lossy(&o.stderr).trim());
+        bail!(
+            "`{cmd}` exited {}: {}",
+            o.exit_code,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
     }
     Ok(String::from_utf8_lossy(&o.stdout).trim().to_string())
 }
 
 /// A timed user snapshot, deleted again (the sandbox goes on).
-async fn timed_snapshot(ctx: &Ctx, sb: &Sandbox, out: &mut Out, label: &str) -> anyhow::Result<f64> {
+async fn timed_snapshot(
+    ctx: &Ctx,
+    sb: &Sandbox,
+    out: &mut Out,
+    label: &str,
+) -> anyhow::Result<f64> {
     let mark = stages::mark(ctx.server_log.as_deref());
     let t = Instant::now();
     let sid = ctx.api.snapshot(&sb.id).await?;
@@ -45,7 +54,10 @@ pub async fn p3(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     if fs == "tmpfs" || fs == "ramfs" {
         bail!("/home/user is on {fs}, not on the sandbox disk");
     }
-    let avail: u64 = run(ctx, &sb, "df -Pm /home/user | awk 'NR==2 {print $4}'").await?.parse().context("df")?;
+    let avail: u64 = run(ctx, &sb, "df -Pm /home/user | awk 'NR==2 {print $4}'")
+        .await?
+        .parse()
+        .context("df")?;
     if avail < w + 64 {
         bail!("the sandbox disk has {avail} MiB free; {w} MiB do not fit");
     }
@@ -56,7 +68,12 @@ pub async fn p3(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         floor_ms.push(timed_snapshot(ctx, &sb, out, "nothing written").await?);
         ctx.step(format!("{i}/{n}: dd {w} MiB to the sandbox disk"));
         let t = Instant::now();
-        run(ctx, &sb, &format!("dd if=/dev/zero of={file} bs=1M count={w} conv=fsync status=none")).await?;
+        run(
+            ctx,
+            &sb,
+            &format!("dd if=/dev/zero of={file} bs=1M count={w} conv=fsync status=none"),
+        )
+        .await?;
         out.stage(format!("guest: dd {w} MiB, fsync"), ms(t));
         ctx.step(format!("{i}/{n}: snapshot after writing {w} MiB"));
         write_ms.push(timed_snapshot(ctx, &sb, out, "after dd").await?);
@@ -82,7 +99,8 @@ fn write_floor(dir: &std::path::Path, bytes: u64) -> anyhow::Result<f64> {
     let path = dir.join(format!("bench-write-{}", std::process::id()));
     let chunk = vec![0x5au8; 1 << 20];
     let t = Instant::now();
-    let mut f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut f =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
     let mut left = bytes;
     while left > 0 {
         let n = left.min(chunk.len() as u64) as usize;
@@ -103,7 +121,10 @@ fn pause_capture(ctx: &Ctx, id: &str) -> anyhow::Result<Snapshot> {
         .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
         .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
         .context("no pause capture on disk")?;
-    Ok(Snapshot::open(&ctx.paths, &newest.file_name().to_string_lossy())?)
+    Ok(Snapshot::open(
+        &ctx.paths,
+        &newest.file_name().to_string_lossy(),
+    )?)
 }
 
 pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
@@ -124,7 +145,9 @@ pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         pause_ms.push(ms(t));
         server_stages(ctx, out, mark);
 
-        ctx.step(format!("{i}/{n}: floor: the pause capture restored by hand"));
+        ctx.step(format!(
+            "{i}/{n}: floor: the pause capture restored by hand"
+        ));
         let capture = pause_capture(ctx, &sb.id)?;
         floor_ms.push(floor_once(ctx, &capture, out, false).await?);
 

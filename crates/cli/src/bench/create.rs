@@ -16,7 +16,12 @@ pub fn ms(t: Instant) -> f64 {
 /// Restore `snapshot` by hand once (see [`floor`]), recording its stages in
 /// `out`; with `init`, also time the agent's `/init` (what tine does after
 /// every restore, outside the floor). Returns the floor in ms.
-pub async fn floor_once(ctx: &Ctx, snapshot: &Snapshot, out: &mut Out, init: bool) -> anyhow::Result<f64> {
+pub async fn floor_once(
+    ctx: &Ctx,
+    snapshot: &Snapshot,
+    out: &mut Out,
+    init: bool,
+) -> anyhow::Result<f64> {
     let id = floor::vm_id("floor");
     let (vm, st) = floor::restore(&ctx.floor_paths, &id, snapshot).await?;
     for (name, v) in st.named() {
@@ -27,7 +32,9 @@ pub async fn floor_once(ctx: &Ctx, snapshot: &Snapshot, out: &mut Out, init: boo
     if init {
         let t = Instant::now();
         let token = floor::vm_id("token");
-        match tine_server::sandboxes::guest::init(&vm.netns, &id, &BTreeMap::new(), &token, None).await {
+        match tine_server::sandboxes::guest::init(&vm.netns, &id, &BTreeMap::new(), &token, None)
+            .await
+        {
             Ok(()) => out.stage("by hand: /init (outside the floor)", ms(t)),
             Err(e) => result = Err(anyhow::anyhow!("/init of a VM restored by hand: {e}")),
         }
@@ -76,7 +83,10 @@ pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     out.rows.push(
         Row::new("P1", "create via API until the agent answers", "ms")
             .samples(api_ms)
-            .floor("QEMU by hand: spawn + migrate-incoming + first reply", floor_ms)
+            .floor(
+                "QEMU by hand: spawn + migrate-incoming + first reply",
+                floor_ms,
+            )
             .ratio_target(1.3, "p50 ≤ 1.3× floor")
             .param("iterations", n)
             .param("cpus", cpus)
@@ -106,7 +116,10 @@ const POOL_SIZE: usize = 2;
 async fn pool_full(ctx: &Ctx) -> anyhow::Result<()> {
     let deadline = Instant::now() + std::time::Duration::from_secs(120);
     while tine_vmm::vm::list(&ctx.paths).len() < POOL_SIZE {
-        anyhow::ensure!(Instant::now() < deadline, "the warm pool did not fill within 120 s");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the warm pool did not fill within 120 s"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
@@ -116,7 +129,12 @@ async fn pool_full(ctx: &Ctx) -> anyhow::Result<()> {
 /// P1 again, with the server restarted with a warm pool: creates that took
 /// a pooled VM (its id was a VM dir before the create) are the samples;
 /// the others are counted as misses.
-async fn with_warm_pool(ctx: &Ctx, snapshot: &Snapshot, n: usize, out: &mut Out) -> anyhow::Result<Row> {
+async fn with_warm_pool(
+    ctx: &Ctx,
+    snapshot: &Snapshot,
+    n: usize,
+    out: &mut Out,
+) -> anyhow::Result<Row> {
     let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
     let (mut hits, mut floor_ms, mut misses) = (Vec::new(), Vec::new(), 0usize);
     for i in 1..=n {
@@ -125,7 +143,8 @@ async fn with_warm_pool(ctx: &Ctx, snapshot: &Snapshot, n: usize, out: &mut Out)
         ctx.step(format!("warm pool {i}/{n}: restore by hand"));
         floor_ms.push(floor_once(ctx, snapshot, out, false).await?);
         ctx.step(format!("warm pool {i}/{n}: create through the API"));
-        let pooled: std::collections::HashSet<String> = tine_vmm::vm::list(&ctx.paths).into_iter().collect();
+        let pooled: std::collections::HashSet<String> =
+            tine_vmm::vm::list(&ctx.paths).into_iter().collect();
         let t = Instant::now();
         let sb = ctx.api.create(cpus, mem).await?;
         let took = ms(t);
@@ -139,7 +158,10 @@ async fn with_warm_pool(ctx: &Ctx, snapshot: &Snapshot, n: usize, out: &mut Out)
     }
     Ok(Row::new("P1", "create via API, warm pool (hits)", "ms")
         .samples(hits)
-        .floor("QEMU by hand: spawn + migrate-incoming + first reply", floor_ms)
+        .floor(
+            "QEMU by hand: spawn + migrate-incoming + first reply",
+            floor_ms,
+        )
         .ratio_target(0.5, "p50 ≤ 0.5× floor")
         .param("iterations", n)
         .param("pool_size", POOL_SIZE)

@@ -45,17 +45,27 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&paths.data_dir).with_context(|| format!("creating {}", paths.data_dir.display()))?;
+    std::fs::create_dir_all(&paths.data_dir)
+        .with_context(|| format!("creating {}", paths.data_dir.display()))?;
     let src = base.data_dir.join("current");
     if !src.join("vmlinuz").exists() {
-        bail!("no guest artifacts in {} (scripts/setup-host.sh builds them)", src.display());
+        bail!(
+            "no guest artifacts in {} (scripts/setup-host.sh builds them)",
+            src.display()
+        );
     }
     let link = paths.data_dir.join("current");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&src, &link).with_context(|| format!("linking {}", link.display()))
 }
 
-fn write_config(dir: &Path, port: u16, cpus: u32, memory_mb: u32, pool_size: usize) -> anyhow::Result<PathBuf> {
+fn write_config(
+    dir: &Path,
+    port: u16,
+    cpus: u32,
+    memory_mb: u32,
+    pool_size: usize,
+) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
     let text = format!(
         "listen = \"127.0.0.1:{port}\"\n\
@@ -74,7 +84,12 @@ impl OwnServer {
     /// Start `tine serve` (this very binary) on a free loopback port, with a
     /// fresh API key and `pool_size` warm VMs, and wait until it answers
     /// `/health`.
-    pub async fn start(base: &Paths, cpus: u32, memory_mb: u32, pool_size: usize) -> anyhow::Result<Self> {
+    pub async fn start(
+        base: &Paths,
+        cpus: u32,
+        memory_mb: u32,
+        pool_size: usize,
+    ) -> anyhow::Result<Self> {
         let paths = own_paths(base);
         link_artifacts(base, &paths)?;
         let key = tine_server::db::Db::open(&paths.data_dir.join("tine.db"))?
@@ -84,7 +99,17 @@ impl OwnServer {
         let log = paths.data_dir.join("bench-server.log");
         let _ = std::fs::remove_file(&log);
         let url = format!("http://127.0.0.1:{port}");
-        let mut server = Self { child: None, port, cpus, memory_mb, pool_size, url, key, paths, log };
+        let mut server = Self {
+            child: None,
+            port,
+            cpus,
+            memory_mb,
+            pool_size,
+            url,
+            key,
+            paths,
+            log,
+        };
         server.spawn().await?;
         Ok(server)
     }
@@ -98,7 +123,13 @@ impl OwnServer {
     }
 
     async fn spawn(&mut self) -> anyhow::Result<()> {
-        let config = write_config(&self.paths.data_dir, self.port, self.cpus, self.memory_mb, self.pool_size)?;
+        let config = write_config(
+            &self.paths.data_dir,
+            self.port,
+            self.cpus,
+            self.memory_mb,
+            self.pool_size,
+        )?;
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -119,7 +150,10 @@ impl OwnServer {
         // Its own process group: a Ctrl-C reaches the bench only, which then
         // removes its sandboxes through the server before stopping it.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = tokio::process::Command::from(cmd).kill_on_drop(true).spawn().context("starting tine serve")?;
+        let mut child = tokio::process::Command::from(cmd)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting tine serve")?;
         let api = super::api::Api::new(&self.url, &self.key);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -128,11 +162,17 @@ impl OwnServer {
                 return Ok(());
             }
             if let Some(status) = child.try_wait()? {
-                bail!("tine serve exited ({status}): {}", tine_vmm::vm::log_tail(&self.log, 800));
+                bail!(
+                    "tine serve exited ({status}): {}",
+                    tine_vmm::vm::log_tail(&self.log, 800)
+                );
             }
             if Instant::now() > deadline {
                 let _ = child.kill().await;
-                bail!("tine serve did not answer /health within 60 s: {}", tine_vmm::vm::log_tail(&self.log, 800));
+                bail!(
+                    "tine serve did not answer /health within 60 s: {}",
+                    tine_vmm::vm::log_tail(&self.log, 800)
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -140,11 +180,19 @@ impl OwnServer {
 
     /// SIGTERM, then SIGKILL after 10 s.
     pub async fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
         if let Some(pid) = child.id() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
         }
-        if tokio::time::timeout(Duration::from_secs(15), child.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(15), child.wait())
+            .await
+            .is_err()
+        {
             let _ = child.kill().await;
         }
     }

@@ -16,7 +16,11 @@ use tine_vmm::netns::Netns;
 pub use tine_vmm::guest::ExecOutput;
 
 /// The request the E2B SDK's `commands.run(cmd)` makes (as user `user`).
-pub fn start_request(cmd: &str, token: &str, timeout: Duration) -> anyhow::Result<Request<Full<Bytes>>> {
+pub fn start_request(
+    cmd: &str,
+    token: &str,
+    timeout: Duration,
+) -> anyhow::Result<Request<Full<Bytes>>> {
     let body = tine_connect::encode_message(&serde_json::json!({
         "process": { "cmd": "/bin/bash", "args": ["-l", "-c", cmd] },
         "stdin": false,
@@ -25,7 +29,10 @@ pub fn start_request(cmd: &str, token: &str, timeout: Duration) -> anyhow::Resul
     let basic = base64::engine::general_purpose::STANDARD.encode("user:");
     Ok(Request::post("/process.Process/Start")
         .header("content-type", tine_connect::CONTENT_TYPE_STREAM_JSON)
-        .header(tine_connect::HEADER_TIMEOUT_MS, timeout.as_millis().to_string())
+        .header(
+            tine_connect::HEADER_TIMEOUT_MS,
+            timeout.as_millis().to_string(),
+        )
         .header("authorization", format!("Basic {basic}"))
         .header("x-access-token", token)
         .body(Full::new(body))?)
@@ -45,7 +52,8 @@ pub fn parse(status: StatusCode, body: &[u8]) -> Result<ExecOutput, String> {
     while let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
         match frame {
             tine_connect::Frame::Message(json) => {
-                let msg: serde_json::Value = serde_json::from_slice(&json).map_err(|e| e.to_string())?;
+                let msg: serde_json::Value =
+                    serde_json::from_slice(&json).map_err(|e| e.to_string())?;
                 let event = &msg["event"];
                 if let Some(data) = event.get("data") {
                     for (key, sink) in [("stdout", &mut out.stdout), ("stderr", &mut out.stderr)] {
@@ -84,7 +92,12 @@ impl Direct {
         Ok(Self { sender })
     }
 
-    pub async fn exec(&mut self, cmd: &str, token: &str, timeout: Duration) -> anyhow::Result<ExecOutput> {
+    pub async fn exec(
+        &mut self,
+        cmd: &str,
+        token: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<ExecOutput> {
         let mut req = start_request(cmd, token, timeout)?;
         req.headers_mut().insert("host", "agent".parse()?);
         self.sender.ready().await?;

@@ -72,7 +72,11 @@ impl HandVm {
 
 /// Restore `snapshot` by hand as VM `id` under `paths` (a data dir no
 /// server owns), timing each stage.
-pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot) -> anyhow::Result<(HandVm, FloorStages)> {
+pub async fn restore(
+    paths: &Paths,
+    id: &str,
+    snapshot: &Snapshot,
+) -> anyhow::Result<(HandVm, FloorStages)> {
     let dir = paths.vm_dir(id);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut st = FloorStages::default();
@@ -85,7 +89,11 @@ pub async fn restore(paths: &Paths, id: &str, snapshot: &Snapshot) -> anyhow::Re
         }
     };
     st.netns = ms(t);
-    let mut vm = HandVm { netns, process: None, dir: dir.clone() };
+    let mut vm = HandVm {
+        netns,
+        process: None,
+        dir: dir.clone(),
+    };
     match run(&mut vm, snapshot, &mut st).await {
         Ok(()) => Ok((vm, st)),
         Err(e) => {
@@ -103,7 +111,12 @@ fn ms(t: Instant) -> f64 {
 async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyhow::Result<()> {
     let dir = vm.dir.clone();
     let t = Instant::now();
-    disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &dir.join("disk.qcow2")).await?;
+    disk::create_overlay(
+        &snapshot.disk_path(),
+        BackingFormat::Qcow2,
+        &dir.join("disk.qcow2"),
+    )
+    .await?;
     st.overlay = ms(t);
     let meta = &snapshot.meta;
     let launch = Launch {
@@ -121,7 +134,12 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     };
 
     let t = Instant::now();
-    let process = QemuProcess::spawn(&qemu::binary(), &qemu::args(&launch), &vm.netns, &dir.join("qemu.log"))?;
+    let process = QemuProcess::spawn(
+        &qemu::binary(),
+        &qemu::args(&launch),
+        &vm.netns,
+        &dir.join("qemu.log"),
+    )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut qmp = loop {
         if let Some(status) = process.exit_status() {
@@ -130,7 +148,9 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
         }
         match Qmp::connect(&launch.qmp_socket).await {
             Ok(q) => break q,
-            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(1)).await
+            }
             Err(e) => {
                 vm.process = Some(process);
                 return Err(e.into());
@@ -143,7 +163,8 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     let t = Instant::now();
     qmp.set_migrate_capability("x-ignore-shared", true).await?;
     let uri = format!("file:{}", snapshot.state_path().display());
-    qmp.run("migrate-incoming", Some(json!({ "uri": uri }))).await?;
+    qmp.run("migrate-incoming", Some(json!({ "uri": uri })))
+        .await?;
     qmp.wait_migration("loading the device state").await?;
     st.migrate = ms(t);
 
@@ -153,7 +174,11 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
 
     let t = Instant::now();
     let process = vm.process.as_ref().expect("set above");
-    if !tine_vmm::guest::wait_healthy(&vm.netns, Duration::from_secs(60), || process.exit_status().is_some()).await {
+    if !tine_vmm::guest::wait_healthy(&vm.netns, Duration::from_secs(60), || {
+        process.exit_status().is_some()
+    })
+    .await
+    {
         bail!("the agent did not answer /health within 60 s");
     }
     st.first_reply = ms(t);
@@ -163,6 +188,10 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
 /// A fresh id for a VM made by hand.
 pub fn vm_id(what: &str) -> String {
     let mut b = [0u8; 4];
-    let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
-    format!("bench-{what}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    let _ = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
+    format!(
+        "bench-{what}-{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
 }

@@ -18,7 +18,14 @@ async fn sequential_restores(ctx: &Ctx, snapshot: &Snapshot, count: usize) -> an
     let mut result = Ok(());
     for j in 0..count {
         ctx.step(format!("floor: restore {}/{count}", j + 1));
-        match Vm::restore(&ctx.floor_paths, &floor::vm_id("seq"), snapshot, StartOptions::default()).await {
+        match Vm::restore(
+            &ctx.floor_paths,
+            &floor::vm_id("seq"),
+            snapshot,
+            StartOptions::default(),
+        )
+        .await
+        {
             Ok(vm) => vms.push(vm),
             Err(e) => {
                 result = Err(anyhow::Error::from(e).context("sequential restore"));
@@ -37,8 +44,18 @@ async fn sequential_restores(ctx: &Ctx, snapshot: &Snapshot, count: usize) -> an
 /// event (stop, save, continue as a clone, agent ready, `/init`).
 fn source_capture_ms(ctx: &Ctx, source: &str) -> anyhow::Result<f64> {
     let db = tine_server::db::Db::open(&ctx.paths.data_dir.join("tine.db"))?;
-    let ev = db.events(source)?.into_iter().rev().find(|e| e.kind == "captured").context("no captured event")?;
-    let n = ev.detail.rsplit(" in ").next().and_then(|s| s.strip_suffix(" ms")).context("unexpected event detail")?;
+    let ev = db
+        .events(source)?
+        .into_iter()
+        .rev()
+        .find(|e| e.kind == "captured")
+        .context("no captured event")?;
+    let n = ev
+        .detail
+        .rsplit(" in ")
+        .next()
+        .and_then(|s| s.strip_suffix(" ms"))
+        .context("unexpected event detail")?;
     Ok(n.trim().parse()?)
 }
 
@@ -46,7 +63,8 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let n = ctx.iterations(3);
     let k = ctx.args.fork_count;
     let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
-    let (mut fork_ms, mut floor_ms, mut paused_ms, mut errors) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut fork_ms, mut floor_ms, mut paused_ms, mut errors) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut snapshot: Option<Snapshot> = None;
     for i in 1..=n {
         ctx.step(format!("{i}/{n}: source sandbox"));
@@ -54,7 +72,10 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         if snapshot.is_none() {
             snapshot = Some(ctx.parent_snapshot(&src.id)?);
         }
-        let out_src = ctx.api.exec(&src, "echo ready", Duration::from_secs(60)).await?;
+        let out_src = ctx
+            .api
+            .exec(&src, "echo ready", Duration::from_secs(60))
+            .await?;
         anyhow::ensure!(out_src.exit_code == 0, "the source does not run commands");
 
         ctx.step(format!("{i}/{n}: fork x{k}"));
@@ -65,9 +86,15 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         match forked {
             Ok(children) => {
                 server_stages(ctx, out, mark);
-                let failed: Vec<String> = children.iter().filter_map(|c| c.as_ref().err().cloned()).collect();
+                let failed: Vec<String> = children
+                    .iter()
+                    .filter_map(|c| c.as_ref().err().cloned())
+                    .collect();
                 let ok: Vec<_> = children.into_iter().filter_map(Result::ok).collect();
-                ctx.step(format!("{i}/{n}: checking that the {} children answer", ok.len()));
+                ctx.step(format!(
+                    "{i}/{n}: checking that the {} children answer",
+                    ok.len()
+                ));
                 let mut silent = 0;
                 for c in &ok {
                     match ctx.api.exec(c, "true", Duration::from_secs(60)).await {
@@ -79,7 +106,11 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
                     fork_ms.push(took);
                     out.stage("API: POST /sandboxes/{id}/fork", took);
                 } else {
-                    errors.push(format!("{} children failed ({:?}), {silent} did not answer", failed.len(), failed.first()));
+                    errors.push(format!(
+                        "{} children failed ({:?}), {silent} did not answer",
+                        failed.len(),
+                        failed.first()
+                    ));
                 }
                 match source_capture_ms(ctx, &src.id) {
                     Ok(v) => paused_ms.push(v),
@@ -115,9 +146,15 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             .error(first_error.clone())
             .param("errors", errors.len()),
     );
-    let mut paused = Row::new("P2", "source unavailable during fork (capture → ready)", "ms").samples(paused_ms);
+    let mut paused = Row::new(
+        "P2",
+        "source unavailable during fork (capture → ready)",
+        "ms",
+    )
+    .samples(paused_ms);
     paused.target = "≤ 50 ms".into();
     paused.met = paused.summary.map(|s| s.p50 <= 50.0);
-    out.rows.push(paused.param("source", "server event 'captured … in N ms'"));
+    out.rows
+        .push(paused.param("source", "server event 'captured … in N ms'"));
     Ok(())
 }

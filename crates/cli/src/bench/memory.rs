@@ -35,24 +35,34 @@ pub async fn p5(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         }
         alone.push(pss_alone);
         marginal.push((total - pss_alone) / (count - 1) as f64);
-        out.stage(format!("PSS total of {count} sandboxes (MiB, not ms)"), total);
+        out.stage(
+            format!("PSS total of {count} sandboxes (MiB, not ms)"),
+            total,
+        );
         for id in ids {
             ctx.api.kill(&id).await?;
         }
     }
     out.rows.push(
-        Row::new("P5", format!("marginal PSS per idle sandbox, {count} running"), "MiB")
-            .samples(marginal)
-            .floor("PSS of one sandbox alone", alone)
-            .ratio_target(0.5, "≤ 0.5× the first one")
-            .param("iterations", n)
-            .param("sandboxes", count)
-            .param("memory_mb", memory),
+        Row::new(
+            "P5",
+            format!("marginal PSS per idle sandbox, {count} running"),
+            "MiB",
+        )
+        .samples(marginal)
+        .floor("PSS of one sandbox alone", alone)
+        .ratio_target(0.5, "≤ 0.5× the first one")
+        .param("iterations", n)
+        .param("sandboxes", count)
+        .param("memory_mb", memory),
     );
     out.rows.push(
         Row::new("P5", format!("PSS of each sandbox, {count} running"), "MiB")
             .samples(each)
-            .param("note", "information: KVM target ≤ 16 MiB each cannot be checked under TCG"),
+            .param(
+                "note",
+                "information: KVM target ≤ 16 MiB each cannot be checked under TCG",
+            ),
     );
     Ok(())
 }

@@ -49,7 +49,15 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [Self::P1, Self::P2, Self::P3, Self::P4, Self::P5, Self::P6, Self::P7];
+    const ALL: [Scenario; 7] = [
+        Self::P1,
+        Self::P2,
+        Self::P3,
+        Self::P4,
+        Self::P5,
+        Self::P6,
+        Self::P7,
+    ];
 
     fn id(self) -> &'static str {
         match self {
@@ -146,18 +154,27 @@ impl Ctx {
     /// The template snapshot (or capture) a sandbox's VM was restored from.
     pub fn parent_snapshot(&self, sandbox_id: &str) -> anyhow::Result<tine_vmm::Snapshot> {
         let path = self.paths.vm_dir(sandbox_id).join("vm.json");
-        let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).with_context(|| {
-            format!("reading {} (is --server's data dir TINE_DATA_DIR?)", path.display())
-        })?)?;
-        let parent = rec["parent"].as_str().context("the VM was not restored from a snapshot")?;
+        let rec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).with_context(|| {
+                format!(
+                    "reading {} (is --server's data dir TINE_DATA_DIR?)",
+                    path.display()
+                )
+            })?)?;
+        let parent = rec["parent"]
+            .as_str()
+            .context("the VM was not restored from a snapshot")?;
         Ok(tine_vmm::Snapshot::open(&self.paths, parent)?)
     }
 
     /// The QEMU pid of a sandbox.
     pub fn qemu_pid(&self, sandbox_id: &str) -> anyhow::Result<i32> {
         let path = self.paths.vm_dir(sandbox_id).join("qemu.pid");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        text.trim().parse().with_context(|| format!("{} holds no pid", path.display()))
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("{} holds no pid", path.display()))
     }
 
     pub fn step(&self, msg: impl Into<String>) {
@@ -178,7 +195,10 @@ impl Out {
     }
 
     fn stages(&self) -> Stages {
-        self.stage_samples.iter().filter_map(|(k, v)| Some((k.clone(), stats::Summary::of(v)?))).collect()
+        self.stage_samples
+            .iter()
+            .filter_map(|(k, v)| Some((k.clone(), stats::Summary::of(v)?)))
+            .collect()
     }
 }
 
@@ -199,7 +219,10 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
 async fn run_all(ctx: &Ctx, scenarios: &[Scenario], multi: &MultiProgress, report: &mut Report) {
     for &s in scenarios {
         let pb = multi.add(ProgressBar::new_spinner());
-        pb.set_style(ProgressStyle::with_template("{spinner} {prefix:.bold} [{elapsed}] {msg}").expect("valid template"));
+        pb.set_style(
+            ProgressStyle::with_template("{spinner} {prefix:.bold} [{elapsed}] {msg}")
+                .expect("valid template"),
+        );
         pb.set_prefix(format!("{} {}", s.id(), s.title()));
         pb.enable_steady_tick(Duration::from_millis(200));
         let ctx = ctx.with_progress(pb.clone());
@@ -209,14 +232,19 @@ async fn run_all(ctx: &Ctx, scenarios: &[Scenario], multi: &MultiProgress, repor
         let leftovers = ctx.api.clean_up(false).await;
         env::clean_hand_vms(&ctx.floor_paths).await;
         if let Err(e) = result {
-            out.rows.push(Row::failed(s.id(), "scenario failed", format!("{e:#}")));
+            out.rows
+                .push(Row::failed(s.id(), "scenario failed", format!("{e:#}")));
         }
         if !leftovers.is_empty() {
-            out.rows.push(Row::failed(s.id(), "cleanup", leftovers.join("; ")));
+            out.rows
+                .push(Row::failed(s.id(), "cleanup", leftovers.join("; ")));
         }
         let met = out.rows.iter().filter(|r| r.met == Some(true)).count();
         let errors = out.rows.iter().filter(|r| r.error.is_some()).count();
-        pb.finish_with_message(format!("done: {} rows, {met} targets met, {errors} errors", out.rows.len()));
+        pb.finish_with_message(format!(
+            "done: {} rows, {met} targets met, {errors} errors",
+            out.rows.len()
+        ));
         let stages = out.stages();
         if !stages.is_empty() {
             report.stages.insert(s.id().to_string(), stages);
@@ -240,7 +268,11 @@ impl Ctx {
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
-    let mut scenarios = if args.scenarios.is_empty() { Scenario::ALL.to_vec() } else { args.scenarios.clone() };
+    let mut scenarios = if args.scenarios.is_empty() {
+        Scenario::ALL.to_vec()
+    } else {
+        args.scenarios.clone()
+    };
     scenarios.sort();
     scenarios.dedup();
     let base = Paths::from_env();
@@ -256,13 +288,31 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             pb.set_message("starting tine serve");
             pb.enable_steady_tick(Duration::from_millis(200));
             let s = env::OwnServer::start(&base, args.cpus, args.memory_mb, 0).await?;
-            pb.finish_with_message(format!("tine serve on {} (data dir {}, log {})", s.url, s.paths.data_dir.display(), s.log.display()));
-            let r = (s.url.clone(), s.key.clone(), s.paths.clone(), Some(s.log.clone()));
+            pb.finish_with_message(format!(
+                "tine serve on {} (data dir {}, log {})",
+                s.url,
+                s.paths.data_dir.display(),
+                s.log.display()
+            ));
+            let r = (
+                s.url.clone(),
+                s.key.clone(),
+                s.paths.clone(),
+                Some(s.log.clone()),
+            );
             own = Some(std::sync::Arc::new(tokio::sync::Mutex::new(s)));
             r
         }
     };
-    let ctx = Ctx { api: std::sync::Arc::new(Api::new(&url, &key)), paths, floor_paths, args: args.clone(), pb: ProgressBar::hidden(), server_log, own: own.clone() };
+    let ctx = Ctx {
+        api: std::sync::Arc::new(Api::new(&url, &key)),
+        paths,
+        floor_paths,
+        args: args.clone(),
+        pb: ProgressBar::hidden(),
+        server_log,
+        own: own.clone(),
+    };
     if own.is_some() {
         // Sandboxes of an interrupted earlier run (the data dir is ours).
         let _ = ctx.api.clean_up(true).await;
@@ -295,10 +345,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     println!("{}", report.stages_table());
     println!(
         "host: {} × {} ({}), {} MiB; accelerator {}",
-        report.host.nproc, report.host.cpu_model, report.host.kernel, report.host.mem_total_mib, report.host.accel
+        report.host.nproc,
+        report.host.cpu_model,
+        report.host.kernel,
+        report.host.mem_total_mib,
+        report.host.accel
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     let errors = report.rows.iter().filter(|r| r.error.is_some()).count();

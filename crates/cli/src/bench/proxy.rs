@@ -37,7 +37,11 @@ pub async fn p7(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         let b = direct.exec("true", &sb.token, TIMEOUT).await?;
         straight.push(ms(t));
         if a.exit_code != 0 || b.exit_code != 0 {
-            bail!("`true` exited {} (proxy) / {} (direct)", a.exit_code, b.exit_code);
+            bail!(
+                "`true` exited {} (proxy) / {} (direct)",
+                a.exit_code,
+                b.exit_code
+            );
         }
     }
     let mut row = Row::new("P7", "commands.run(\"true\") via server + proxy", "ms")

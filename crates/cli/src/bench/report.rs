@@ -72,7 +72,10 @@ impl Row {
     }
 
     pub fn param(mut self, key: &str, value: impl Serialize) -> Self {
-        self.params.insert(key.to_string(), serde_json::to_value(value).unwrap_or_default());
+        self.params.insert(
+            key.to_string(),
+            serde_json::to_value(value).unwrap_or_default(),
+        );
         self
     }
 
@@ -140,7 +143,10 @@ impl Host {
             cpu_model,
             accel: tine_vmm::Accel::probe().as_str().to_string(),
             mem_total_mib,
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
         }
     }
 }
@@ -173,7 +179,12 @@ impl Report {
                 Some(false) => "NOT met",
                 None => "-",
             };
-            let err = r.error.as_deref().unwrap_or("").replace('|', "/").replace('\n', " ");
+            let err = r
+                .error
+                .as_deref()
+                .unwrap_or("")
+                .replace('|', "/")
+                .replace('\n', " ");
             let err: String = err.chars().take(160).collect();
             out += &format!(
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
@@ -185,7 +196,11 @@ impl Report {
                 opt(s.map(|s| s.p90)),
                 opt(s.map(|s| s.p99)),
                 opt(s.map(|s| s.max)),
-                if r.floor_what.is_empty() { "-" } else { &r.floor_what },
+                if r.floor_what.is_empty() {
+                    "-"
+                } else {
+                    &r.floor_what
+                },
                 opt(r.floor.map(|f| f.p50)),
                 r.ratio.map_or("-".into(), |x| format!("{x:.2}")),
                 if r.target.is_empty() { "-" } else { &r.target },
@@ -202,7 +217,13 @@ impl Report {
         for (scenario, stages) in &self.stages {
             out += &format!("\n{scenario} stages (ms)\n\n| stage | n | p50 | p90 | max |\n|---|---|---|---|---|\n");
             for (name, s) in stages {
-                out += &format!("| {name} | {} | {} | {} | {} |\n", s.n, num(s.p50), num(s.p90), num(s.max));
+                out += &format!(
+                    "| {name} | {} | {} | {} | {} |\n",
+                    s.n,
+                    num(s.p50),
+                    num(s.p90),
+                    num(s.max)
+                );
             }
         }
         out

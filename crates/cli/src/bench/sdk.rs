@@ -33,15 +33,21 @@ fn python() -> PathBuf {
 /// error and p99 ≤ 3× that.
 fn row(what: String, conc: Vec<f64>, seq: &[f64], n: usize, cores: usize, errors: usize) -> Row {
     let scale = n as f64 / cores as f64;
-    let mut r = Row::new("P6", what, "ms")
-        .samples(conc)
-        .floor(format!("one at a time × {n}/{cores} cores"), seq.iter().map(|v| v * scale).collect());
+    let mut r = Row::new("P6", what, "ms").samples(conc).floor(
+        format!("one at a time × {n}/{cores} cores"),
+        seq.iter().map(|v| v * scale).collect(),
+    );
     r.target = "no error; p99 ≤ 3× floor".into();
     if let (Some(s), Some(f)) = (r.summary, r.floor) {
         r.ratio = Some(s.p99 / f.p50);
         r.met = Some(errors == 0 && s.n == n && s.p99 <= 3.0 * f.p50);
     }
-    r.param("concurrency", n).param("sequential", seq.len()).param("sequential_p50_ms", super::stats::Summary::of(seq).map(|s| s.p50))
+    r.param("concurrency", n)
+        .param("sequential", seq.len())
+        .param(
+            "sequential_p50_ms",
+            super::stats::Summary::of(seq).map(|s| s.p50),
+        )
 }
 
 pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
@@ -49,12 +55,17 @@ pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let seq = ctx.args.sequential.unwrap_or(n.min(10)).max(1);
     let py = python();
     if !py.exists() {
-        bail!("no Python with the E2B SDK at {} (run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)", py.display());
+        bail!(
+            "no Python with the E2B SDK at {} (run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)",
+            py.display()
+        );
     }
     let script = ctx.floor_paths.data_dir.join("p6.py");
     std::fs::create_dir_all(&ctx.floor_paths.data_dir)?;
     std::fs::write(&script, SCRIPT)?;
-    ctx.step(format!("python SDK: {seq} creates + echo one at a time, then {n} at once"));
+    ctx.step(format!(
+        "python SDK: {seq} creates + echo one at a time, then {n} at once"
+    ));
     let output = tokio::process::Command::new(&py)
         .arg(&script)
         .env("E2B_API_URL", &ctx.api.base)
@@ -71,13 +82,39 @@ pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or("");
     let r: P6Result = serde_json::from_str(last).with_context(|| {
-        format!("the SDK script printed no result ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim())
+        format!(
+            "the SDK script printed no result ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )
     })?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let errors = r.errors.len();
     let first = r.errors.first().cloned();
-    out_rows(out, row(format!("{n} concurrent creates (SDK)"), r.concurrent_create, &r.sequential_create, n, cores, errors), &first);
-    out_rows(out, row(format!("{n} concurrent commands.run(\"echo\") (SDK)"), r.concurrent_run, &r.sequential_run, n, cores, errors), &first);
+    out_rows(
+        out,
+        row(
+            format!("{n} concurrent creates (SDK)"),
+            r.concurrent_create,
+            &r.sequential_create,
+            n,
+            cores,
+            errors,
+        ),
+        &first,
+    );
+    out_rows(
+        out,
+        row(
+            format!("{n} concurrent commands.run(\"echo\") (SDK)"),
+            r.concurrent_run,
+            &r.sequential_run,
+            n,
+            cores,
+            errors,
+        ),
+        &first,
+    );
     Ok(())
 }
 

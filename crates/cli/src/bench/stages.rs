@@ -6,7 +6,8 @@ use std::path::Path;
 
 /// The size of the log now (stages are read from there on).
 pub fn mark(log: Option<&Path>) -> u64 {
-    log.and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len())
+    log.and_then(|p| std::fs::metadata(p).ok())
+        .map_or(0, |m| m.len())
 }
 
 /// Stage samples logged since `from`.
@@ -21,11 +22,20 @@ fn parse(text: &str) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     for line in text.lines() {
         // `<time> <LEVEL> <target>: <message> k=v k=v`
-        let Some((_, rest)) = line.split_once(": ") else { continue };
-        let message: Vec<&str> = rest.split_whitespace().take_while(|w| !w.contains('=')).collect();
+        let Some((_, rest)) = line.split_once(": ") else {
+            continue;
+        };
+        let message: Vec<&str> = rest
+            .split_whitespace()
+            .take_while(|w| !w.contains('='))
+            .collect();
         for word in rest.split_whitespace() {
-            let Some((k, v)) = word.split_once('=') else { continue };
-            let Some(name) = k.strip_suffix("_ms") else { continue };
+            let Some((k, v)) = word.split_once('=') else {
+                continue;
+            };
+            let Some(name) = k.strip_suffix("_ms") else {
+                continue;
+            };
             if let Ok(v) = v.parse::<f64>() {
                 out.push((format!("server: {}: {name}", message.join(" ")), v));
             }
@@ -45,7 +55,10 @@ mod tests {
         let s = parse(log);
         assert_eq!(
             s,
-            vec![("server: clone launched: overlay".to_string(), 12.5), ("server: clone launched: qemu_qmp".to_string(), 40.0)]
+            vec![
+                ("server: clone launched: overlay".to_string(), 12.5),
+                ("server: clone launched: qemu_qmp".to_string(), 40.0)
+            ]
         );
     }
 }

@@ -44,7 +44,10 @@ mod tests {
         assert_eq!((one.p50, one.p99, one.max), (7.0, 7.0, 7.0));
         let s: Vec<f64> = (1..=100).rev().map(f64::from).collect();
         let sum = Summary::of(&s).unwrap();
-        assert_eq!((sum.n, sum.p50, sum.p90, sum.p99, sum.max), (100, 50.0, 90.0, 99.0, 100.0));
+        assert_eq!(
+            (sum.n, sum.p50, sum.p90, sum.p99, sum.max),
+            (100, 50.0, 90.0, 99.0, 100.0)
+        );
         assert_eq!(sum.mean, 50.5);
         let odd = Summary::of(&[3.0, 1.0, 2.0]).unwrap();
         assert_eq!(odd.p50, 2.0);

@@ -15,7 +15,10 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into() }
+        Self {
+            status,
+            message: message.into(),
+        }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
@@ -31,7 +34,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
-        (self.status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+        (
+            self.status,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response()
     }
 }
 
@@ -39,8 +47,12 @@ impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> Self {
         let status = match &e {
             SandboxError::NotFound(_) => StatusCode::NOT_FOUND,
-            SandboxError::Template(crate::templates::TemplateError::NotFound(_)) => StatusCode::NOT_FOUND,
-            SandboxError::Template(crate::templates::TemplateError::Invalid(_)) => StatusCode::BAD_REQUEST,
+            SandboxError::Template(crate::templates::TemplateError::NotFound(_)) => {
+                StatusCode::NOT_FOUND
+            }
+            SandboxError::Template(crate::templates::TemplateError::Invalid(_)) => {
+                StatusCode::BAD_REQUEST
+            }
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
             SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,

@@ -37,9 +37,18 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(system::health))
         .route("/metrics", get(system::metrics))
         .route("/openapi.yaml", get(system::openapi))
-        .route("/sandboxes", post(sandboxes::create).get(sandboxes::list_v1))
-        .route("/v2/sandboxes", post(sandboxes::create).get(sandboxes::list_v2))
-        .route("/sandboxes/{id}", get(sandboxes::get_one).delete(sandboxes::kill))
+        .route(
+            "/sandboxes",
+            post(sandboxes::create).get(sandboxes::list_v1),
+        )
+        .route(
+            "/v2/sandboxes",
+            post(sandboxes::create).get(sandboxes::list_v2),
+        )
+        .route(
+            "/sandboxes/{id}",
+            get(sandboxes::get_one).delete(sandboxes::kill),
+        )
         .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
@@ -49,10 +58,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/resume", post(sandboxes::connect))
-        .route("/sandboxes/{id}/snapshots", post(sandboxes::create_snapshot))
+        .route(
+            "/sandboxes/{id}/snapshots",
+            post(sandboxes::create_snapshot),
+        )
         .route("/snapshots", get(sandboxes::list_snapshots))
         .route("/templates", get(sandboxes::list_templates))
-        .route("/templates/{id}", axum::routing::delete(sandboxes::delete_snapshot))
+        .route(
+            "/templates/{id}",
+            axum::routing::delete(sandboxes::delete_snapshot),
+        )
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .fallback(system::not_found)
         .method_not_allowed_fallback(system::method_not_allowed)
@@ -78,7 +93,11 @@ async fn observe(State(state): State<Arc<AppState>>, req: Request, next: Next) -
     state
         .metrics
         .api_latency
-        .get_or_create(&RouteLabels { method, route, status: resp.status().as_u16() })
+        .get_or_create(&RouteLabels {
+            method,
+            route,
+            status: resp.status().as_u16(),
+        })
         .observe(start.elapsed().as_secs_f64());
     resp
 }
@@ -89,7 +108,10 @@ pub struct Authed(#[allow(dead_code)] pub ApiKey);
 impl FromRequestParts<Arc<AppState>> for Authed {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &Arc<AppState>) -> Result<Self, ApiError> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
         let key = parts
             .headers
             .get("x-api-key")
@@ -105,16 +127,30 @@ impl FromRequestParts<Arc<AppState>> for Authed {
         match state.manager.db().verify_key(key.trim()) {
             Ok(Some(k)) => Ok(Authed(k)),
             Ok(None) => Err(ApiError::unauthorized("invalid API key")),
-            Err(e) => Err(ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
+            Err(e) => Err(ApiError::new(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                e.to_string(),
+            )),
         }
     }
 }
 
 /// Read a JSON body of at most `max` bytes into `T`. An empty body is `{}`.
-pub async fn json_body<T: DeserializeOwned>(body: axum::body::Body, max: usize) -> Result<T, ApiError> {
+pub async fn json_body<T: DeserializeOwned>(
+    body: axum::body::Body,
+    max: usize,
+) -> Result<T, ApiError> {
     let bytes = axum::body::to_bytes(body, max).await.map_err(|_| {
-        ApiError::new(http::StatusCode::PAYLOAD_TOO_LARGE, format!("request body larger than {max} bytes"))
+        ApiError::new(
+            http::StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body larger than {max} bytes"),
+        )
     })?;
-    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
-    serde_json::from_slice(bytes).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        &bytes
+    };
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }

@@ -102,16 +102,26 @@ struct NewSandbox {
     memory_mb: Option<u32>,
 }
 
-pub async fn create(_: Authed, State(s): State<Arc<AppState>>, body: axum::body::Body) -> Result<Response, ApiError> {
+pub async fn create(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
     let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
     let timeout = match req.timeout {
-        Some(t) if t < 0 => return Err(ApiError::bad_request(format!("timeout must not be negative, got {t}"))),
+        Some(t) if t < 0 => {
+            return Err(ApiError::bad_request(format!(
+                "timeout must not be negative, got {t}"
+            )))
+        }
         t => t.map(|t| t as u64),
     };
     let rec = s
         .manager
         .create(CreateRequest {
-            template_id: req.template_id.unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
+            template_id: req
+                .template_id
+                .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
             timeout_secs: timeout,
             metadata: req.metadata.unwrap_or_default(),
             env_vars: req.env_vars.unwrap_or_default(),
@@ -136,12 +146,20 @@ fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
     }
 }
 
-pub async fn get_one(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_one(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let rec = s.manager.get(&id)?;
     Ok(Json(detail(rec, Some(&s.domain))).into_response())
 }
 
-pub async fn kill(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn kill(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     s.manager.kill(&id, "killed through the API").await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -180,13 +198,19 @@ pub async fn refresh(
     let b: RefreshBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let d = b.duration.unwrap_or(60);
     if !(0..=3600).contains(&d) {
-        return Err(ApiError::bad_request("duration must be between 0 and 3600 seconds"));
+        return Err(ApiError::bad_request(
+            "duration must be between 0 and 3600 seconds",
+        ));
     }
     s.manager.set_timeout(&id, d as u64)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn metrics(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn metrics(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let m = s.manager.metrics(&id).await?;
     Ok(Json(vec![m]).into_response())
 }
@@ -207,11 +231,20 @@ pub async fn logs(
     let rec = s.manager.get(&id)?;
     let ts = rfc3339(rec.started_at_ms);
     let limit = q.limit.unwrap_or(1000);
-    let lines: Vec<&str> = text.lines().skip(q.start.unwrap_or(0).max(0) as usize).take(limit).collect();
-    let logs: Vec<_> = lines.iter().map(|l| serde_json::json!({ "timestamp": ts, "line": l })).collect();
+    let lines: Vec<&str> = text
+        .lines()
+        .skip(q.start.unwrap_or(0).max(0) as usize)
+        .take(limit)
+        .collect();
+    let logs: Vec<_> = lines
+        .iter()
+        .map(|l| serde_json::json!({ "timestamp": ts, "line": l }))
+        .collect();
     let entries: Vec<_> = lines
         .iter()
-        .map(|l| serde_json::json!({ "timestamp": ts, "level": "info", "message": l, "fields": {} }))
+        .map(
+            |l| serde_json::json!({ "timestamp": ts, "level": "info", "message": l, "fields": {} }),
+        )
         .collect();
     Ok(Json(serde_json::json!({ "logs": logs, "logEntries": entries })).into_response())
 }
@@ -231,7 +264,10 @@ pub struct ListQuery {
 const MAX_PAGE: usize = 1000;
 
 fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFilter, ApiError> {
-    let mut f = ListFilter { limit: q.limit.unwrap_or(100).clamp(1, MAX_PAGE), ..Default::default() };
+    let mut f = ListFilter {
+        limit: q.limit.unwrap_or(100).clamp(1, MAX_PAGE),
+        ..Default::default()
+    };
     f.states = match q.state.as_deref().filter(|s| !s.is_empty()) {
         None => default_states.to_vec(),
         Some(list) => list
@@ -239,7 +275,9 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
             .map(|s| match s.trim() {
                 "running" => Ok(SandboxState::Running),
                 "paused" => Ok(SandboxState::Paused),
-                other => Err(ApiError::bad_request(format!("unknown state {other:?} (running, paused)"))),
+                other => Err(ApiError::bad_request(format!(
+                    "unknown state {other:?} (running, paused)"
+                ))),
             })
             .collect::<Result<_, _>>()?,
     };
@@ -247,8 +285,8 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
         // The SDKs percent-encode each key and value, join them as a query
         // string (encoding them again) and send that as one parameter (a
         // third time). Axum undid the last, this undoes the other two.
-        let pairs: Vec<(String, String)> =
-            serde_urlencoded::from_str(m).map_err(|e| ApiError::bad_request(format!("bad metadata filter: {e}")))?;
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(m)
+            .map_err(|e| ApiError::bad_request(format!("bad metadata filter: {e}")))?;
         let decode = |s: &str| {
             percent_encoding::percent_decode_str(s)
                 .decode_utf8()
@@ -262,16 +300,23 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
     f.template = q.template.clone().filter(|t| !t.is_empty());
     if let Some(t) = q.started_after.as_deref().filter(|t| !t.is_empty()) {
         let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-            .map_err(|_| ApiError::bad_request(format!("startedAfter must be RFC 3339, got {t:?}")))?;
+            .map_err(|_| {
+                ApiError::bad_request(format!("startedAfter must be RFC 3339, got {t:?}"))
+            })?;
         f.started_after_ms = Some((at.unix_timestamp_nanos() / 1_000_000) as i64);
     }
     f.descending = match q.order.as_deref() {
         None | Some("") | Some("asc") => false,
         Some("desc") => true,
-        Some(o) => return Err(ApiError::bad_request(format!("order must be asc or desc, got {o:?}"))),
+        Some(o) => {
+            return Err(ApiError::bad_request(format!(
+                "order must be asc or desc, got {o:?}"
+            )))
+        }
     };
     if let Some(tok) = q.next_token.as_deref().filter(|t| !t.is_empty()) {
-        f.after = Some(decode_token(tok).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?);
+        f.after =
+            Some(decode_token(tok).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?);
     }
     Ok(f)
 }
@@ -281,7 +326,9 @@ fn encode_token(r: &SandboxRecord) -> String {
 }
 
 fn decode_token(t: &str) -> Option<(i64, String)> {
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(t).ok()?;
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(t)
+        .ok()?;
     let s = String::from_utf8(raw).ok()?;
     let (ms, id) = s.split_once(':')?;
     Some((ms.parse().ok()?, id.to_string()))
@@ -301,18 +348,29 @@ async fn list(s: &AppState, q: ListQuery, paged: bool) -> Result<Response, ApiEr
     if paged && rows.len() > page {
         rows.truncate(page);
         if let Some(last) = rows.last() {
-            headers.insert("x-next-token", HeaderValue::from_str(&encode_token(last)).expect("base64 is a valid header"));
+            headers.insert(
+                "x-next-token",
+                HeaderValue::from_str(&encode_token(last)).expect("base64 is a valid header"),
+            );
         }
     }
     let out: Vec<DetailOut> = rows.into_iter().map(|r| detail(r, None)).collect();
     Ok((headers, Json(out)).into_response())
 }
 
-pub async fn list_v2(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+pub async fn list_v2(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
     list(&s, q, true).await
 }
 
-pub async fn list_v1(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<ListQuery>) -> Result<Response, ApiError> {
+pub async fn list_v1(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
     list(&s, q, false).await
 }
 
@@ -334,11 +392,17 @@ mod tests {
     fn metadata_filter_is_decoded_once_more() {
         // What arrives after the query string's own decoding, for
         // metadata {"k y/é": "a&b=c %", "env": "prod"} (seen on the wire).
-        let q = ListQuery { metadata: Some("k%2520y%2F%25C3%25A9=a%2526b%253Dc%2520%2525&env=prod".into()), ..Default::default() };
+        let q = ListQuery {
+            metadata: Some("k%2520y%2F%25C3%25A9=a%2526b%253Dc%2520%2525&env=prod".into()),
+            ..Default::default()
+        };
         let f = parse_filter(&q, &[SandboxState::Running]).unwrap();
         assert_eq!(f.metadata.get("k y/é").map(String::as_str), Some("a&b=c %"));
         assert_eq!(f.metadata.get("env").map(String::as_str), Some("prod"));
-        let bad = ListQuery { state: Some("running,zombie".into()), ..Default::default() };
+        let bad = ListQuery {
+            state: Some("running,zombie".into()),
+            ..Default::default()
+        };
         assert!(parse_filter(&bad, &[]).is_err());
     }
 
@@ -364,7 +428,12 @@ mod tests {
     }
 }
 
-pub async fn pause(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<StatusCode, ApiError> {
+pub async fn pause(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
     // `{memory?, requireHealthyGuest?}`: tine always captures memory.
     let _: serde_json::Value = json_body(body, s.manager.config.max_body_bytes).await?;
     s.manager.pause(&id).await?;
@@ -377,14 +446,23 @@ struct ConnectBody {
 }
 
 /// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
-pub async fn connect(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+pub async fn connect(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let timeout = match b.timeout {
         Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
         t => t.map(|t| t as u64),
     };
     let (rec, resumed) = s.manager.connect(&id, timeout).await?;
-    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
     Ok((status, Json(sandbox_out(rec, &s.domain))).into_response())
 }
 
@@ -393,10 +471,19 @@ struct SnapshotBody {
     name: Option<String>,
 }
 
-pub async fn create_snapshot(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+pub async fn create_snapshot(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
     let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let row = s.manager.snapshot(&id, b.name).await?;
-    Ok((StatusCode::CREATED, Json(serde_json::json!({ "snapshotID": row.id, "names": row.names }))).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "snapshotID": row.id, "names": row.names })),
+    )
+        .into_response())
 }
 
 #[derive(Deserialize)]
@@ -408,10 +495,18 @@ pub struct SnapshotsQuery {
     next_token: Option<String>,
 }
 
-pub async fn list_snapshots(_: Authed, State(s): State<Arc<AppState>>, Query(q): Query<SnapshotsQuery>) -> Result<Response, ApiError> {
-    let rows = s.manager.list_snapshots(q.sandbox_id.as_deref().filter(|x| !x.is_empty()))?;
+pub async fn list_snapshots(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<SnapshotsQuery>,
+) -> Result<Response, ApiError> {
+    let rows = s
+        .manager
+        .list_snapshots(q.sandbox_id.as_deref().filter(|x| !x.is_empty()))?;
     let skip = match q.next_token.as_deref().filter(|t| !t.is_empty()) {
-        Some(t) => t.parse::<usize>().map_err(|_| ApiError::bad_request("invalid nextToken"))?,
+        Some(t) => t
+            .parse::<usize>()
+            .map_err(|_| ApiError::bad_request("invalid nextToken"))?,
         None => 0,
     };
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_PAGE);
@@ -423,13 +518,20 @@ pub async fn list_snapshots(_: Authed, State(s): State<Arc<AppState>>, Query(q):
         .collect();
     let mut headers = HeaderMap::new();
     if skip + limit < rows.len() {
-        headers.insert("x-next-token", HeaderValue::from_str(&(skip + limit).to_string()).expect("digits"));
+        headers.insert(
+            "x-next-token",
+            HeaderValue::from_str(&(skip + limit).to_string()).expect("digits"),
+        );
     }
     Ok((headers, Json(page)).into_response())
 }
 
 /// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
-pub async fn delete_snapshot(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn delete_snapshot(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     s.manager.delete_snapshot(&id)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -440,11 +542,18 @@ struct ForkBody {
     count: Option<i64>,
 }
 
-pub async fn fork(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Body) -> Result<Response, ApiError> {
+pub async fn fork(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
     let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let count = b.count.unwrap_or(1);
     if count < 1 {
-        return Err(ApiError::bad_request(format!("count must be at least 1, got {count}")));
+        return Err(ApiError::bad_request(format!(
+            "count must be at least 1, got {count}"
+        )));
     }
     let timeout = match b.timeout {
         Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
@@ -465,8 +574,15 @@ pub async fn fork(_: Authed, State(s): State<Arc<AppState>>, Path(id): Path<Stri
 }
 
 /// `GET /templates`: one entry per template name.
-pub async fn list_templates(_: Authed, State(s): State<Arc<AppState>>) -> Result<Response, ApiError> {
-    let rows = s.manager.db().list_templates().map_err(crate::sandboxes::SandboxError::from)?;
+pub async fn list_templates(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+) -> Result<Response, ApiError> {
+    let rows = s
+        .manager
+        .db()
+        .list_templates()
+        .map_err(crate::sandboxes::SandboxError::from)?;
     let mut out: Vec<serde_json::Value> = Vec::new();
     for r in rows {
         let name = r.names.first().cloned().unwrap_or_default();

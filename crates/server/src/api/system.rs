@@ -11,17 +11,31 @@ use super::{ApiError, AppState};
 use crate::metrics::StateLabel;
 
 pub async fn health() -> impl IntoResponse {
-    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], r#"{"status":"ok"}"#)
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        r#"{"status":"ok"}"#,
+    )
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let m = &state.metrics;
-    m.sandboxes.get_or_create(&StateLabel { state: "running" }).set(state.manager.live_count() as i64);
-    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], m.render())
+    m.sandboxes
+        .get_or_create(&StateLabel { state: "running" })
+        .set(state.manager.live_count() as i64);
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        m.render(),
+    )
 }
 
 pub async fn openapi() -> impl IntoResponse {
-    (StatusCode::OK, [(header::CONTENT_TYPE, "application/yaml")], include_str!("../../../../docs/openapi.yaml"))
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/yaml")],
+        include_str!("../../../../docs/openapi.yaml"),
+    )
 }
 
 pub async fn not_found(req: Request) -> ApiError {
@@ -29,5 +43,8 @@ pub async fn not_found(req: Request) -> ApiError {
 }
 
 pub async fn method_not_allowed(req: Request) -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("{} is not allowed on {}", req.method(), req.uri().path()))
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
 }

@@ -22,8 +22,15 @@ impl Db {
 
     pub fn events(&self, sandbox_id: &str) -> Result<Vec<Event>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT at_ms, kind, detail FROM events WHERE sandbox_id = ?1 ORDER BY seq")?;
-        let rows = stmt.query_map([sandbox_id], |r| Ok(Event { at_ms: r.get(0)?, kind: r.get(1)?, detail: r.get(2)? }))?;
+        let mut stmt = conn
+            .prepare("SELECT at_ms, kind, detail FROM events WHERE sandbox_id = ?1 ORDER BY seq")?;
+        let rows = stmt.query_map([sandbox_id], |r| {
+            Ok(Event {
+                at_ms: r.get(0)?,
+                kind: r.get(1)?,
+                detail: r.get(2)?,
+            })
+        })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 }

@@ -27,7 +27,10 @@ pub struct NewKey {
 }
 
 fn hash(key: &str) -> String {
-    Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl Db {
@@ -42,7 +45,13 @@ impl Db {
         };
         self.conn().execute(
             "INSERT INTO api_keys (id, name, hash, prefix, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![key.id, key.name, hash(&plaintext), key.prefix, key.created_ms],
+            params![
+                key.id,
+                key.name,
+                hash(&plaintext),
+                key.prefix,
+                key.created_ms
+            ],
         )?;
         Ok(NewKey { key, plaintext })
     }
@@ -69,9 +78,17 @@ impl Db {
 
     pub fn list_keys(&self) -> Result<Vec<ApiKey>> {
         let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys ORDER BY created_ms")?;
+        let mut stmt = conn.prepare(
+            "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys ORDER BY created_ms",
+        )?;
         let rows = stmt.query_map([], |r| {
-            Ok(ApiKey { id: r.get(0)?, name: r.get(1)?, prefix: r.get(2)?, created_ms: r.get(3)?, revoked_ms: r.get(4)? })
+            Ok(ApiKey {
+                id: r.get(0)?,
+                name: r.get(1)?,
+                prefix: r.get(2)?,
+                created_ms: r.get(3)?,
+                revoked_ms: r.get(4)?,
+            })
         })?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }

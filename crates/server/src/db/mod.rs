@@ -24,7 +24,10 @@ pub use snapshots::{SnapshotKind, SnapshotRow};
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("database {path}: {source}")]
-    Open { path: String, source: rusqlite::Error },
+    Open {
+        path: String,
+        source: rusqlite::Error,
+    },
     #[error("database: {0}")]
     Sql(#[from] rusqlite::Error),
     #[error("database holds a corrupt value in {0}")]
@@ -38,7 +41,8 @@ pub struct Db {
 }
 
 /// Schema migrations, applied in order; `user_version` counts those done.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE sandboxes (
     id                TEXT PRIMARY KEY,
     template_id       TEXT NOT NULL,
@@ -74,7 +78,8 @@ CREATE TABLE events (
     detail      TEXT NOT NULL
 );
 CREATE INDEX events_by_sandbox ON events (sandbox_id, seq);
-"#, r#"
+"#,
+    r#"
 ALTER TABLE sandboxes ADD COLUMN snapshot_id TEXT;
 CREATE TABLE snapshots (
     id            TEXT PRIMARY KEY,
@@ -90,20 +95,30 @@ CREATE TABLE snapshots (
     deleted_ms    INTEGER
 );
 CREATE INDEX snapshots_by_parent ON snapshots (parent_id);
-"#];
+"#,
+];
 
 impl Db {
     pub fn open(path: &Path) -> Result<Self> {
-        let open_err = |source| DbError::Open { path: path.display().to_string(), source };
+        let open_err = |source| DbError::Open {
+            path: path.display().to_string(),
+            source,
+        };
         if let Some(dir) = path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
         let conn = Connection::open(path).map_err(open_err)?;
-        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(open_err)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(open_err)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_err)?;
-        conn.pragma_update(None, "foreign_keys", "ON").map_err(open_err)?;
-        let db = Self { conn: Mutex::new(conn) };
+        conn.busy_timeout(std::time::Duration::from_secs(10))
+            .map_err(open_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(open_err)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .map_err(open_err)?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(open_err)?;
+        let db = Self {
+            conn: Mutex::new(conn),
+        };
         db.migrate()?;
         Ok(db)
     }

@@ -7,7 +7,8 @@ use rusqlite::{params, OptionalExtension, Row};
 use super::{Db, DbError, Result};
 use crate::sandboxes::model::{SandboxRecord, SandboxState};
 
-const COLUMNS: &str = "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
+const COLUMNS: &str =
+    "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
      disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error";
 
 fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
@@ -16,7 +17,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
     let env_vars: String = row.get(6)?;
     let id: String = row.get(0)?;
     let parse_map = |s: &str, what: &str| {
-        serde_json::from_str::<BTreeMap<String, String>>(s).map_err(|_| DbError::Corrupt(format!("{what} of {id}")))
+        serde_json::from_str::<BTreeMap<String, String>>(s)
+            .map_err(|_| DbError::Corrupt(format!("{what} of {id}")))
     };
     let build = || -> std::result::Result<SandboxRecord, DbError> {
         Ok(SandboxRecord {
@@ -24,7 +26,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
             template_id: row.get(1)?,
             alias: row.get(2)?,
             client_id: row.get(3)?,
-            state: SandboxState::parse(&state).ok_or_else(|| DbError::Corrupt(format!("state of {id}")))?,
+            state: SandboxState::parse(&state)
+                .ok_or_else(|| DbError::Corrupt(format!("state of {id}")))?,
             metadata: parse_map(&metadata, "metadata")?,
             env_vars: parse_map(&env_vars, "env_vars")?,
             cpu_count: row.get(7)?,
@@ -82,17 +85,30 @@ impl Db {
 
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
         self.conn()
-            .query_row(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"), [id], from_row)
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"),
+                [id],
+                from_row,
+            )
             .optional()?
             .transpose()
     }
 
     /// Move `id` to `state` (recording `error`), if it is in one of `from`.
     /// Returns whether it moved.
-    pub fn set_state(&self, id: &str, from: &[SandboxState], state: SandboxState, error: Option<&str>) -> Result<bool> {
+    pub fn set_state(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        state: SandboxState,
+        error: Option<&str>,
+    ) -> Result<bool> {
         let conn = self.conn();
-        let current: Option<String> =
-            conn.query_row("SELECT state FROM sandboxes WHERE id = ?1", [id], |r| r.get(0)).optional()?;
+        let current: Option<String> = conn
+            .query_row("SELECT state FROM sandboxes WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()?;
         let Some(current) = current.as_deref().and_then(SandboxState::parse) else {
             return Ok(false);
         };
@@ -115,7 +131,10 @@ impl Db {
     }
 
     pub fn set_end_at(&self, id: &str, end_at_ms: i64) -> Result<()> {
-        self.conn().execute("UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1", params![id, end_at_ms])?;
+        self.conn().execute(
+            "UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1",
+            params![id, end_at_ms],
+        )?;
         Ok(())
     }
 
@@ -147,7 +166,11 @@ impl Db {
             args.push(v.clone().into());
             sql += &format!(" AND json_extract(metadata, ?{kp}) = ?{}", args.len());
         }
-        let (cmp, order) = if f.descending { ("<", "DESC") } else { (">", "ASC") };
+        let (cmp, order) = if f.descending {
+            ("<", "DESC")
+        } else {
+            (">", "ASC")
+        };
         if let Some((ms, id)) = &f.after {
             args.push((*ms).into());
             let a = args.len();
@@ -155,7 +178,10 @@ impl Db {
             sql += &format!(" AND (started_at_ms, id) {cmp} (?{a}, ?{})", args.len());
         }
         args.push((f.limit as i64).into());
-        sql += &format!(" ORDER BY started_at_ms {order}, id {order} LIMIT ?{}", args.len());
+        sql += &format!(
+            " ORDER BY started_at_ms {order}, id {order} LIMIT ?{}",
+            args.len()
+        );
         let conn = self.conn();
         let mut stmt = conn.prepare(&sql)?;
         let rows = stmt.query_map(rusqlite::params_from_iter(args), from_row)?;

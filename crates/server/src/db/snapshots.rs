@@ -65,10 +65,12 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, Db
     let names: String = r.get(4)?;
     let build = || -> std::result::Result<SnapshotRow, DbError> {
         Ok(SnapshotRow {
-            kind: SnapshotKind::parse(&kind).ok_or_else(|| DbError::Corrupt(format!("kind of snapshot {id}")))?,
+            kind: SnapshotKind::parse(&kind)
+                .ok_or_else(|| DbError::Corrupt(format!("kind of snapshot {id}")))?,
             sandbox_id: r.get(2)?,
             parent_id: r.get(3)?,
-            names: serde_json::from_str(&names).map_err(|_| DbError::Corrupt(format!("names of snapshot {id}")))?,
+            names: serde_json::from_str(&names)
+                .map_err(|_| DbError::Corrupt(format!("names of snapshot {id}")))?,
             template_id: r.get(5)?,
             cpu_count: r.get(6)?,
             memory_mb: r.get(7)?,
@@ -103,7 +105,11 @@ impl Db {
     /// A snapshot that has not been deleted.
     pub fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>> {
         self.conn()
-            .query_row(&format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 AND deleted_ms IS NULL"), [id], from_row)
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 AND deleted_ms IS NULL"),
+                [id],
+                from_row,
+            )
             .optional()?
             .transpose()
     }
@@ -136,13 +142,20 @@ impl Db {
 
     /// Hide snapshot `id` whatever its kind (a replaced template).
     pub fn hide_snapshot(&self, id: &str) -> Result<()> {
-        self.conn().execute("UPDATE snapshots SET deleted_ms = ?2 WHERE id = ?1 AND deleted_ms IS NULL", params![id, now_ms()])?;
+        self.conn().execute(
+            "UPDATE snapshots SET deleted_ms = ?2 WHERE id = ?1 AND deleted_ms IS NULL",
+            params![id, now_ms()],
+        )?;
         Ok(())
     }
 
     /// The newest template called `name` whose shape is `cpu`/`mem` (any
     /// shape when `None`).
-    pub fn find_template(&self, name: &str, shape: Option<(u32, u32)>) -> Result<Option<SnapshotRow>> {
+    pub fn find_template(
+        &self,
+        name: &str,
+        shape: Option<(u32, u32)>,
+    ) -> Result<Option<SnapshotRow>> {
         let (cpu, mem) = shape.map_or((None, None), |(c, m)| (Some(c), Some(m)));
         self.conn()
             .query_row(
@@ -173,15 +186,21 @@ impl Db {
     }
 
     pub fn set_sandbox_snapshot(&self, sandbox_id: &str, snapshot_id: Option<&str>) -> Result<()> {
-        self.conn()
-            .execute("UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1", params![sandbox_id, snapshot_id])?;
+        self.conn().execute(
+            "UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1",
+            params![sandbox_id, snapshot_id],
+        )?;
         Ok(())
     }
 
     pub fn sandbox_snapshot(&self, sandbox_id: &str) -> Result<Option<String>> {
         Ok(self
             .conn()
-            .query_row("SELECT snapshot_id FROM sandboxes WHERE id = ?1", [sandbox_id], |r| r.get(0))
+            .query_row(
+                "SELECT snapshot_id FROM sandboxes WHERE id = ?1",
+                [sandbox_id],
+                |r| r.get(0),
+            )
             .optional()?
             .flatten())
     }
@@ -202,7 +221,8 @@ impl Db {
 
     /// Forget a capture whose files are gone.
     pub fn remove_snapshot_row(&self, id: &str) -> Result<()> {
-        self.conn().execute("DELETE FROM snapshots WHERE id = ?1", [id])?;
+        self.conn()
+            .execute("DELETE FROM snapshots WHERE id = ?1", [id])?;
         Ok(())
     }
 }

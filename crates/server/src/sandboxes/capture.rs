@@ -18,7 +18,13 @@ use crate::sandboxes::model::{SandboxRecord, SandboxState};
 pub type ForkResult = Result<SandboxRecord, SandboxError>;
 
 impl Manager {
-    fn capture_row(&self, rec: &SandboxRecord, kind: SnapshotKind, id: String, names: Vec<String>) -> Result<SnapshotRow, SandboxError> {
+    fn capture_row(
+        &self,
+        rec: &SandboxRecord,
+        kind: SnapshotKind,
+        id: String,
+        names: Vec<String>,
+    ) -> Result<SnapshotRow, SandboxError> {
         Ok(SnapshotRow {
             id,
             kind,
@@ -33,12 +39,20 @@ impl Manager {
         })
     }
 
-    fn running(&self, id: &str, op: &str) -> Result<(SandboxRecord, std::sync::Arc<super::Live>), SandboxError> {
+    fn running(
+        &self,
+        id: &str,
+        op: &str,
+    ) -> Result<(SandboxRecord, std::sync::Arc<super::Live>), SandboxError> {
         let rec = self.get(id)?;
         if rec.state == SandboxState::Paused {
-            return Err(SandboxError::Conflict(format!("sandbox {id} is paused; cannot {op}")));
+            return Err(SandboxError::Conflict(format!(
+                "sandbox {id} is paused; cannot {op}"
+            )));
         }
-        let live = self.live(id).ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
+        let live = self
+            .live(id)
+            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
         Ok((rec, live))
     }
 
@@ -46,21 +60,44 @@ impl Manager {
     pub async fn pause(&self, id: &str) -> Result<(), SandboxError> {
         let _op = self.lock(id).await;
         let (rec, live) = self.running(id, "pause it again")?;
-        let vm = live.vm.lock().await.take().ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
-        let row = self.capture_row(&rec, SnapshotKind::Pause, format!("p-{id}-{}", crate::ids::random_hex(4)), vec![])?;
+        let vm = live
+            .vm
+            .lock()
+            .await
+            .take()
+            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
+        let row = self.capture_row(
+            &rec,
+            SnapshotKind::Pause,
+            format!("p-{id}-{}", crate::ids::random_hex(4)),
+            vec![],
+        )?;
         let t = Instant::now();
         let captured = vm.capture_and_kill(&row.id).await;
         self.remove_live(id);
         if let Err(e) = captured {
             let why = format!("pause failed, the VM is gone: {e}");
-            self.db.set_state(id, &[SandboxState::Running], SandboxState::Killed, Some(&why))?;
+            self.db.set_state(
+                id,
+                &[SandboxState::Running],
+                SandboxState::Killed,
+                Some(&why),
+            )?;
             self.event(id, "killed", &why);
-            return Err(SandboxError::Vm { id: id.to_string(), detail: why });
+            return Err(SandboxError::Vm {
+                id: id.to_string(),
+                detail: why,
+            });
         }
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
-        self.db.set_state(id, &[SandboxState::Running], SandboxState::Paused, None)?;
-        self.event(id, "paused", &format!("{} in {} ms", row.id, t.elapsed().as_millis()));
+        self.db
+            .set_state(id, &[SandboxState::Running], SandboxState::Paused, None)?;
+        self.event(
+            id,
+            "paused",
+            &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
+        );
         self.gc();
         Ok(())
     }
@@ -68,12 +105,19 @@ impl Manager {
     /// `connect`: a running sandbox is returned as is (its timeout moved to
     /// `timeout_secs` from now if given); a paused one is restored.
     /// Returns the record and whether it was resumed.
-    pub async fn connect(&self, id: &str, timeout_secs: Option<u64>) -> Result<(SandboxRecord, bool), SandboxError> {
+    pub async fn connect(
+        &self,
+        id: &str,
+        timeout_secs: Option<u64>,
+    ) -> Result<(SandboxRecord, bool), SandboxError> {
         let _op = self.lock(id).await;
         let mut rec = self.get(id)?;
         if let Some(t) = timeout_secs {
             if t > self.config.max_timeout_secs {
-                return Err(SandboxError::InvalidArgument(format!("timeout must be at most {} seconds", self.config.max_timeout_secs)));
+                return Err(SandboxError::InvalidArgument(format!(
+                    "timeout must be at most {} seconds",
+                    self.config.max_timeout_secs
+                )));
             }
         }
         let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs) as i64;
@@ -87,20 +131,34 @@ impl Manager {
         let snap_id = self
             .db
             .sandbox_snapshot(id)?
-            .ok_or_else(|| SandboxError::Vm { id: id.to_string(), detail: "paused without a capture".into() })?;
+            .ok_or_else(|| SandboxError::Vm {
+                id: id.to_string(),
+                detail: "paused without a capture".into(),
+            })?;
         self.check_capacity(1)?;
-        let snapshot = tine_vmm::Snapshot::open(&self.paths, &snap_id)
-            .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: format!("cannot resume: {e}") })?;
-        let source =
-            Source { snapshot, snapshot_id: Some(snap_id), previous_token: Some(rec.envd_access_token.clone()), template: false };
+        let snapshot =
+            tine_vmm::Snapshot::open(&self.paths, &snap_id).map_err(|e| SandboxError::Vm {
+                id: id.to_string(),
+                detail: format!("cannot resume: {e}"),
+            })?;
+        let source = Source {
+            snapshot,
+            snapshot_id: Some(snap_id),
+            previous_token: Some(rec.envd_access_token.clone()),
+            template: false,
+        };
         let t = Instant::now();
-        let (vm, netns) = self
-            .start_vm(&rec, &source, None)
-            .await
-            .map_err(|detail| SandboxError::Vm { id: id.to_string(), detail: format!("resume failed (still paused): {detail}") })?;
+        let (vm, netns) =
+            self.start_vm(&rec, &source, None)
+                .await
+                .map_err(|detail| SandboxError::Vm {
+                    id: id.to_string(),
+                    detail: format!("resume failed (still paused): {detail}"),
+                })?;
         rec.end_at_ms = now_ms() + timeout * 1000;
         self.db.set_end_at(id, rec.end_at_ms)?;
-        self.db.set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
+        self.db
+            .set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
         self.add_live(&rec, vm, netns);
         self.event(id, "resumed", &format!("in {} ms", t.elapsed().as_millis()));
@@ -108,42 +166,83 @@ impl Manager {
     }
 
     /// Capture a running sandbox (it keeps running) as a snapshot of `kind`.
-    async fn capture_running(&self, id: &str, kind: SnapshotKind, names: Vec<String>) -> Result<SnapshotRow, SandboxError> {
+    async fn capture_running(
+        &self,
+        id: &str,
+        kind: SnapshotKind,
+        names: Vec<String>,
+    ) -> Result<SnapshotRow, SandboxError> {
         let (rec, live) = self.running(id, "capture it")?;
-        let prefix = if kind == SnapshotKind::Fork { "f" } else { "snap" };
-        let row = self.capture_row(&rec, kind, format!("{prefix}-{}", crate::ids::random_hex(8)), names)?;
+        let prefix = if kind == SnapshotKind::Fork {
+            "f"
+        } else {
+            "snap"
+        };
+        let row = self.capture_row(
+            &rec,
+            kind,
+            format!("{prefix}-{}", crate::ids::random_hex(8)),
+            names,
+        )?;
         let mut guard = live.vm.lock().await;
-        let vm = guard.as_mut().ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
+        let vm = guard
+            .as_mut()
+            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
         let t = Instant::now();
-        let vm_err = |detail: String| SandboxError::Vm { id: id.to_string(), detail };
-        vm.snapshot(&row.id).await.map_err(|e| vm_err(e.to_string()))?;
+        let vm_err = |detail: String| SandboxError::Vm {
+            id: id.to_string(),
+            detail,
+        };
+        vm.snapshot(&row.id)
+            .await
+            .map_err(|e| vm_err(e.to_string()))?;
         live.renew();
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
-        guest::init(&live.netns, &rec.id, &guest_env(&rec), &rec.envd_access_token, Some(&rec.envd_access_token))
-            .await
-            .map_err(vm_err)?;
+        guest::init(
+            &live.netns,
+            &rec.id,
+            &guest_env(&rec),
+            &rec.envd_access_token,
+            Some(&rec.envd_access_token),
+        )
+        .await
+        .map_err(vm_err)?;
         drop(guard);
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
-        self.event(id, "captured", &format!("{} in {} ms", row.id, t.elapsed().as_millis()));
+        self.event(
+            id,
+            "captured",
+            &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
+        );
         Ok(row)
     }
 
     /// A user snapshot of a running sandbox, restorable by its id.
-    pub async fn snapshot(&self, id: &str, name: Option<String>) -> Result<SnapshotRow, SandboxError> {
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+    ) -> Result<SnapshotRow, SandboxError> {
         let _op = self.lock(id).await;
-        self.capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect()).await
+        self.capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect())
+            .await
     }
 
-    pub fn list_snapshots(&self, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>, SandboxError> {
+    pub fn list_snapshots(
+        &self,
+        sandbox_id: Option<&str>,
+    ) -> Result<Vec<SnapshotRow>, SandboxError> {
         Ok(self.db.list_snapshots(sandbox_id)?)
     }
 
     /// `DELETE /templates/{id}`: a user snapshot, or a template by name.
     pub fn delete_snapshot(&self, id: &str) -> Result<(), SandboxError> {
         if id == crate::templates::DEFAULT_TEMPLATE {
-            return Err(SandboxError::InvalidArgument(format!("template '{id}' is built in")));
+            return Err(SandboxError::InvalidArgument(format!(
+                "template '{id}' is built in"
+            )));
         }
         if !self.db.delete_snapshot(id)? {
             return Err(SandboxError::NotFound(format!("snapshot or template {id}")));
@@ -154,14 +253,24 @@ impl Manager {
 
     /// Capture the sandbox once and start `count` sandboxes from it, all at
     /// once. Each child succeeds or fails on its own.
-    pub async fn fork(&self, id: &str, count: usize, timeout_secs: Option<u64>) -> Result<Vec<ForkResult>, SandboxError> {
+    pub async fn fork(
+        &self,
+        id: &str,
+        count: usize,
+        timeout_secs: Option<u64>,
+    ) -> Result<Vec<ForkResult>, SandboxError> {
         let cap = self.config.max_fork_count;
         if count == 0 || count > cap {
-            return Err(SandboxError::InvalidArgument(format!("count must be between 1 and {cap}, got {count}")));
+            return Err(SandboxError::InvalidArgument(format!(
+                "count must be between 1 and {cap}, got {count}"
+            )));
         }
         if let Some(t) = timeout_secs {
             if t > self.config.max_timeout_secs {
-                return Err(SandboxError::InvalidArgument(format!("timeout must be at most {} seconds", self.config.max_timeout_secs)));
+                return Err(SandboxError::InvalidArgument(format!(
+                    "timeout must be at most {} seconds",
+                    self.config.max_timeout_secs
+                )));
             }
         }
         self.check_capacity(count)?;
@@ -170,10 +279,17 @@ impl Manager {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
         };
-        let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
-            .map_err(|e| SandboxError::Vm { id: id.to_string(), detail: e.to_string() })?;
-        let source =
-            Source { snapshot, snapshot_id: Some(row.id.clone()), previous_token: Some(row.source_token.clone()), template: false };
+        let snapshot =
+            tine_vmm::Snapshot::open(&self.paths, &row.id).map_err(|e| SandboxError::Vm {
+                id: id.to_string(),
+                detail: e.to_string(),
+            })?;
+        let source = Source {
+            snapshot,
+            snapshot_id: Some(row.id.clone()),
+            previous_token: Some(row.source_token.clone()),
+            template: false,
+        };
         let req = CreateRequest {
             template_id: source_rec.template_id.clone(),
             timeout_secs,

@@ -32,7 +32,11 @@ pub async fn init(
     previous_token: Option<&str>,
 ) -> Result<(), String> {
     use sha2::Digest;
-    let machine_id: String = sha2::Sha256::digest(sandbox_id.as_bytes()).iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let machine_id: String = sha2::Sha256::digest(sandbox_id.as_bytes())
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let mut entropy = [0u8; 64];
     getrandom::fill(&mut entropy).map_err(|e| format!("host entropy: {e}"))?;
     let body = serde_json::json!({
@@ -43,17 +47,24 @@ pub async fn init(
         "hostname": sandbox_id,
         "machineId": machine_id,
     });
-    let mut req = Request::post("/init").header("host", "agent").header("content-type", "application/json");
+    let mut req = Request::post("/init")
+        .header("host", "agent")
+        .header("content-type", "application/json");
     if let Some(t) = previous_token {
         req = req.header("x-access-token", t);
     }
-    let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("valid request");
+    let req = req
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("valid request");
     let (status, body) = tokio::time::timeout(CALL_TIMEOUT, guest::request(netns, req))
         .await
         .map_err(|_| "the agent did not answer /init".to_string())?
         .map_err(|e| format!("/init: {e}"))?;
     if !status.is_success() {
-        return Err(format!("/init answered {status}: {}", String::from_utf8_lossy(&body)));
+        return Err(format!(
+            "/init answered {status}: {}",
+            String::from_utf8_lossy(&body)
+        ));
     }
     Ok(())
 }
@@ -99,10 +110,14 @@ pub async fn metrics(netns: &Netns, token: &str) -> Result<Metrics, String> {
     if !status.is_success() {
         return Err(format!("/metrics answered {status}"));
     }
-    let m: AgentMetrics = serde_json::from_slice(&body).map_err(|e| format!("/metrics body: {e}"))?;
-    let ts = time::OffsetDateTime::from_unix_timestamp(m.ts).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let m: AgentMetrics =
+        serde_json::from_slice(&body).map_err(|e| format!("/metrics body: {e}"))?;
+    let ts =
+        time::OffsetDateTime::from_unix_timestamp(m.ts).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     Ok(Metrics {
-        timestamp: ts.format(&time::format_description::well_known::Rfc3339).unwrap_or_default(),
+        timestamp: ts
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
         timestamp_unix: m.ts,
         cpu_count: m.cpu_count,
         cpu_used_pct: m.cpu_used_pct,

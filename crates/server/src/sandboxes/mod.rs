@@ -69,7 +69,8 @@ impl Live {
         self.incarnation.load(std::sync::atomic::Ordering::Relaxed)
     }
     fn renew(&self) {
-        self.incarnation.store(next_incarnation(), std::sync::atomic::Ordering::Relaxed);
+        self.incarnation
+            .store(next_incarnation(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -132,7 +133,11 @@ impl Manager {
                 memory_mib: m.config.default_memory_mb,
                 ..Machine::default()
             };
-            match m.templates.snapshot(crate::templates::DEFAULT_TEMPLATE, machine).await {
+            match m
+                .templates
+                .snapshot(crate::templates::DEFAULT_TEMPLATE, machine)
+                .await
+            {
                 Ok((snap, _)) => m.pool.refill(snap),
                 Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
             }
@@ -146,13 +151,24 @@ impl Manager {
     }
 
     async fn lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let m = self.ops.lock().unwrap_or_else(|e| e.into_inner()).entry(id.to_string()).or_default().clone();
+        let m = self
+            .ops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id.to_string())
+            .or_default()
+            .clone();
         m.lock_owned().await
     }
 
     /// Restore `source` as VM `rec.id` (or run `pooled`, already restored
     /// under that id) and hand the guest its identity.
-    async fn start_vm(&self, rec: &SandboxRecord, source: &Source, pooled: Option<Vm>) -> Result<(Vm, Netns), String> {
+    async fn start_vm(
+        &self,
+        rec: &SandboxRecord,
+        source: &Source,
+        pooled: Option<Vm>,
+    ) -> Result<(Vm, Netns), String> {
         let _slot = self.starts.acquire().await.map_err(|e| e.to_string())?;
         let vm = match pooled {
             Some(mut vm) => match vm.start_restored(None).await {
@@ -162,12 +178,25 @@ impl Manager {
                     return Err(e.to_string());
                 }
             },
-            None => Vm::restore(&self.paths, &rec.id, &source.snapshot, StartOptions::default())
-                .await
-                .map_err(|e| e.to_string())?,
+            None => Vm::restore(
+                &self.paths,
+                &rec.id,
+                &source.snapshot,
+                StartOptions::default(),
+            )
+            .await
+            .map_err(|e| e.to_string())?,
         };
         let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
-        if let Err(e) = guest::init(&netns, &rec.id, &guest_env(rec), &rec.envd_access_token, source.previous_token.as_deref()).await {
+        if let Err(e) = guest::init(
+            &netns,
+            &rec.id,
+            &guest_env(rec),
+            &rec.envd_access_token,
+            source.previous_token.as_deref(),
+        )
+        .await
+        {
             let _ = vm.kill().await;
             return Err(e);
         }
@@ -181,11 +210,17 @@ impl Manager {
             access_token: rec.envd_access_token.clone(),
             incarnation: next_incarnation().into(),
         });
-        self.live.write().unwrap_or_else(|e| e.into_inner()).insert(rec.id.clone(), live);
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(rec.id.clone(), live);
     }
 
     fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
-        self.live.write().unwrap_or_else(|e| e.into_inner()).remove(id)
+        self.live
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)
     }
 
     pub fn db(&self) -> &Db {
@@ -193,7 +228,11 @@ impl Manager {
     }
 
     pub fn live(&self, id: &str) -> Option<Arc<Live>> {
-        self.live.read().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
     }
 
     pub fn live_count(&self) -> usize {
@@ -211,18 +250,31 @@ impl Manager {
         let bad = |m: String| Err(SandboxError::InvalidArgument(m));
         let cpus = req.cpu_count.unwrap_or(c.default_cpu_count);
         if cpus == 0 || cpus > c.max_cpu_count {
-            return bad(format!("cpuCount must be between 1 and {}, got {cpus}", c.max_cpu_count));
+            return bad(format!(
+                "cpuCount must be between 1 and {}, got {cpus}",
+                c.max_cpu_count
+            ));
         }
         let mem = req.memory_mb.unwrap_or(c.default_memory_mb);
         if mem < c.min_memory_mb || mem > c.max_memory_mb {
-            return bad(format!("memoryMB must be between {} and {}, got {mem}", c.min_memory_mb, c.max_memory_mb));
+            return bad(format!(
+                "memoryMB must be between {} and {}, got {mem}",
+                c.min_memory_mb, c.max_memory_mb
+            ));
         }
         if let Some(t) = req.timeout_secs {
             if t > c.max_timeout_secs {
-                return bad(format!("timeout must be at most {} seconds, got {t}", c.max_timeout_secs));
+                return bad(format!(
+                    "timeout must be at most {} seconds, got {t}",
+                    c.max_timeout_secs
+                ));
             }
         }
-        Ok(Machine { vcpus: cpus, memory_mib: mem, ..Machine::default() })
+        Ok(Machine {
+            vcpus: cpus,
+            memory_mib: mem,
+            ..Machine::default()
+        })
     }
 
     fn check_capacity(&self, more: usize) -> Result<(), SandboxError> {
@@ -235,23 +287,48 @@ impl Manager {
 
     /// A template name, or the id of a user snapshot (E2B's
     /// `Sandbox.create(snapshot_id)`), with the machine shape to use.
-    async fn resolve(&self, template_id: &str, machine: Machine) -> Result<(Source, Machine), SandboxError> {
+    async fn resolve(
+        &self,
+        template_id: &str,
+        machine: Machine,
+    ) -> Result<(Source, Machine), SandboxError> {
         if let Some(row) = self.db.get_snapshot(template_id)? {
             if row.kind == crate::db::SnapshotKind::Snapshot {
-                let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id)
-                    .map_err(|e| SandboxError::Vm { id: row.id.clone(), detail: e.to_string() })?;
+                let snapshot = tine_vmm::Snapshot::open(&self.paths, &row.id).map_err(|e| {
+                    SandboxError::Vm {
+                        id: row.id.clone(),
+                        detail: e.to_string(),
+                    }
+                })?;
                 let m = snapshot.meta.machine;
-                let source =
-                    Source { snapshot, snapshot_id: Some(row.id), previous_token: Some(row.source_token), template: false };
+                let source = Source {
+                    snapshot,
+                    snapshot_id: Some(row.id),
+                    previous_token: Some(row.source_token),
+                    template: false,
+                };
                 return Ok((source, m));
             }
         }
         let (snapshot, row) = self.templates.snapshot(template_id, machine).await?;
         let m = snapshot.meta.machine;
-        Ok((Source { snapshot, snapshot_id: Some(row.id), previous_token: None, template: true }, m))
+        Ok((
+            Source {
+                snapshot,
+                snapshot_id: Some(row.id),
+                previous_token: None,
+                template: true,
+            },
+            m,
+        ))
     }
 
-    fn new_record(&self, template_id: &str, machine: Machine, req: &CreateRequest) -> SandboxRecord {
+    fn new_record(
+        &self,
+        template_id: &str,
+        machine: Machine,
+        req: &CreateRequest,
+    ) -> SandboxRecord {
         let now = now_ms();
         let timeout = req.timeout_secs.unwrap_or(self.config.default_timeout_secs);
         SandboxRecord {
@@ -283,7 +360,11 @@ impl Manager {
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
         let mut rec = self.new_record(&req.template_id, machine, &req);
         // Template creates take a pre-restored VM when one is ready.
-        let pooled = if source.template { self.pool.take(&source.snapshot.meta.id) } else { None };
+        let pooled = if source.template {
+            self.pool.take(&source.snapshot.meta.id)
+        } else {
+            None
+        };
         if source.template {
             self.pool.refill(source.snapshot.clone());
         }
@@ -304,12 +385,18 @@ impl Manager {
         let id = rec.id.clone();
         rec.disk_size_mb = disk_size_mb(&source.snapshot.meta.artifacts.rootfs);
         self.db.insert_sandbox(&rec)?;
-        self.db.set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
+        self.db
+            .set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
         self.event(&id, "create", &format!("from {}", source.snapshot.meta.id));
         let (vm, netns) = match self.start_vm(&rec, source, pooled).await {
             Ok(v) => v,
             Err(detail) => {
-                self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Failed, Some(&detail))?;
+                self.db.set_state(
+                    &id,
+                    &[SandboxState::Starting],
+                    SandboxState::Failed,
+                    Some(&detail),
+                )?;
                 self.event(&id, "failed", &detail);
                 self.gc();
                 return Err(SandboxError::Vm { id, detail });
@@ -320,7 +407,8 @@ impl Manager {
         rec.started_at_ms = now_ms();
         rec.end_at_ms = rec.started_at_ms + timeout * 1000;
         self.db.set_times(&id, rec.started_at_ms, rec.end_at_ms)?;
-        self.db.set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
+        self.db
+            .set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
         self.add_live(&rec, vm, netns);
         self.event(&id, "running", "");
@@ -352,7 +440,8 @@ impl Manager {
                 }
             }
         }
-        self.db.set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
+        self.db
+            .set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
         self.event(id, "killed", reason);
         self.gc();
         Ok(())
@@ -422,12 +511,16 @@ impl Manager {
             if expired && auto_pause {
                 if let Err(e) = self.pause(&id).await {
                     tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
-                    let _ = self.kill(&id, &format!("timeout (auto-pause failed: {e})")).await;
+                    let _ = self
+                        .kill(&id, &format!("timeout (auto-pause failed: {e})"))
+                        .await;
                 }
             } else if expired {
                 let _ = self.kill(&id, "timeout").await;
             } else if let Some(status) = died {
-                let _ = self.kill(&id, &format!("VM exited unexpectedly ({status})")).await;
+                let _ = self
+                    .kill(&id, &format!("VM exited unexpectedly ({status})"))
+                    .await;
             }
         }
     }
@@ -442,11 +535,15 @@ impl Manager {
         };
         for rec in self.db.list_sandboxes(&filter)? {
             let adopted = if rec.state == SandboxState::Running {
-                Vm::adopt(&self.paths, &rec.id).await.map_err(|e| e.to_string())
+                Vm::adopt(&self.paths, &rec.id)
+                    .await
+                    .map_err(|e| e.to_string())
             } else {
                 Err("the server stopped while it was starting".to_string())
             };
-            match adopted.and_then(|vm| Ok((vm.netns().try_clone().map_err(|e| e.to_string())?, vm))) {
+            match adopted
+                .and_then(|vm| Ok((vm.netns().try_clone().map_err(|e| e.to_string())?, vm)))
+            {
                 // (VM directories that belong to no sandbox are removed below.)
                 Ok((netns, vm)) => {
                     self.add_live(&rec, vm, netns);
@@ -456,7 +553,8 @@ impl Manager {
                 Err(detail) => {
                     tine_vmm::vm::cleanup(&self.paths, &rec.id).await;
                     let why = format!("lost across a server restart: {detail}");
-                    self.db.set_state(&rec.id, &[rec.state], SandboxState::Killed, Some(&why))?;
+                    self.db
+                        .set_state(&rec.id, &[rec.state], SandboxState::Killed, Some(&why))?;
                     self.event(&rec.id, "killed", &why);
                     tracing::warn!(sandbox = %rec.id, "{why}");
                 }
@@ -466,8 +564,13 @@ impl Manager {
         let _ = std::fs::remove_dir_all(self.paths.shm_dir.join("snapshots"));
         // VMs no sandbox owns: a previous run's warm pool, template builds
         // or creates that were cut short.
-        let owned: std::collections::HashSet<String> =
-            self.live.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        let owned: std::collections::HashSet<String> = self
+            .live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
         let pooled = self.pool.ids();
         for id in tine_vmm::vm::list(&self.paths) {
             if !owned.contains(&id) && !pooled.contains(&id) {
@@ -489,10 +592,15 @@ impl Manager {
     /// Usage of a live sandbox, from its agent.
     pub async fn metrics(&self, id: &str) -> Result<guest::Metrics, SandboxError> {
         let rec = self.get(id)?;
-        let live = self.live(id).ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
+        let live = self
+            .live(id)
+            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
         guest::metrics(&live.netns, &rec.envd_access_token)
             .await
-            .map_err(|detail| SandboxError::Vm { id: id.to_string(), detail })
+            .map_err(|detail| SandboxError::Vm {
+                id: id.to_string(),
+                detail,
+            })
     }
 }
 
@@ -508,5 +616,7 @@ fn guest_env(rec: &SandboxRecord) -> BTreeMap<String, String> {
 }
 
 fn disk_size_mb(image: &std::path::Path) -> u32 {
-    std::fs::metadata(image).map(|m| (m.len() >> 20) as u32).unwrap_or(0)
+    std::fs::metadata(image)
+        .map(|m| (m.len() >> 20) as u32)
+        .unwrap_or(0)
 }

@@ -60,7 +60,9 @@ impl SandboxState {
         use SandboxState::*;
         matches!(
             (self, to),
-            (Starting, Running | Failed | Killed) | (Running, Paused | Killed) | (Paused, Running | Killed)
+            (Starting, Running | Failed | Killed)
+                | (Running, Paused | Killed)
+                | (Paused, Running | Killed)
         )
     }
 }

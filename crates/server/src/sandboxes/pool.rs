@@ -23,7 +23,12 @@ pub struct WarmPool {
 
 impl WarmPool {
     pub fn new(size: usize, paths: Paths) -> Self {
-        Self { size, paths, ready: Mutex::new(HashMap::new()), filling: Mutex::new(HashSet::new()) }
+        Self {
+            size,
+            paths,
+            ready: Mutex::new(HashMap::new()),
+            filling: Mutex::new(HashSet::new()),
+        }
     }
 
     /// A paused, loaded VM of `snapshot_id`, if one is ready (pooled VMs
@@ -41,7 +46,11 @@ impl WarmPool {
     }
 
     fn count(&self, snapshot_id: &str) -> usize {
-        self.ready.lock().unwrap_or_else(|e| e.into_inner()).get(snapshot_id).map_or(0, Vec::len)
+        self.ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(snapshot_id)
+            .map_or(0, Vec::len)
     }
 
     /// Top the pool of `snapshot` up to its size, in the background.
@@ -50,7 +59,12 @@ impl WarmPool {
             return;
         }
         let key = snapshot.meta.id.clone();
-        if !self.filling.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone()) {
+        if !self
+            .filling
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone())
+        {
             return; // a refill of this snapshot is already running
         }
         let pool = self.clone();
@@ -58,14 +72,23 @@ impl WarmPool {
             while pool.count(&key) < pool.size {
                 let id = crate::ids::sandbox_id();
                 match warm(&pool.paths, &id, &snapshot).await {
-                    Ok(vm) => pool.ready.lock().unwrap_or_else(|e| e.into_inner()).entry(key.clone()).or_default().push(vm),
+                    Ok(vm) => pool
+                        .ready
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(key.clone())
+                        .or_default()
+                        .push(vm),
                     Err(e) => {
                         tracing::warn!(snapshot = %key, "warm pool: restore failed: {e}");
                         break;
                     }
                 }
             }
-            pool.filling.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+            pool.filling
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
         });
     }
 
@@ -73,7 +96,13 @@ impl WarmPool {
     ///
     /// (Pooled VMs are paused: they use no CPU while they wait.)
     pub async fn drain(&self) {
-        let all: Vec<Vm> = self.ready.lock().unwrap_or_else(|e| e.into_inner()).drain().flat_map(|(_, v)| v).collect();
+        let all: Vec<Vm> = self
+            .ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
         for vm in all {
             let _ = vm.kill().await;
         }

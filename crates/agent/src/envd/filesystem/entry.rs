@@ -45,10 +45,16 @@ pub struct Names {
 
 impl Names {
     fn user(&mut self, uid: u32) -> String {
-        self.users.entry(uid).or_insert_with(|| user_name(uid)).clone()
+        self.users
+            .entry(uid)
+            .or_insert_with(|| user_name(uid))
+            .clone()
     }
     fn group(&mut self, gid: u32) -> String {
-        self.groups.entry(gid).or_insert_with(|| group_name(gid)).clone()
+        self.groups
+            .entry(gid)
+            .or_insert_with(|| group_name(gid))
+            .clone()
     }
 }
 
@@ -113,17 +119,29 @@ pub fn entry_from_meta(path: &Path, meta: &Metadata, names: &mut Names) -> Entry
     let is_symlink = meta.file_type().is_symlink();
     let (file_type, symlink_target) = if is_symlink {
         let target = std::fs::read_link(path).ok().map(|t| {
-            let abs = if t.is_absolute() { t } else { path.parent().unwrap_or(Path::new("/")).join(t) };
+            let abs = if t.is_absolute() {
+                t
+            } else {
+                path.parent().unwrap_or(Path::new("/")).join(t)
+            };
             crate::envd::user::normalize(&abs)
         });
-        let target_type = std::fs::metadata(path).map(|m| kind(m.file_type())).unwrap_or(FILE_TYPE_SYMLINK);
+        let target_type = std::fs::metadata(path)
+            .map(|m| kind(m.file_type()))
+            .unwrap_or(FILE_TYPE_SYMLINK);
         (target_type, target.map(|t| t.display().to_string()))
     } else {
         (kind(meta.file_type()), None)
     };
-    let modified = meta.modified().map(crate::envd::time::format_system_time).unwrap_or_else(|_| crate::envd::time::format_rfc3339(0, 0));
+    let modified = meta
+        .modified()
+        .map(crate::envd::time::format_system_time)
+        .unwrap_or_else(|_| crate::envd::time::format_rfc3339(0, 0));
     EntryInfo {
-        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into()),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into()),
         file_type,
         path: path.display().to_string(),
         size: meta.len().to_string(),
@@ -133,7 +151,11 @@ pub fn entry_from_meta(path: &Path, meta: &Metadata, names: &mut Names) -> Entry
         group: names.group(meta.gid()),
         modified_time: modified,
         symlink_target,
-        metadata: if is_symlink { BTreeMap::new() } else { crate::envd::xattr::read_metadata(path) },
+        metadata: if is_symlink {
+            BTreeMap::new()
+        } else {
+            crate::envd::xattr::read_metadata(path)
+        },
         is_symlink,
     }
 }
@@ -167,7 +189,10 @@ mod tests {
         std::os::unix::fs::symlink("a.txt", &l).unwrap();
         let e = entry_info(&l, &mut names).unwrap();
         assert!(e.is_symlink);
-        assert_eq!(e.file_type, FILE_TYPE_FILE, "a symlink reports its target's type");
+        assert_eq!(
+            e.file_type, FILE_TYPE_FILE,
+            "a symlink reports its target's type"
+        );
         assert_eq!(e.symlink_target.as_deref(), Some(f.to_str().unwrap()));
         assert!(e.permissions.starts_with('L'));
         let json = serde_json::to_value(&e).unwrap();
@@ -176,7 +201,15 @@ mod tests {
 
         let dangling = dir.path().join("dangling");
         std::os::unix::fs::symlink("/nonexistent/x", &dangling).unwrap();
-        assert_eq!(entry_info(&dangling, &mut names).unwrap().file_type, FILE_TYPE_SYMLINK);
-        assert_eq!(entry_info(&dir.path().join("missing"), &mut names).unwrap_err().code(), tine_connect::Code::NotFound);
+        assert_eq!(
+            entry_info(&dangling, &mut names).unwrap().file_type,
+            FILE_TYPE_SYMLINK
+        );
+        assert_eq!(
+            entry_info(&dir.path().join("missing"), &mut names)
+                .unwrap_err()
+                .code(),
+            tine_connect::Code::NotFound
+        );
     }
 }

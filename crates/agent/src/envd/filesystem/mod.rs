@@ -11,8 +11,8 @@ use axum::body::Body;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
 
-pub use self::watch::Watchers;
 use self::entry::{entry_info, EntryInfo, Names};
+pub use self::watch::Watchers;
 use super::error::{EnvdError, Result};
 use super::rpc::{Ctx, Wire};
 use super::user::run_as;
@@ -61,7 +61,9 @@ pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> 
         "ListDir" => wire.unary_response(unary(ctx, wire, body, list_dir).await),
         "Remove" => wire.unary_response(unary(ctx, wire, body, remove).await),
         "CreateWatcher" => wire.unary_response(unary(ctx, wire, body, watch::create_watcher).await),
-        "GetWatcherEvents" => wire.unary_response(unary(ctx, wire, body, watch::get_watcher_events).await),
+        "GetWatcherEvents" => {
+            wire.unary_response(unary(ctx, wire, body, watch::get_watcher_events).await)
+        }
         "RemoveWatcher" => wire.unary_response(unary(ctx, wire, body, watch::remove_watcher).await),
         "WatchDir" => match ctx {
             Ok(ctx) => match wire.read_stream_request(body).await {
@@ -91,22 +93,33 @@ pub fn resolve(ctx: &Ctx, path: &str) -> Result<PathBuf> {
     if path.is_empty() {
         return Err(EnvdError::InvalidArgument("path is empty".into()));
     }
-    ctx.user.resolve(path, ctx.envd.defaults().workdir.as_deref())
+    ctx.user
+        .resolve(path, ctx.envd.defaults().workdir.as_deref())
 }
 
 async fn stat(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
     let path = resolve(&ctx, &req.path)?;
-    run_as(&ctx.user, move || Ok(EntryResponse { entry: entry_info(&path, &mut Names::default())? })).await
+    run_as(&ctx.user, move || {
+        Ok(EntryResponse {
+            entry: entry_info(&path, &mut Names::default())?,
+        })
+    })
+    .await
 }
 
 async fn make_dir(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
     let path = resolve(&ctx, &req.path)?;
     run_as(&ctx.user, move || {
         if std::fs::symlink_metadata(&path).is_ok() {
-            return Err(EnvdError::AlreadyExists(format!("{} already exists", path.display())));
+            return Err(EnvdError::AlreadyExists(format!(
+                "{} already exists",
+                path.display()
+            )));
         }
         std::fs::create_dir_all(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
-        Ok(EntryResponse { entry: entry_info(&path, &mut Names::default())? })
+        Ok(EntryResponse {
+            entry: entry_info(&path, &mut Names::default())?,
+        })
     })
     .await
 }
@@ -119,8 +132,12 @@ async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
         }
-        std::fs::rename(&src, &dst).map_err(|e| EnvdError::io(&e, format!("moving {} to {}", src.display(), dst.display())))?;
-        Ok(EntryResponse { entry: entry_info(&dst, &mut Names::default())? })
+        std::fs::rename(&src, &dst).map_err(|e| {
+            EnvdError::io(&e, format!("moving {} to {}", src.display(), dst.display()))
+        })?;
+        Ok(EntryResponse {
+            entry: entry_info(&dst, &mut Names::default())?,
+        })
     })
     .await
 }
@@ -128,8 +145,13 @@ async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
 async fn remove(ctx: Ctx, req: PathRequest) -> Result<Empty> {
     let path = resolve(&ctx, &req.path)?;
     run_as(&ctx.user, move || {
-        let meta = std::fs::symlink_metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
-        let r = if meta.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+        let meta =
+            std::fs::symlink_metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        let r = if meta.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
         r.map_err(|e| EnvdError::io(&e, path.display()))?;
         Ok(Empty {})
     })
@@ -143,7 +165,10 @@ async fn list_dir(ctx: Ctx, req: ListDirRequest) -> Result<ListDirResponse> {
         // A symlink to a directory lists the directory.
         let meta = std::fs::metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
         if !meta.is_dir() {
-            return Err(EnvdError::InvalidArgument(format!("path {} is not a directory", path.display())));
+            return Err(EnvdError::InvalidArgument(format!(
+                "path {} is not a directory",
+                path.display()
+            )));
         }
         let mut entries = Vec::new();
         walk(&path, depth, &mut Names::default(), &mut entries)?;
@@ -161,7 +186,9 @@ fn walk(dir: &Path, depth: u32, names: &mut Names, out: &mut Vec<EntryInfo>) -> 
     children.sort_by_key(|e| e.file_name());
     for child in children {
         let path = child.path();
-        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
         out.push(entry::entry_from_meta(&path, &meta, names));
         if depth > 1 && meta.is_dir() {
             let _ = walk(&path, depth - 1, names, out);

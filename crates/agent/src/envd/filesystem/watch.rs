@@ -94,8 +94,17 @@ fn event_type(mask: EventMask) -> Option<&'static str> {
 /// Filesystems whose events inotify cannot see reliably.
 #[allow(clippy::unnecessary_cast)] // f_type's integer type differs between libcs
 fn is_network_fs(path: &Path) -> bool {
-    const NETWORK: [i64; 6] = [0x6969, 0x517B, 0xFF53_4D42u32 as i64, 0xFE53_4D42u32 as i64, 0x6573_5546, 0x0102_1997];
-    nix::sys::statfs::statfs(path).map(|s| NETWORK.contains(&(s.filesystem_type().0 as i64))).unwrap_or(false)
+    const NETWORK: [i64; 6] = [
+        0x6969,
+        0x517B,
+        0xFF53_4D42u32 as i64,
+        0xFE53_4D42u32 as i64,
+        0x6573_5546,
+        0x0102_1997,
+    ];
+    nix::sys::statfs::statfs(path)
+        .map(|s| NETWORK.contains(&(s.filesystem_type().0 as i64)))
+        .unwrap_or(false)
 }
 
 /// One inotify instance over a directory (and its subdirectories).
@@ -116,19 +125,37 @@ impl DirWatch {
         run_as(&ctx.user, move || {
             let meta = std::fs::metadata(&check).map_err(|e| EnvdError::io(&e, check.display()))?;
             if !meta.is_dir() {
-                return Err(EnvdError::InvalidArgument(format!("path {} is not a directory", check.display())));
+                return Err(EnvdError::InvalidArgument(format!(
+                    "path {} is not a directory",
+                    check.display()
+                )));
             }
             std::fs::read_dir(&check).map_err(|e| EnvdError::io(&e, check.display()))?;
             Ok(())
         })
         .await?;
         if !req.allow_network_mounts && is_network_fs(&root) {
-            return Err(EnvdError::InvalidArgument(format!("{} is on a network filesystem; set allow_network_mounts to watch it", root.display())));
+            return Err(EnvdError::InvalidArgument(format!(
+                "{} is on a network filesystem; set allow_network_mounts to watch it",
+                root.display()
+            )));
         }
         let inotify = Inotify::init().map_err(|e| EnvdError::Internal(format!("inotify: {e}")))?;
-        let stream = inotify.into_event_stream(vec![0u8; 64 << 10]).map_err(|e| EnvdError::Internal(format!("inotify: {e}")))?;
-        let mut w = DirWatch { root: root.clone(), recursive: req.recursive, include_entry: req.include_entry, watches: stream.watches(), dirs: HashMap::new(), stream };
-        let wd = w.watches.add(&root, MASK).map_err(|e| EnvdError::io(&e, root.display()))?;
+        let stream = inotify
+            .into_event_stream(vec![0u8; 64 << 10])
+            .map_err(|e| EnvdError::Internal(format!("inotify: {e}")))?;
+        let mut w = DirWatch {
+            root: root.clone(),
+            recursive: req.recursive,
+            include_entry: req.include_entry,
+            watches: stream.watches(),
+            dirs: HashMap::new(),
+            stream,
+        };
+        let wd = w
+            .watches
+            .add(&root, MASK)
+            .map_err(|e| EnvdError::io(&e, root.display()))?;
         w.dirs.insert(wd, root.clone());
         if w.recursive {
             w.add_tree(&root);
@@ -138,7 +165,9 @@ impl DirWatch {
 
     /// Watches every directory under `dir` (best effort).
     fn add_tree(&mut self, dir: &Path) {
-        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
         for child in rd.flatten() {
             if child.file_type().map(|t| t.is_dir()).unwrap_or(false) {
                 let p = child.path();
@@ -155,7 +184,9 @@ impl DirWatch {
         loop {
             let ev = match self.stream.next().await {
                 Some(Ok(ev)) => ev,
-                Some(Err(e)) => return Err(EnvdError::Internal(format!("reading inotify events: {e}"))),
+                Some(Err(e)) => {
+                    return Err(EnvdError::Internal(format!("reading inotify events: {e}")))
+                }
                 None => return Err(EnvdError::Internal("inotify stream ended".into())),
             };
             if ev.mask.contains(EventMask::Q_OVERFLOW) {
@@ -166,7 +197,9 @@ impl DirWatch {
                 self.dirs.remove(&ev.wd);
                 continue;
             }
-            let Some(dir) = self.dirs.get(&ev.wd).cloned() else { continue };
+            let Some(dir) = self.dirs.get(&ev.wd).cloned() else {
+                continue;
+            };
             let full = match &ev.name {
                 Some(n) => dir.join(n),
                 None => dir.clone(),
@@ -175,17 +208,37 @@ impl DirWatch {
             if ev.mask.contains(EventMask::DELETE_SELF) && dir != self.root {
                 continue;
             }
-            if self.recursive && ev.mask.contains(EventMask::ISDIR) && ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO) {
+            if self.recursive
+                && ev.mask.contains(EventMask::ISDIR)
+                && ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO)
+            {
                 if let Ok(wd) = self.watches.add(&full, MASK) {
                     self.dirs.insert(wd, full.clone());
                     self.add_tree(&full);
                 }
             }
-            let Some(event_type) = event_type(ev.mask) else { continue };
-            let name = full.strip_prefix(&self.root).map(|p| p.to_path_buf()).unwrap_or_default();
-            let name = if name.as_os_str().is_empty() { OsString::new() } else { name.into_os_string() };
-            let entry = if self.include_entry { entry_info(&full, &mut Names::default()).ok() } else { None };
-            return Ok(vec![FilesystemEvent { name: name.to_string_lossy().into_owned(), event_type, entry }]);
+            let Some(event_type) = event_type(ev.mask) else {
+                continue;
+            };
+            let name = full
+                .strip_prefix(&self.root)
+                .map(|p| p.to_path_buf())
+                .unwrap_or_default();
+            let name = if name.as_os_str().is_empty() {
+                OsString::new()
+            } else {
+                name.into_os_string()
+            };
+            let entry = if self.include_entry {
+                entry_info(&full, &mut Names::default()).ok()
+            } else {
+                None
+            };
+            return Ok(vec![FilesystemEvent {
+                name: name.to_string_lossy().into_owned(),
+                event_type,
+                entry,
+            }]);
         }
     }
 }
@@ -198,7 +251,9 @@ pub async fn watch_dir(ctx: Ctx, wire: &Wire, req: WatchRequest) -> Response {
         Err(e) => return wire.stream_error(e),
     };
     let (tx, resp) = wire.stream_response();
-    let keepalive = ctx.keepalive.unwrap_or(Duration::from_secs(3600 * 24 * 365));
+    let keepalive = ctx
+        .keepalive
+        .unwrap_or(Duration::from_secs(3600 * 24 * 365));
     let deadline = ctx.timeout.map(|d| tokio::time::Instant::now() + d);
     tokio::spawn(async move {
         let send = |m: WatchDirResponse| {
@@ -343,13 +398,23 @@ pub async fn create_watcher(ctx: Ctx, req: WatchRequest) -> Result<CreateWatcher
 }
 
 fn find(ctx: &Ctx, id: &str) -> Result<Arc<Watcher>> {
-    ctx.envd.watchers.lock().get(id).cloned().ok_or_else(|| EnvdError::NotFound(format!("watcher {id:?} not found")))
+    ctx.envd
+        .watchers
+        .lock()
+        .get(id)
+        .cloned()
+        .ok_or_else(|| EnvdError::NotFound(format!("watcher {id:?} not found")))
 }
 
 pub async fn get_watcher_events(ctx: Ctx, req: WatcherRequest) -> Result<GetWatcherEventsResponse> {
     let w = find(&ctx, &req.watcher_id)?;
     *w.last_poll.lock().unwrap_or_else(|e| e.into_inner()) = tokio::time::Instant::now();
-    let events: Vec<_> = w.events.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+    let events: Vec<_> = w
+        .events
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain(..)
+        .collect();
     if events.is_empty() {
         if let Some(e) = w.error.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             return Err(e);
@@ -359,7 +424,12 @@ pub async fn get_watcher_events(ctx: Ctx, req: WatcherRequest) -> Result<GetWatc
 }
 
 pub async fn remove_watcher(ctx: Ctx, req: WatcherRequest) -> Result<Empty> {
-    let w = ctx.envd.watchers.lock().remove(&req.watcher_id).ok_or_else(|| EnvdError::NotFound(format!("watcher {:?} not found", req.watcher_id)))?;
+    let w = ctx
+        .envd
+        .watchers
+        .lock()
+        .remove(&req.watcher_id)
+        .ok_or_else(|| EnvdError::NotFound(format!("watcher {:?} not found", req.watcher_id)))?;
     w.task.abort();
     Ok(Empty {})
 }
@@ -371,7 +441,10 @@ mod tests {
     #[test]
     fn masks_map_like_fsnotify() {
         assert_eq!(event_type(EventMask::CREATE), Some("EVENT_TYPE_CREATE"));
-        assert_eq!(event_type(EventMask::MOVED_TO | EventMask::ISDIR), Some("EVENT_TYPE_CREATE"));
+        assert_eq!(
+            event_type(EventMask::MOVED_TO | EventMask::ISDIR),
+            Some("EVENT_TYPE_CREATE")
+        );
         assert_eq!(event_type(EventMask::MODIFY), Some("EVENT_TYPE_WRITE"));
         assert_eq!(event_type(EventMask::DELETE), Some("EVENT_TYPE_REMOVE"));
         assert_eq!(event_type(EventMask::MOVED_FROM), Some("EVENT_TYPE_RENAME"));
@@ -381,8 +454,21 @@ mod tests {
 
     #[test]
     fn responses_serialize_as_oneofs() {
-        let ev = WatchDirResponse::Filesystem(FilesystemEvent { name: "a/b".into(), event_type: "EVENT_TYPE_CREATE", entry: None });
-        assert_eq!(serde_json::to_string(&EventWrapper { event: &ev }).unwrap(), r#"{"filesystem":{"name":"a/b","type":"EVENT_TYPE_CREATE"}}"#);
-        assert_eq!(serde_json::to_string(&EventWrapper { event: &WatchDirResponse::Start {} }).unwrap(), r#"{"start":{}}"#);
+        let ev = WatchDirResponse::Filesystem(FilesystemEvent {
+            name: "a/b".into(),
+            event_type: "EVENT_TYPE_CREATE",
+            entry: None,
+        });
+        assert_eq!(
+            serde_json::to_string(&EventWrapper { event: &ev }).unwrap(),
+            r#"{"filesystem":{"name":"a/b","type":"EVENT_TYPE_CREATE"}}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&EventWrapper {
+                event: &WatchDirResponse::Start {}
+            })
+            .unwrap(),
+            r#"{"start":{}}"#
+        );
     }
 }

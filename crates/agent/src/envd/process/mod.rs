@@ -45,25 +45,48 @@ pub struct Process {
 
 impl Process {
     fn info(&self) -> ProcessInfo {
-        ProcessInfo { config: self.config.clone(), pid: self.pid, tag: self.tag.clone() }
+        ProcessInfo {
+            config: self.config.clone(),
+            pid: self.pid,
+            tag: self.tag.clone(),
+        }
     }
 
     async fn write_input(&self, input: ProcessInput) -> Result<()> {
-        let closed = || EnvdError::FailedPrecondition(format!("stdin of process {} is closed or was not enabled", self.pid));
+        let closed = || {
+            EnvdError::FailedPrecondition(format!(
+                "stdin of process {} is closed or was not enabled",
+                self.pid
+            ))
+        };
         if let Some(data) = input.pty {
-            let pty = self.pty.as_ref().ok_or_else(|| EnvdError::FailedPrecondition(format!("process {} has no PTY", self.pid)))?;
-            return pty.write_all(&data).await.map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")));
+            let pty = self.pty.as_ref().ok_or_else(|| {
+                EnvdError::FailedPrecondition(format!("process {} has no PTY", self.pid))
+            })?;
+            return pty
+                .write_all(&data)
+                .await
+                .map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")));
         }
-        let Some(data) = input.stdin else { return Ok(()) };
+        let Some(data) = input.stdin else {
+            return Ok(());
+        };
         let mut guard = self.stdin.lock().await;
         match guard.as_mut().ok_or_else(closed)? {
             Stdin::Pipe(pipe) => {
                 use tokio::io::AsyncWriteExt;
-                pipe.write_all(&data).await.map_err(|e| EnvdError::FailedPrecondition(format!("writing stdin: {e}")))
+                pipe.write_all(&data)
+                    .await
+                    .map_err(|e| EnvdError::FailedPrecondition(format!("writing stdin: {e}")))
             }
             Stdin::Pty => {
                 drop(guard);
-                self.pty.as_ref().ok_or_else(closed)?.write_all(&data).await.map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")))
+                self.pty
+                    .as_ref()
+                    .ok_or_else(closed)?
+                    .write_all(&data)
+                    .await
+                    .map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")))
             }
         }
     }
@@ -73,7 +96,8 @@ impl Process {
         let pid = Pid::from_raw(self.pid as i32);
         // The whole process group (the child leads its own), else the child.
         if nix::sys::signal::killpg(pid, sig).is_err() {
-            nix::sys::signal::kill(pid, sig).map_err(|e| EnvdError::Internal(format!("signal {sig} to {}: {e}", self.pid)))?;
+            nix::sys::signal::kill(pid, sig)
+                .map_err(|e| EnvdError::Internal(format!("signal {sig} to {}: {e}", self.pid)))?;
         }
         Ok(())
     }
@@ -91,16 +115,22 @@ impl Table {
     }
 
     fn find(&self, sel: Option<&ProcessSelector>) -> Result<Arc<Process>> {
-        let sel = sel.ok_or_else(|| EnvdError::InvalidArgument("process selector is missing".into()))?;
+        let sel =
+            sel.ok_or_else(|| EnvdError::InvalidArgument("process selector is missing".into()))?;
         let procs = self.lock();
         match (sel.pid, &sel.tag) {
-            (Some(pid), _) => procs.get(&pid).cloned().ok_or_else(|| EnvdError::NotFound(format!("process with pid {pid} not found"))),
+            (Some(pid), _) => procs
+                .get(&pid)
+                .cloned()
+                .ok_or_else(|| EnvdError::NotFound(format!("process with pid {pid} not found"))),
             (None, Some(tag)) => procs
                 .values()
                 .find(|p| p.tag.as_deref() == Some(tag))
                 .cloned()
                 .ok_or_else(|| EnvdError::NotFound(format!("process with tag {tag:?} not found"))),
-            (None, None) => Err(EnvdError::InvalidArgument("process selector needs a pid or a tag".into())),
+            (None, None) => Err(EnvdError::InvalidArgument(
+                "process selector needs a pid or a tag".into(),
+            )),
         }
     }
 }
@@ -126,7 +156,12 @@ pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> 
             Ok(ctx) => stream_input(ctx, wire, body).await,
             Err(e) => wire.stream_error(e),
         },
-        "List" => wire.unary_response(unary(ctx, wire, body, |ctx, _: serde_json::Value| async move { Ok(list(&ctx)) }).await),
+        "List" => wire.unary_response(
+            unary(ctx, wire, body, |ctx, _: serde_json::Value| async move {
+                Ok(list(&ctx))
+            })
+            .await,
+        ),
         "SendInput" => wire.unary_response(unary(ctx, wire, body, send_input).await),
         "SendSignal" => wire.unary_response(unary(ctx, wire, body, send_signal).await),
         "CloseStdin" => wire.unary_response(unary(ctx, wire, body, close_stdin).await),
@@ -148,7 +183,13 @@ where
 }
 
 fn list(ctx: &Ctx) -> ListResponse {
-    let mut processes: Vec<ProcessInfo> = ctx.envd.processes.lock().values().map(|p| p.info()).collect();
+    let mut processes: Vec<ProcessInfo> = ctx
+        .envd
+        .processes
+        .lock()
+        .values()
+        .map(|p| p.info())
+        .collect();
     processes.sort_by_key(|p| p.pid);
     ListResponse { processes }
 }
@@ -164,7 +205,13 @@ async fn send_signal(ctx: Ctx, req: SendSignalRequest) -> Result<Empty> {
     let num = req
         .signal
         .as_ref()
-        .and_then(|s| s.resolve(&[("SIGNAL_UNSPECIFIED", 0), ("SIGNAL_SIGTERM", 15), ("SIGNAL_SIGKILL", 9)]))
+        .and_then(|s| {
+            s.resolve(&[
+                ("SIGNAL_UNSPECIFIED", 0),
+                ("SIGNAL_SIGTERM", 15),
+                ("SIGNAL_SIGKILL", 9),
+            ])
+        })
         .ok_or_else(|| EnvdError::InvalidArgument("unknown or missing signal".into()))?;
     let sig = i32::try_from(num)
         .ok()
@@ -182,7 +229,9 @@ async fn close_stdin(ctx: Ctx, req: SelectorRequest) -> Result<Empty> {
         // A terminal has no end of input; send the EOF character instead.
         drop(stdin);
         if let Some(pty) = &proc.pty {
-            pty.write_all(&[4]).await.map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")))?;
+            pty.write_all(&[4])
+                .await
+                .map_err(|e| EnvdError::Internal(format!("writing to the PTY: {e}")))?;
         }
         return Ok(Empty {});
     }
@@ -192,10 +241,16 @@ async fn close_stdin(ctx: Ctx, req: SelectorRequest) -> Result<Empty> {
 
 async fn update(ctx: Ctx, req: UpdateRequest) -> Result<Empty> {
     let proc = ctx.envd.processes.find(req.process.as_ref())?;
-    let Some(size) = req.pty.and_then(|p| p.size) else { return Ok(Empty {}) };
-    let pty = proc.pty.as_ref().ok_or_else(|| EnvdError::FailedPrecondition(format!("process {} has no PTY", proc.pid)))?;
+    let Some(size) = req.pty.and_then(|p| p.size) else {
+        return Ok(Empty {});
+    };
+    let pty = proc
+        .pty
+        .as_ref()
+        .ok_or_else(|| EnvdError::FailedPrecondition(format!("process {} has no PTY", proc.pid)))?;
     let (cols, rows) = pty_dims(size)?;
-    pty.resize(cols, rows).map_err(|e| EnvdError::Internal(format!("resizing the PTY: {e}")))?;
+    pty.resize(cols, rows)
+        .map_err(|e| EnvdError::Internal(format!("resizing the PTY: {e}")))?;
     Ok(Empty {})
 }
 
@@ -204,7 +259,10 @@ fn pty_dims(size: PtySize) -> Result<(u16, u16)> {
     let rows = u16::try_from(size.rows).ok().filter(|r| *r > 0);
     match (cols, rows) {
         (Some(c), Some(r)) => Ok((c, r)),
-        _ => Err(EnvdError::InvalidArgument(format!("invalid PTY size {}x{}", size.cols, size.rows))),
+        _ => Err(EnvdError::InvalidArgument(format!(
+            "invalid PTY size {}x{}",
+            size.cols, size.rows
+        ))),
     }
 }
 
@@ -234,7 +292,13 @@ fn connect(ctx: Ctx, wire: &Wire, req: SelectorRequest) -> Response {
 
 /// Sends `start`, the output, `end` and the end-of-stream to one client.
 /// `deadline` bounds this stream only (the process keeps running).
-async fn pump_events(tx: StreamTx, pid: u32, mut sub: output::Subscriber, keepalive: Option<Duration>, deadline: Option<Duration>) {
+async fn pump_events(
+    tx: StreamTx,
+    pid: u32,
+    mut sub: output::Subscriber,
+    keepalive: Option<Duration>,
+    deadline: Option<Duration>,
+) {
     let send = |ev: ProcessEvent| {
         let tx = &tx;
         async move { tx.send(&EventResponse { event: &ev }).await }
@@ -276,7 +340,10 @@ async fn pump_events(tx: StreamTx, pid: u32, mut sub: output::Subscriber, keepal
                     return;
                 }
                 let result = if ended.deadline_exceeded {
-                    Err(EnvdError::DeadlineExceeded("process deadline exceeded (Connect-Timeout-Ms): the process was killed".into()))
+                    Err(EnvdError::DeadlineExceeded(
+                        "process deadline exceeded (Connect-Timeout-Ms): the process was killed"
+                            .into(),
+                    ))
                 } else {
                     Ok(())
                 };
@@ -288,7 +355,9 @@ async fn pump_events(tx: StreamTx, pid: u32, mut sub: output::Subscriber, keepal
 }
 
 fn spawn_process(ctx: &Ctx, req: StartRequest) -> Result<Arc<Process>> {
-    let config = req.process.ok_or_else(|| EnvdError::InvalidArgument("process config is missing".into()))?;
+    let config = req
+        .process
+        .ok_or_else(|| EnvdError::InvalidArgument("process config is missing".into()))?;
     let pty_size = match &req.pty {
         Some(p) => Some(pty_dims(p.size.unwrap_or(PtySize { cols: 80, rows: 24 }))?),
         None => None,
@@ -296,10 +365,18 @@ fn spawn_process(ctx: &Ctx, req: StartRequest) -> Result<Arc<Process>> {
     let defaults = ctx.envd.defaults();
     let cwd = match &config.cwd {
         Some(c) if !c.is_empty() => ctx.user.resolve(c, defaults.workdir.as_deref())?,
-        _ => defaults.workdir.clone().unwrap_or_else(|| ctx.user.home.clone()),
+        _ => defaults
+            .workdir
+            .clone()
+            .unwrap_or_else(|| ctx.user.home.clone()),
     };
     let mut env = ctx.user.login_env();
-    env.extend(defaults.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.extend(
+        defaults
+            .env_vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
     env.extend(config.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
     let spawned = spawn::spawn(spawn::Spec {
         cmd: config.cmd.clone(),
@@ -331,15 +408,32 @@ fn spawn_process(ctx: &Ctx, req: StartRequest) -> Result<Arc<Process>> {
     let (exited_tx, exited_rx) = watch::channel(false);
     let mut readers = Vec::new();
     if let Some(r) = spawned.stdout {
-        readers.push(tokio::spawn(pump_pipe(r, Source::Stdout, output.clone(), exited_rx.clone())));
+        readers.push(tokio::spawn(pump_pipe(
+            r,
+            Source::Stdout,
+            output.clone(),
+            exited_rx.clone(),
+        )));
     }
     if let Some(r) = spawned.stderr {
-        readers.push(tokio::spawn(pump_pipe(r, Source::Stderr, output.clone(), exited_rx.clone())));
+        readers.push(tokio::spawn(pump_pipe(
+            r,
+            Source::Stderr,
+            output.clone(),
+            exited_rx.clone(),
+        )));
     }
     if let Some(pty) = spawned.pty {
         readers.push(tokio::spawn(pump_pty(pty, output.clone(), exited_rx)));
     }
-    tokio::spawn(supervise(ctx.envd.clone(), proc.clone(), exit, exited_tx, readers, ctx.timeout));
+    tokio::spawn(supervise(
+        ctx.envd.clone(),
+        proc.clone(),
+        exit,
+        exited_tx,
+        readers,
+        ctx.timeout,
+    ));
     Ok(proc)
 }
 
@@ -377,15 +471,28 @@ async fn supervise(
             status: exit.status_string(),
             error: (exit != crate::reaper::Exit::Code(0)).then(|| exit.status_string()),
         },
-        Err(_) => EndEvent { exit_code: -1, exited: false, status: "unknown".into(), error: Some("exit status lost".into()) },
+        Err(_) => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "unknown".into(),
+            error: Some("exit status lost".into()),
+        },
     };
     tracing::debug!(pid = proc.pid, status = %event.status, "process ended");
     envd.processes.lock().remove(&proc.pid);
     proc.stdin.lock().await.take();
-    proc.output.finish(Ended { event, deadline_exceeded });
+    proc.output.finish(Ended {
+        event,
+        deadline_exceeded,
+    });
 }
 
-async fn pump_pipe(pipe: tokio::net::unix::pipe::Receiver, source: Source, output: Arc<Output>, mut exited: watch::Receiver<bool>) {
+async fn pump_pipe(
+    pipe: tokio::net::unix::pipe::Receiver,
+    source: Source,
+    output: Arc<Output>,
+    mut exited: watch::Receiver<bool>,
+) {
     let mut buf = vec![0u8; READ_CHUNK];
     loop {
         tokio::select! {
@@ -464,7 +571,9 @@ async fn stream_input(ctx: Ctx, wire: &Wire, body: Body) -> Response {
             if let Some(start) = msg.start {
                 proc = Some(ctx.envd.processes.find(start.process.as_ref())?);
             } else if let Some(data) = msg.data {
-                let p = proc.as_ref().ok_or_else(|| EnvdError::InvalidArgument("data before start in StreamInput".into()))?;
+                let p = proc.as_ref().ok_or_else(|| {
+                    EnvdError::InvalidArgument("data before start in StreamInput".into())
+                })?;
                 p.write_input(data.input.unwrap_or_default()).await?;
             }
         }

@@ -145,9 +145,17 @@ impl Output {
     fn detach_blockers(&self) {
         let mut st = self.lock();
         let first = st.first_seq;
-        let stuck: Vec<u64> = st.cursors.iter().filter(|(_, c)| **c <= first).map(|(id, _)| *id).collect();
+        let stuck: Vec<u64> = st
+            .cursors
+            .iter()
+            .filter(|(_, c)| **c <= first)
+            .map(|(id, _)| *id)
+            .collect();
         for id in stuck {
-            tracing::warn!(subscriber = id, "detaching an output stream that stopped reading");
+            tracing::warn!(
+                subscriber = id,
+                "detaching an output stream that stopped reading"
+            );
             st.cursors.remove(&id);
             st.lagged.insert(id);
         }
@@ -169,7 +177,11 @@ impl Output {
         let start = st.first_seq;
         st.cursors.insert(id, start);
         drop(st);
-        Subscriber { output: self.clone(), id, produced: self.produced.subscribe() }
+        Subscriber {
+            output: self.clone(),
+            id,
+            produced: self.produced.subscribe(),
+        }
     }
 }
 
@@ -190,7 +202,12 @@ impl Subscriber {
                     return Item::Lagged;
                 }
                 let first = st.first_seq;
-                let cursor = st.cursors.get(&self.id).copied().unwrap_or(first).max(first);
+                let cursor = st
+                    .cursors
+                    .get(&self.id)
+                    .copied()
+                    .unwrap_or(first)
+                    .max(first);
                 let idx = (cursor - first) as usize;
                 if let Some((source, data)) = st.chunks.get(idx).cloned() {
                     st.cursors.insert(self.id, cursor + 1);
@@ -225,7 +242,15 @@ mod tests {
     use super::*;
 
     fn end() -> Ended {
-        Ended { event: EndEvent { exit_code: 0, exited: true, status: "exit status 0".into(), error: None }, deadline_exceeded: false }
+        Ended {
+            event: EndEvent {
+                exit_code: 0,
+                exited: true,
+                status: "exit status 0".into(),
+                error: None,
+            },
+            deadline_exceeded: false,
+        }
     }
 
     #[tokio::test]
@@ -252,7 +277,11 @@ mod tests {
             let out = out.clone();
             tokio::spawn(async move {
                 for i in 0..1000u32 {
-                    let src = if i % 2 == 0 { Source::Stdout } else { Source::Stderr };
+                    let src = if i % 2 == 0 {
+                        Source::Stdout
+                    } else {
+                        Source::Stderr
+                    };
                     out.push(src, Bytes::from(i.to_be_bytes().to_vec())).await;
                 }
                 out.finish(end());
@@ -286,10 +315,16 @@ mod tests {
         let mut stuck = out.subscribe();
         let mut reader = out.subscribe();
         out.push(Source::Stdout, Bytes::from_static(b"1234")).await;
-        assert_eq!(reader.next().await, Item::Data(Source::Stdout, Bytes::from_static(b"1234")));
+        assert_eq!(
+            reader.next().await,
+            Item::Data(Source::Stdout, Bytes::from_static(b"1234"))
+        );
         // `stuck` never reads: after STALL_LIMIT (virtual time) the push goes on.
         out.push(Source::Stdout, Bytes::from_static(b"5678")).await;
-        assert_eq!(reader.next().await, Item::Data(Source::Stdout, Bytes::from_static(b"5678")));
+        assert_eq!(
+            reader.next().await,
+            Item::Data(Source::Stdout, Bytes::from_static(b"5678"))
+        );
         assert_eq!(stuck.next().await, Item::Lagged);
     }
 
@@ -307,6 +342,9 @@ mod tests {
         drop(sub);
         blocked.await.unwrap();
         let mut late = out.subscribe();
-        assert_eq!(late.next().await, Item::Data(Source::Stdout, Bytes::from_static(b"5678")));
+        assert_eq!(
+            late.next().await,
+            Item::Data(Source::Stdout, Bytes::from_static(b"5678"))
+        );
     }
 }

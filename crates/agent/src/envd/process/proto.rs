@@ -166,10 +166,26 @@ mod tests {
     #[test]
     fn events_serialize_as_oneofs() {
         let j = |e: &ProcessEvent| serde_json::to_string(&EventResponse { event: e }).unwrap();
-        assert_eq!(j(&ProcessEvent::Start { pid: 7 }), r#"{"event":{"start":{"pid":7}}}"#);
-        assert_eq!(j(&ProcessEvent::Data(DataEvent::Stdout(bytes::Bytes::from_static(b"hi\n")))), r#"{"event":{"data":{"stdout":"aGkK"}}}"#);
-        assert_eq!(j(&ProcessEvent::Keepalive {}), r#"{"event":{"keepalive":{}}}"#);
-        let end = EndEvent { exit_code: -1, exited: false, status: "signal: killed".into(), error: Some("signal: killed".into()) };
+        assert_eq!(
+            j(&ProcessEvent::Start { pid: 7 }),
+            r#"{"event":{"start":{"pid":7}}}"#
+        );
+        assert_eq!(
+            j(&ProcessEvent::Data(DataEvent::Stdout(
+                bytes::Bytes::from_static(b"hi\n")
+            ))),
+            r#"{"event":{"data":{"stdout":"aGkK"}}}"#
+        );
+        assert_eq!(
+            j(&ProcessEvent::Keepalive {}),
+            r#"{"event":{"keepalive":{}}}"#
+        );
+        let end = EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "signal: killed".into(),
+            error: Some("signal: killed".into()),
+        };
         assert_eq!(
             j(&ProcessEvent::End(end)),
             r#"{"event":{"end":{"exitCode":-1,"exited":false,"status":"signal: killed","error":"signal: killed"}}}"#
@@ -178,12 +194,18 @@ mod tests {
 
     #[test]
     fn requests_parse_like_the_sdks_send_them() {
-        let r: StartRequest = serde_json::from_str(r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"]},"stdin":false}"#).unwrap();
+        let r: StartRequest = serde_json::from_str(
+            r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"]},"stdin":false}"#,
+        )
+        .unwrap();
         assert_eq!(r.process.unwrap().args[2], "echo hi");
-        let r: SendInputRequest = serde_json::from_str(r#"{"process":{"pid":"12"},"input":{"pty":"aGk="}}"#).unwrap();
+        let r: SendInputRequest =
+            serde_json::from_str(r#"{"process":{"pid":"12"},"input":{"pty":"aGk="}}"#).unwrap();
         assert_eq!(r.process.unwrap().pid, Some(12));
         assert_eq!(r.input.unwrap().pty.unwrap(), b"hi");
-        let r: UpdateRequest = serde_json::from_str(r#"{"process":{"tag":"t"},"pty":{"size":{"cols":80,"rows":24}}}"#).unwrap();
+        let r: UpdateRequest =
+            serde_json::from_str(r#"{"process":{"tag":"t"},"pty":{"size":{"cols":80,"rows":24}}}"#)
+                .unwrap();
         assert_eq!(r.pty.unwrap().size.unwrap().rows, 24);
     }
 }

@@ -37,7 +37,9 @@ pub struct Spawned {
 }
 
 fn is_executable(p: &Path) -> bool {
-    std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+    std::fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
 }
 
 /// Finds `cmd` like `execvp` would, so that a missing program is an error
@@ -51,15 +53,24 @@ fn resolve_program(cmd: &str, env: &[(String, String)]) -> Result<PathBuf> {
         return if is_executable(&p) {
             Ok(p)
         } else {
-            Err(EnvdError::InvalidArgument(format!("executable {cmd:?} not found or not executable")))
+            Err(EnvdError::InvalidArgument(format!(
+                "executable {cmd:?} not found or not executable"
+            )))
         };
     }
-    let path = env.iter().rev().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str()).unwrap_or(crate::envd::user::DEFAULT_PATH);
+    let path = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or(crate::envd::user::DEFAULT_PATH);
     path.split(':')
         .filter(|d| !d.is_empty())
         .map(|d| Path::new(d).join(cmd))
         .find(|p| is_executable(p))
-        .ok_or_else(|| EnvdError::InvalidArgument(format!("executable file {cmd:?} not found in $PATH")))
+        .ok_or_else(|| {
+            EnvdError::InvalidArgument(format!("executable file {cmd:?} not found in $PATH"))
+        })
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -69,10 +80,17 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 pub fn spawn(spec: Spec) -> Result<Spawned> {
     let program = resolve_program(&spec.cmd, &spec.env)?;
     if !spec.cwd.is_dir() {
-        return Err(EnvdError::InvalidArgument(format!("cwd {:?} does not exist or is not a directory", spec.cwd)));
+        return Err(EnvdError::InvalidArgument(format!(
+            "cwd {:?} does not exist or is not a directory",
+            spec.cwd
+        )));
     }
     let mut cmd = Command::new(&program);
-    cmd.arg0(&spec.cmd).args(&spec.args).env_clear().envs(spec.env.iter().cloned()).current_dir(&spec.cwd);
+    cmd.arg0(&spec.cmd)
+        .args(&spec.args)
+        .env_clear()
+        .envs(spec.env.iter().cloned())
+        .current_dir(&spec.cwd);
 
     let mut parent_stdin = None;
     let mut parent_out = None;
@@ -84,7 +102,9 @@ pub fn spawn(spec: Spec) -> Result<Spawned> {
         cmd.stdin(Stdio::from(slave.try_clone().map_err(start_err)?));
         cmd.stdout(Stdio::from(slave.try_clone().map_err(start_err)?));
         cmd.stderr(Stdio::from(slave));
-        pty = Some(std::sync::Arc::new(PtyMaster::new(master).map_err(start_err)?));
+        pty = Some(std::sync::Arc::new(
+            PtyMaster::new(master).map_err(start_err)?,
+        ));
     } else {
         if spec.stdin {
             let (r, w) = pipe().map_err(start_err)?;
@@ -117,7 +137,9 @@ pub fn spawn(spec: Spec) -> Result<Spawned> {
                 return Err(io::Error::last_os_error());
             }
             if switch
-                && (libc::setgroups(groups.len(), groups.as_ptr()) < 0 || libc::setgid(gid) < 0 || libc::setuid(uid) < 0)
+                && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                    || libc::setgid(gid) < 0
+                    || libc::setuid(uid) < 0)
             {
                 return Err(io::Error::last_os_error());
             }
@@ -138,9 +160,18 @@ pub fn spawn(spec: Spec) -> Result<Spawned> {
     let to_async = |e: io::Error| EnvdError::Internal(format!("registering pipes: {e}"));
     Ok(Spawned {
         pid,
-        stdin: parent_stdin.map(tokio::net::unix::pipe::Sender::from_owned_fd).transpose().map_err(to_async)?,
-        stdout: parent_out.map(tokio::net::unix::pipe::Receiver::from_owned_fd).transpose().map_err(to_async)?,
-        stderr: parent_err.map(tokio::net::unix::pipe::Receiver::from_owned_fd).transpose().map_err(to_async)?,
+        stdin: parent_stdin
+            .map(tokio::net::unix::pipe::Sender::from_owned_fd)
+            .transpose()
+            .map_err(to_async)?,
+        stdout: parent_out
+            .map(tokio::net::unix::pipe::Receiver::from_owned_fd)
+            .transpose()
+            .map_err(to_async)?,
+        stderr: parent_err
+            .map(tokio::net::unix::pipe::Receiver::from_owned_fd)
+            .transpose()
+            .map_err(to_async)?,
         pty,
     })
 }
@@ -151,7 +182,12 @@ fn open_pty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
     nix::pty::grantpt(&master)?;
     nix::pty::unlockpt(&master)?;
     let name = nix::pty::ptsname_r(&master)?;
-    let slave: OwnedFd = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOCTTY).open(name)?.into();
+    let slave: OwnedFd = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOCTTY)
+        .open(name)?
+        .into();
     // SAFETY: `into_raw_fd` hands over the only owner of a valid open fd.
     let master = unsafe { OwnedFd::from_raw_fd(master.into_raw_fd()) };
     set_winsize(&master, cols, rows)?;
@@ -159,7 +195,12 @@ fn open_pty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 fn set_winsize(fd: &impl AsFd, cols: u16, rows: u16) -> io::Result<()> {
-    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     // SAFETY: TIOCSWINSZ reads one `winsize` from the valid pointer.
     if unsafe { libc::ioctl(fd.as_fd().as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
         return Err(io::Error::last_os_error());
@@ -180,7 +221,10 @@ impl PtyMaster {
         // SAFETY: `fd` is an open OwnedFd that the AsyncFd owns from here on,
         // so it stays the same open file description for its whole life.
         let fd = unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)?;
-        Ok(PtyMaster { fd, write_lock: tokio::sync::Mutex::new(()) })
+        Ok(PtyMaster {
+            fd,
+            write_lock: tokio::sync::Mutex::new(()),
+        })
     }
 
     /// Non-blocking read; `Ok(0)` once the child side is gone (`EIO`).
@@ -202,7 +246,8 @@ impl PtyMaster {
         let _serial = self.write_lock.lock().await;
         while !data.is_empty() {
             let mut guard = self.fd.writable().await?;
-            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), data).map_err(io::Error::from)) {
+            match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), data).map_err(io::Error::from))
+            {
                 Ok(Ok(n)) => data = &data[n..],
                 Ok(Err(e)) => return Err(e),
                 Err(_would_block) => continue,
