@@ -11,8 +11,32 @@ use tine_vmm::{Artifacts, Error, Machine, Paths, Snapshot, StartOptions, Vm, VmS
 
 const T: Duration = Duration::from_secs(60);
 
+/// Removes whatever VMs a test left in its data dir when it ends, also
+/// when it panicked (QEMU processes outlive the test process otherwise).
+struct Reap(PathBuf);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let pids = qemu_processes_under(&self.0);
+        for pid in pids {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+        }
+        for entry in std::fs::read_dir(self.0.join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = format!("tine-{}", entry.file_name().to_string_lossy());
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "delete", &name])
+                .status();
+        }
+    }
+}
+
 /// Artifacts from the real data dir; VMs and snapshots in a temp dir.
-fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts) {
+fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts, Reap) {
     let real = Paths::from_env();
     let artifacts = real.current_artifacts();
     artifacts.resolve().unwrap_or_else(|e| {
@@ -28,7 +52,9 @@ fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts) {
         data_dir: data.path().to_path_buf(),
         shm_dir: shm.path().to_path_buf(),
     };
-    (data, shm, paths, artifacts)
+    let reap = Reap(data.path().to_path_buf());
+    // Last in the tuple, so it is dropped first, before the dirs go.
+    (data, shm, paths, artifacts, reap)
 }
 
 fn machine() -> Machine {
@@ -89,7 +115,7 @@ fn assert_gone(paths: &Paths, ids: &[String]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn boot_snapshot_clone_kill() {
-    let (_d, _s, paths, artifacts) = setup();
+    let (_d, _s, paths, artifacts, _reap) = setup();
     let src_id = uniq("src");
     let mut src = Vm::boot(
         &paths,
@@ -266,7 +292,7 @@ fn paths_real_release() -> PathBuf {
 
 #[tokio::test]
 async fn missing_artifacts_are_named() {
-    let (_d, _s, paths, artifacts) = setup();
+    let (_d, _s, paths, artifacts, _reap) = setup();
     let mut bad = artifacts.clone();
     bad.kernel = PathBuf::from("/nonexistent/vmlinuz");
     let id = uniq("mk");
@@ -298,7 +324,7 @@ async fn missing_artifacts_are_named() {
 
 #[tokio::test]
 async fn a_vm_that_dies_during_boot_says_why() {
-    let (_d, _s, paths, artifacts) = setup();
+    let (_d, _s, paths, artifacts, _reap) = setup();
     // The agent cannot find its root disk: it reports that on the console
     // and powers the VM off.
     let id = uniq("die");
@@ -322,7 +348,7 @@ async fn a_vm_that_dies_during_boot_says_why() {
 
 #[tokio::test]
 async fn damaged_snapshots_are_refused_clearly() {
-    let (_d, _s, paths, _artifacts) = setup();
+    let (_d, _s, paths, _artifacts, _reap) = setup();
     // Unknown snapshot.
     let err = Snapshot::open(&paths, "nope").err().expect("must fail");
     assert!(err.to_string().contains("meta.json"), "{err}");
