@@ -122,46 +122,46 @@ pub struct ExecOutput {
     pub status: String,
 }
 
-/// Run `cmd` with `bash -l -c` as `user` through the agent's
-/// `process.Process/Start` (the call `commands.run` of the E2B SDK makes),
-/// collecting its output until it ends or `timeout` passes.
-pub async fn exec(
-    netns: &Netns,
+/// The request the E2B SDK's `commands.run(cmd)` makes: `bash -l -c cmd`
+/// as `user` through `process.Process/Start`, with `timeout` as the
+/// process deadline and the sandbox's access token if it has one.
+pub fn start_request(
     user: &str,
     cmd: &str,
+    token: Option<&str>,
     timeout: Duration,
-) -> Result<ExecOutput, String> {
+) -> Request<Full<Bytes>> {
     use base64::Engine as _;
-    let b64 = base64::engine::general_purpose::STANDARD;
     let body = tine_connect::encode_message(&serde_json::json!({
         "process": { "cmd": "/bin/bash", "args": ["-l", "-c", cmd] },
         "stdin": false,
     }))
-    .map_err(|e| e.to_string())?;
-    let req = Request::post("/process.Process/Start")
+    .expect("a json! value serializes");
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
+    let mut req = Request::post("/process.Process/Start")
         .header("host", "agent")
         .header("content-type", tine_connect::CONTENT_TYPE_STREAM_JSON)
         .header(
             tine_connect::HEADER_TIMEOUT_MS,
             timeout.as_millis().to_string(),
         )
-        .header(
-            "authorization",
-            format!("Basic {}", b64.encode(format!("{user}:"))),
-        )
-        .body(Full::new(body))
-        .expect("request is valid");
-    let (status, body) =
-        tokio::time::timeout(timeout + Duration::from_secs(5), request(netns, req))
-            .await
-            .map_err(|_| format!("no answer within {timeout:?}"))?
-            .map_err(|e| format!("request failed: {e}"))?;
+        .header("authorization", format!("Basic {basic}"));
+    if let Some(t) = token {
+        req = req.header("x-access-token", t);
+    }
+    req.body(Full::new(body)).expect("request is valid")
+}
+
+/// Decode the answer to [`start_request`]: the process's output and end.
+pub fn parse_start_response(status: StatusCode, body: &[u8]) -> Result<ExecOutput, String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
     if status != StatusCode::OK {
-        let err = tine_connect::Error::from_unary_response(status.as_u16(), &body);
+        let err = tine_connect::Error::from_unary_response(status.as_u16(), body);
         return Err(format!("HTTP {status}: {err}"));
     }
     let mut decoder = tine_connect::Decoder::new(64 << 20);
-    decoder.push(&body);
+    decoder.push(body);
     let mut out = ExecOutput::default();
     let mut ended = false;
     while let Some(frame) = decoder.next_frame().map_err(|e| e.to_string())? {
@@ -192,4 +192,22 @@ pub async fn exec(
         return Err("the process stream ended without an end event".into());
     }
     Ok(out)
+}
+
+/// Run `cmd` with `bash -l -c` as `user` through the agent's
+/// `process.Process/Start` (the call `commands.run` of the E2B SDK makes),
+/// collecting its output until it ends or `timeout` passes.
+pub async fn exec(
+    netns: &Netns,
+    user: &str,
+    cmd: &str,
+    timeout: Duration,
+) -> Result<ExecOutput, String> {
+    let req = start_request(user, cmd, None, timeout);
+    let (status, body) =
+        tokio::time::timeout(timeout + Duration::from_secs(5), request(netns, req))
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|e| format!("request failed: {e}"))?;
+    parse_start_response(status, &body)
 }
