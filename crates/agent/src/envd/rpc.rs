@@ -399,6 +399,24 @@ impl ClientStream {
 
 /// The error answer of a unary call (JSON `{code, message}` and the code's
 /// HTTP status; 415 for a content type we do not speak).
+/// A unary call: the caller's context (or why there is none), the decoded
+/// request, then `f`.
+pub async fn unary<Req, Resp, F, Fut>(
+    ctx: Result<Ctx>,
+    wire: &Wire,
+    body: Body,
+    f: F,
+) -> Result<Resp>
+where
+    Req: DeserializeOwned,
+    F: FnOnce(Ctx, Req) -> Fut,
+    Fut: std::future::Future<Output = Result<Resp>>,
+{
+    let ctx = ctx?;
+    let req = wire.read_unary(body).await?;
+    f(ctx, req).await
+}
+
 pub fn unary_error(err: &EnvdError) -> Response {
     if let EnvdError::UnsupportedMediaType(_) = err {
         return (StatusCode::UNSUPPORTED_MEDIA_TYPE, err.to_string()).into_response();

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use self::entry::{entry_info, EntryInfo, Names};
 pub use self::watch::Watchers;
 use super::error::{EnvdError, Result};
-use super::rpc::{Ctx, Wire};
+use super::rpc::{unary, Ctx, Wire};
 use super::user::run_as;
 
 #[derive(Debug, Default, Deserialize)]
@@ -75,17 +75,6 @@ pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> 
         _ => return None,
     };
     Some(resp)
-}
-
-async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, wire: &Wire, body: Body, f: F) -> Result<Resp>
-where
-    Req: serde::de::DeserializeOwned,
-    F: FnOnce(Ctx, Req) -> Fut,
-    Fut: std::future::Future<Output = Result<Resp>>,
-{
-    let ctx = ctx?;
-    let req = wire.read_unary(body).await?;
-    f(ctx, req).await
 }
 
 /// Resolves a request path for the caller; an empty path is refused.

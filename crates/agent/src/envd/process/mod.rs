@@ -18,7 +18,7 @@ use self::output::{Ended, Item, Output, Source};
 use self::proto::*;
 use self::spawn::PtyMaster;
 use super::error::{EnvdError, Result};
-use super::rpc::{Ctx, StreamTx, Wire};
+use super::rpc::{unary, Ctx, StreamTx, Wire};
 
 /// Output kept per process for clients that attach later or read slowly.
 const OUTPUT_BUFFER: usize = 1 << 20;
@@ -169,17 +169,6 @@ pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> 
         _ => return None,
     };
     Some(resp)
-}
-
-async fn unary<Req, Resp, F, Fut>(ctx: Result<Ctx>, wire: &Wire, body: Body, f: F) -> Result<Resp>
-where
-    Req: serde::de::DeserializeOwned,
-    F: FnOnce(Ctx, Req) -> Fut,
-    Fut: std::future::Future<Output = Result<Resp>>,
-{
-    let ctx = ctx?;
-    let req = wire.read_unary(body).await?;
-    f(ctx, req).await
 }
 
 fn list(ctx: &Ctx) -> ListResponse {
