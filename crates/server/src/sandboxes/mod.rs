@@ -167,10 +167,15 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         source: &Source,
-        pooled: Option<Vm>,
+        pooled: Option<pool::Pooled>,
     ) -> Result<(Vm, Netns), String> {
         let _slot = self.starts.acquire().await.map_err(|e| e.to_string())?;
-        let vm = match pooled {
+        // A pooled guest holds the token of its warm-up `/init`.
+        let previous_token = match &pooled {
+            Some(p) => Some(p.token.clone()),
+            None => source.previous_token.clone(),
+        };
+        let vm = match pooled.map(|p| p.vm) {
             Some(mut vm) => match vm.start_restored(None).await {
                 Ok(()) => vm,
                 Err(e) => {
@@ -193,7 +198,7 @@ impl Manager {
             &rec.id,
             &guest_env(rec),
             &rec.envd_access_token,
-            source.previous_token.as_deref(),
+            previous_token.as_deref(),
         )
         .await
         {
@@ -368,8 +373,8 @@ impl Manager {
         if source.template {
             self.pool.refill(source.snapshot.clone());
         }
-        if let Some(vm) = &pooled {
-            rec.id = vm.id().to_string();
+        if let Some(p) = &pooled {
+            rec.id = p.vm.id().to_string();
         }
         self.launch(rec, &source, req.timeout_secs, pooled).await
     }
@@ -380,7 +385,7 @@ impl Manager {
         mut rec: SandboxRecord,
         source: &Source,
         timeout_secs: Option<u64>,
-        pooled: Option<Vm>,
+        pooled: Option<pool::Pooled>,
     ) -> Result<SandboxRecord, SandboxError> {
         let id = rec.id.clone();
         rec.disk_size_mb = disk_size_mb(&source.snapshot.meta.artifacts.rootfs);

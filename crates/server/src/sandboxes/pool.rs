@@ -1,11 +1,12 @@
 //! The warm pool: per template snapshot, a few VMs restored ahead of time
 //! (namespace, overlay, QEMU process, device state), run until their agent
-//! answered once (under TCG that fills QEMU's translation cache, which a
-//! fresh restore pays for on its first reply), then paused again. A create
-//! runs the vCPUs, checks the agent and hands the guest its identity
-//! (`/init`: clock, entropy, token, env): the reseed still happens on the
-//! create path, only the restore has moved off it. Taken VMs are replaced
-//! in the background.
+//! answered a `/init` of their own (under TCG that fills QEMU's translation
+//! cache for those code paths, which a fresh restore pays for on its first
+//! calls), then paused again. A create runs the vCPUs, checks the agent and
+//! hands the guest its real identity with another `/init` (clock, entropy,
+//! token, env, host name): the reseed still happens on the create path,
+//! only the restore and the warm-up have moved off it. Taken VMs are
+//! replaced in the background.
 //! Each pooled VM already carries the sandbox id it will be created under
 //! (ids name namespaces and directories).
 
@@ -14,10 +15,17 @@ use std::sync::{Arc, Mutex};
 
 use tine_vmm::{Paths, Snapshot, Vm};
 
+/// A pooled VM and the access token its warm-up `/init` gave it (needed to
+/// replace it).
+pub struct Pooled {
+    pub vm: Vm,
+    pub token: String,
+}
+
 pub struct WarmPool {
     size: usize,
     paths: Paths,
-    ready: Mutex<HashMap<String, Vec<Vm>>>,
+    ready: Mutex<HashMap<String, Vec<Pooled>>>,
     filling: Mutex<HashSet<String>>,
 }
 
@@ -33,14 +41,14 @@ impl WarmPool {
 
     /// A paused, loaded VM of `snapshot_id`, if one is ready (pooled VMs
     /// whose QEMU died are dropped; their files go at the next start).
-    pub fn take(&self, snapshot_id: &str) -> Option<Vm> {
+    pub fn take(&self, snapshot_id: &str) -> Option<Pooled> {
         let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
         let vms = ready.get_mut(snapshot_id)?;
-        while let Some(vm) = vms.pop() {
-            if vm.exit_status().is_none() {
-                return Some(vm);
+        while let Some(p) = vms.pop() {
+            if p.vm.exit_status().is_none() {
+                return Some(p);
             }
-            tracing::warn!(vm = vm.id(), "warm pool: a pooled VM died");
+            tracing::warn!(vm = p.vm.id(), "warm pool: a pooled VM died");
         }
         None
     }
@@ -96,15 +104,15 @@ impl WarmPool {
     ///
     /// (Pooled VMs are paused: they use no CPU while they wait.)
     pub async fn drain(&self) {
-        let all: Vec<Vm> = self
+        let all: Vec<Pooled> = self
             .ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .drain()
             .flat_map(|(_, v)| v)
             .collect();
-        for vm in all {
-            let _ = vm.kill().await;
+        for p in all {
+            let _ = p.vm.kill().await;
         }
     }
 
@@ -115,21 +123,25 @@ impl WarmPool {
             .unwrap_or_else(|e| e.into_inner())
             .values()
             .flatten()
-            .map(|vm| vm.id().to_string())
+            .map(|p| p.vm.id().to_string())
             .collect()
     }
 }
 
-/// Restore, run until the agent answers, pause.
-async fn warm(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Vm, tine_vmm::Error> {
-    let mut vm = Vm::restore_paused(paths, id, snapshot).await?;
+/// Restore, run until the agent answered a `/init`, pause.
+async fn warm(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Pooled, String> {
+    let mut vm = Vm::restore_paused(paths, id, snapshot)
+        .await
+        .map_err(|e| e.to_string())?;
+    let token = crate::ids::random_hex(24);
     let warmed = async {
-        vm.start_restored(None).await?;
-        vm.pause().await
+        vm.start_restored(None).await.map_err(|e| e.to_string())?;
+        super::guest::init(vm.netns(), id, &Default::default(), &token, None).await?;
+        vm.pause().await.map_err(|e| e.to_string())
     }
     .await;
     match warmed {
-        Ok(()) => Ok(vm),
+        Ok(()) => Ok(Pooled { vm, token }),
         Err(e) => {
             let _ = vm.kill().await;
             Err(e)
