@@ -119,7 +119,12 @@ def test_fork_children_share_state_and_diverge(fresh):
         timeout=0,
     )
     wait_for_file(s, "/tmp/held")
-    held = s.files.read("/tmp/held")
+    held = ""
+    deadline = time.time() + 30
+    while not held and time.time() < deadline:  # created before it is written
+        held = s.files.read("/tmp/held")
+        time.sleep(0.1)
+    assert len(held) == 8
 
     n = 4
     kids = s.fork(count=n, timeout=600)
