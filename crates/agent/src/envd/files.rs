@@ -164,17 +164,7 @@ async fn upload(
     let headers = req.headers().clone();
     let user = authorize(&envd, &headers, &q, "write")?;
     let metadata = metadata_headers(&headers)?;
-    let media = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            v.split(';')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase()
-        })
-        .unwrap_or_default();
+    let media = super::rpc::media_type(&headers);
     let written = match media.as_str() {
         "multipart/form-data" => upload_multipart(&envd, &user, q.path.as_deref(), &metadata, req).await?,
         "application/octet-stream" => {

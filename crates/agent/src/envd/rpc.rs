@@ -80,7 +80,8 @@ pub fn basic_auth_user(headers: &HeaderMap) -> Result<Option<String>> {
     Ok(Some(name.to_string()))
 }
 
-fn media_type(headers: &HeaderMap) -> String {
+/// The media type of `Content-Type`, lower case, without parameters.
+pub fn media_type(headers: &HeaderMap) -> String {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

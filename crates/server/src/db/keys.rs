@@ -26,6 +26,17 @@ pub struct NewKey {
     pub plaintext: String,
 }
 
+/// An `ApiKey` from a row of `id, name, prefix, created_ms, revoked_ms`.
+fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
+    Ok(ApiKey {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        prefix: r.get(2)?,
+        created_ms: r.get(3)?,
+        revoked_ms: r.get(4)?,
+    })
+}
+
 fn hash(key: &str) -> String {
     Sha256::digest(key.as_bytes())
         .iter()
@@ -63,15 +74,7 @@ impl Db {
             .query_row(
                 "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys WHERE hash = ?1 AND revoked_ms IS NULL",
                 [hash(plaintext)],
-                |r| {
-                    Ok(ApiKey {
-                        id: r.get(0)?,
-                        name: r.get(1)?,
-                        prefix: r.get(2)?,
-                        created_ms: r.get(3)?,
-                        revoked_ms: r.get(4)?,
-                    })
-                },
+                key_from_row,
             )
             .optional()?)
     }
@@ -81,15 +84,7 @@ impl Db {
         let mut stmt = conn.prepare(
             "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys ORDER BY created_ms",
         )?;
-        let rows = stmt.query_map([], |r| {
-            Ok(ApiKey {
-                id: r.get(0)?,
-                name: r.get(1)?,
-                prefix: r.get(2)?,
-                created_ms: r.get(3)?,
-                revoked_ms: r.get(4)?,
-            })
-        })?;
+        let rows = stmt.query_map([], key_from_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
