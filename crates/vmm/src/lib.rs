@@ -18,6 +18,7 @@ pub mod netns;
 pub mod process;
 pub mod qemu;
 pub mod qmp;
+pub mod ram;
 pub mod snapshot;
 pub mod vm;
 

@@ -1,0 +1,219 @@
+//! Guest RAM of snapshots as a root file plus page layers.
+//!
+//! A snapshot of a booted VM holds its whole RAM as a file (the root). A
+//! snapshot of a VM restored from another snapshot holds only a *layer*:
+//! the pages that differ from its parent's RAM. A VM restored from a chain
+//! maps the root file MAP_PRIVATE (so all VMs of one root share its pages
+//! in the host page cache) and gets the chain's pages written into its
+//! mapping before it runs.
+//!
+//! Capturing a layer costs a pagemap scan (8 bytes per guest page) plus
+//! reading the pages the VM has made private and the parent chain's pages,
+//! and writing the ones that differ: it grows with what the guest changed,
+//! not with its RAM size. Long chains are merged by [`Chain::write_merged`].
+
+pub mod guest_ram;
+pub mod layer;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub use guest_ram::GuestRam;
+use layer::{Layer, LayerWriter, PageData, PAGE};
+
+/// Consecutive pages moved per system call.
+const RUN: usize = 256;
+
+/// The RAM of a snapshot: its root file and its layers, root-first.
+pub struct Chain {
+    root: File,
+    layers: Vec<Layer>,
+    /// The topmost layer holding each page.
+    top: BTreeMap<u64, (usize, PageData)>,
+}
+
+impl Chain {
+    /// Open `root` and `layers` (root-first); each layer must describe RAM
+    /// of the root's size.
+    pub fn open(root: &Path, layers: &[PathBuf]) -> io::Result<Self> {
+        let root_file = File::open(root)?;
+        let ram_bytes = root_file.metadata()?.len();
+        let mut opened = Vec::with_capacity(layers.len());
+        let mut top = BTreeMap::new();
+        for (i, path) in layers.iter().enumerate() {
+            let layer = Layer::open(path).map_err(|e| {
+                io::Error::new(e.kind(), format!("RAM layer {}: {e}", path.display()))
+            })?;
+            if layer.ram_bytes() != ram_bytes {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "RAM layer {} is for {} bytes of RAM, its root has {ram_bytes}",
+                        path.display(),
+                        layer.ram_bytes()
+                    ),
+                ));
+            }
+            for &(page, data) in layer.entries() {
+                top.insert(page, (i, data));
+            }
+            opened.push(layer);
+        }
+        Ok(Self {
+            root: root_file,
+            layers: opened,
+            top,
+        })
+    }
+
+    /// Pages some layer holds, ascending.
+    pub fn pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.top.keys().copied()
+    }
+
+    pub fn page_count(&self) -> usize {
+        self.top.len()
+    }
+
+    /// The page's contents under this chain.
+    pub fn read(&self, page: u64, buf: &mut [u8]) -> io::Result<()> {
+        match self.top.get(&page) {
+            Some(&(layer, data)) => self.layers[layer].read(data, buf),
+            None => self.root.read_exact_at(buf, page * PAGE as u64),
+        }
+    }
+
+    /// Write every layered page into `ram` (a VM that maps the root file
+    /// and has not run yet). Returns the pages written.
+    pub fn apply(&self, ram: &GuestRam) -> io::Result<u64> {
+        let mut buf = vec![0u8; RUN * PAGE];
+        let pages: Vec<u64> = self.pages().collect();
+        for run in runs(&pages) {
+            let bytes = run.len() * PAGE;
+            for (i, &page) in run.iter().enumerate() {
+                self.read(page, &mut buf[i * PAGE..(i + 1) * PAGE])?;
+            }
+            ram.write(run[0], &buf[..bytes])?;
+        }
+        Ok(pages.len() as u64)
+    }
+
+    /// Write the chain's pages as one layer over its root (compaction).
+    pub fn write_merged(&self, out: &Path) -> io::Result<(u64, u64)> {
+        let mut w = LayerWriter::create(out, self.root.metadata()?.len())?;
+        let mut buf = vec![0u8; PAGE];
+        for page in self.pages() {
+            self.read(page, &mut buf)?;
+            w.push(page, &buf)?;
+        }
+        w.finish()
+    }
+}
+
+/// Write to `out` a layer of the pages of the stopped VM's `ram` that
+/// differ from `parent`: those it has private copies of, and those the
+/// parent's layers hold (the VM got them written at restore). Returns the
+/// pages written and how many of them carry data (the others are zero).
+pub fn capture_layer(ram: &GuestRam, parent: &Chain, out: &Path) -> io::Result<(u64, u64)> {
+    let mut candidates = ram.private_pages()?;
+    candidates.extend(parent.pages());
+    candidates.sort_unstable();
+    candidates.dedup();
+    let mut w = LayerWriter::create(out, ram.pages() * PAGE as u64)?;
+    let mut now = vec![0u8; RUN * PAGE];
+    let mut before = vec![0u8; PAGE];
+    for run in runs(&candidates) {
+        let bytes = run.len() * PAGE;
+        ram.read(run[0], &mut now[..bytes])?;
+        for (i, &page) in run.iter().enumerate() {
+            let current = &now[i * PAGE..(i + 1) * PAGE];
+            parent.read(page, &mut before)?;
+            if current != before.as_slice() {
+                w.push(page, current)?;
+            }
+        }
+    }
+    w.finish()
+}
+
+/// Split ascending page numbers into runs of consecutive pages, at most
+/// [`RUN`] long.
+fn runs(pages: &[u64]) -> impl Iterator<Item = &[u64]> {
+    let mut rest = pages;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut n = 1;
+        while n < rest.len() && n < RUN && rest[n] == rest[n - 1] + 1 {
+            n += 1;
+        }
+        let (run, tail) = rest.split_at(n);
+        rest = tail;
+        Some(run)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_at_gaps_and_at_the_limit() {
+        let pages: Vec<u64> = [1, 2, 3, 7, 9, 10]
+            .into_iter()
+            .chain(100..100 + RUN as u64 + 2)
+            .collect();
+        let got: Vec<Vec<u64>> = runs(&pages).map(|r| r.to_vec()).collect();
+        assert_eq!(got[0], vec![1, 2, 3]);
+        assert_eq!(got[1], vec![7]);
+        assert_eq!(got[2], vec![9, 10]);
+        assert_eq!(got[3].len(), RUN);
+        assert_eq!(got[4], vec![100 + RUN as u64, 101 + RUN as u64]);
+        assert_eq!(runs(&[]).count(), 0);
+    }
+
+    fn layer(dir: &Path, name: &str, pages: &[(u64, u8)]) -> PathBuf {
+        let path = dir.join(name);
+        let mut w = LayerWriter::create(&path, 16 * PAGE as u64).unwrap();
+        for &(p, fill) in pages {
+            w.push(p, &vec![fill; PAGE]).unwrap();
+        }
+        w.finish().unwrap();
+        path
+    }
+
+    #[test]
+    fn upper_layers_win_and_merging_keeps_contents() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::write(&root, vec![1u8; 16 * PAGE]).unwrap();
+        let a = layer(dir.path(), "a", &[(2, 2), (3, 2), (5, 0)]);
+        let b = layer(dir.path(), "b", &[(3, 3), (9, 3)]);
+        let chain = Chain::open(&root, &[a.clone(), b.clone()]).unwrap();
+        let contents = |c: &Chain| -> Vec<u8> {
+            let mut buf = vec![0u8; PAGE];
+            (0..16)
+                .map(|p| {
+                    c.read(p, &mut buf).unwrap();
+                    buf[0]
+                })
+                .collect()
+        };
+        let want = vec![1, 1, 2, 3, 1, 0, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1];
+        assert_eq!(contents(&chain), want);
+        assert_eq!(chain.pages().collect::<Vec<_>>(), vec![2, 3, 5, 9]);
+
+        let merged = dir.path().join("m");
+        assert_eq!(chain.write_merged(&merged).unwrap(), (4, 3));
+        let flat = Chain::open(&root, &[merged]).unwrap();
+        assert_eq!(contents(&flat), want);
+
+        let small = dir.path().join("small");
+        std::fs::write(&small, vec![1u8; 8 * PAGE]).unwrap();
+        assert!(Chain::open(&small, &[a]).is_err(), "size mismatch");
+    }
+}
