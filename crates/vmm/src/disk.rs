@@ -25,10 +25,37 @@ impl BackingFormat {
 /// Create `path` as a qcow2 overlay over `backing` (absolute path kept in
 /// the header), with the backing file's virtual size.
 pub async fn create_overlay(backing: &Path, format: BackingFormat, path: &Path) -> Result<()> {
-    let out = tokio::process::Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
-        .arg(backing)
-        .arg(path)
+    qemu_img_create(backing, format, path, None).await
+}
+
+/// Create `path` as a qcow2 overlay of `size` bytes over `backing` without
+/// opening `backing` (`-u`): it may be an image a running QEMU holds.
+pub async fn create_overlay_unchecked(
+    backing: &Path,
+    format: BackingFormat,
+    path: &Path,
+    size: u64,
+) -> Result<()> {
+    qemu_img_create(backing, format, path, Some(size)).await
+}
+
+async fn qemu_img_create(
+    backing: &Path,
+    format: BackingFormat,
+    path: &Path,
+    size: Option<u64>,
+) -> Result<()> {
+    let mut cmd = tokio::process::Command::new("qemu-img");
+    cmd.args(["create", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
+        .arg(backing);
+    if size.is_some() {
+        cmd.arg("-u");
+    }
+    cmd.arg(path);
+    if let Some(size) = size {
+        cmd.arg(size.to_string());
+    }
+    let out = cmd
         .stdin(Stdio::null())
         .output()
         .await
@@ -44,4 +71,22 @@ pub async fn create_overlay(backing: &Path, format: BackingFormat, path: &Path) 
         });
     }
     Ok(())
+}
+
+/// The virtual size recorded in a qcow2 image's header.
+pub fn qcow2_virtual_size(path: &Path) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut header = [0u8; 32];
+    std::fs::File::open(path)
+        .and_then(|f| f.read_exact_at(&mut header, 0))
+        .ctx(|| format!("reading the qcow2 header of {}", path.display()))?;
+    if &header[..4] != b"QFI\xfb" {
+        return Err(Error::Io {
+            context: format!("{} is not a qcow2 image", path.display()),
+            source: std::io::ErrorKind::InvalidData.into(),
+        });
+    }
+    Ok(u64::from_be_bytes(
+        header[24..32].try_into().expect("8 bytes"),
+    ))
 }

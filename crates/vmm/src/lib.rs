@@ -6,13 +6,12 @@
 //! shape, accelerator probe), [`qemu`] (the command line), [`process`]
 //! (spawning and watching QEMU), [`qmp`] (the control socket), [`netns`]
 //! (namespace + tap, and connecting to guest ports), [`disk`] (qcow2
-//! overlays), [`snapshot`] (files of a snapshot), [`guest`] (HTTP to the
+//! overlays), [`ram`] (RAM layers), [`snapshot`] (files of a snapshot), [`guest`] (HTTP to the
 //! agent) and [`vm`] (the lifecycle that ties them together).
 
 pub mod config;
 pub mod disk;
 pub mod error;
-mod flatten;
 pub mod guest;
 pub mod netns;
 pub mod process;

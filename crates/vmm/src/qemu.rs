@@ -144,6 +144,14 @@ pub fn args(l: &Launch) -> Vec<String> {
         p(&l.pidfile),
     ];
     if l.incoming {
+        // Device state comes from `xen-save-devices-state`: no RAM section
+        // and no configuration section, and it records the VM as running,
+        // so `-S` keeps it stopped after the load until `cont`.
+        a.extend(
+            ["-S", "-global", "migration.send-configuration=off"]
+                .into_iter()
+                .map(String::from),
+        );
         a.push("-incoming".into());
         a.push("defer".into());
     }
@@ -195,6 +203,7 @@ mod tests {
     fn clone_command_line() {
         let a = args(&launch(true, false)).join(" ");
         assert!(a.contains("share=off"));
+        assert!(a.contains(" -S -global migration.send-configuration=off "));
         assert!(a.ends_with("-incoming defer"));
     }
 }

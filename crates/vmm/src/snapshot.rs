@@ -4,9 +4,16 @@
 //! <data>/snapshots/<id>/meta.json   what booted it (machine, artifacts)
 //! <data>/snapshots/<id>/state       QEMU device state (migration stream)
 //! <data>/snapshots/<id>/disk.qcow2  the VM's frozen disk overlay
-//! <data>/snapshots/<id>/ram          the VM's frozen RAM, sparse (clones map
-//!                                   it MAP_PRIVATE and share its pages)
+//! <data>/snapshots/<id>/ram          a root snapshot (of a booted VM): its
+//!                                   frozen RAM, sparse; clones map it
+//!                                   MAP_PRIVATE and share its pages
+//! <data>/snapshots/<id>/ram.layer    a layered snapshot (of a restored VM):
+//!                                   the pages that differ from its parent's
+//!                                   RAM (see `crate::ram`)
 //! ```
+//!
+//! A layered snapshot names its parent in `meta.json`; its disk overlay is
+//! backed by the parent's. The chain ends at a root snapshot.
 
 use std::path::{Path, PathBuf};
 
@@ -16,7 +23,11 @@ use crate::config::{Artifacts, Machine, Paths};
 use crate::error::{Error, Result};
 
 /// 2: the RAM file moved from the shm dir into the snapshot directory.
-pub const META_VERSION: u32 = 2;
+/// 3: device state without RAM (`xen-save-devices-state`), RAM layers.
+pub const META_VERSION: u32 = 3;
+/// Longest parent chain [`Snapshot::open`] follows (a loop guard; chains
+/// are compacted long before).
+const MAX_DEPTH: usize = 64;
 /// First bytes of a QEMU migration stream ("QEVM").
 const QEMU_STATE_MAGIC: &[u8; 4] = b"QEVM";
 
@@ -30,13 +41,22 @@ pub struct SnapshotMeta {
     pub artifacts: Artifacts,
     pub extra_cmdline: Vec<String>,
     pub created_unix_ms: u128,
+    /// The snapshot whose RAM this one's layer is over; `None` for a root
+    /// snapshot, which holds its whole RAM.
+    #[serde(default)]
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub meta: SnapshotMeta,
     pub dir: PathBuf,
+    /// The root RAM file that VMs restored from this snapshot map.
     pub ram: PathBuf,
+    /// RAM layers to write over it, root-first (empty for a root snapshot).
+    pub layers: Vec<PathBuf>,
+    /// Snapshot ids from the root up to this one's parent.
+    pub ancestors: Vec<String>,
 }
 
 impl Snapshot {
@@ -46,11 +66,25 @@ impl Snapshot {
     pub fn disk_path(&self) -> PathBuf {
         self.dir.join("disk.qcow2")
     }
+    pub fn layer_path(&self) -> PathBuf {
+        self.dir.join(LAYER_FILE)
+    }
+    /// The root and layers of this snapshot's RAM, opened for reading.
+    pub fn ram_chain(&self) -> Result<crate::ram::Chain> {
+        crate::ram::Chain::open(&self.ram, &self.layers).map_err(|e| Error::Snapshot {
+            path: self.dir.clone(),
+            detail: format!("RAM: {e}"),
+        })
+    }
 
     /// Open snapshot `id` and check that its files are all there and look
     /// right, so a damaged snapshot fails here with a clear message rather
     /// than inside QEMU.
     pub fn open(paths: &Paths, id: &str) -> Result<Self> {
+        Self::open_at_depth(paths, id, 0)
+    }
+
+    fn open_at_depth(paths: &Paths, id: &str, depth: usize) -> Result<Self> {
         let dir = paths.snapshot_dir(id);
         let bad = |detail: String| Error::Snapshot {
             path: dir.clone(),
@@ -66,20 +100,45 @@ impl Snapshot {
                 meta.version
             )));
         }
+        check_state_file(&dir.join("state")).map_err(bad)?;
+        std::fs::metadata(dir.join("disk.qcow2")).map_err(|e| bad(format!("disk.qcow2: {e}")))?;
+        let want = u64::from(meta.machine.memory_mib) << 20;
+        if let Some(parent_id) = meta.parent.clone() {
+            if depth >= MAX_DEPTH {
+                return Err(bad(format!("parent chain longer than {MAX_DEPTH}")));
+            }
+            let parent = Self::open_at_depth(paths, &parent_id, depth + 1)
+                .map_err(|e| bad(format!("its parent {parent_id}: {e}")))?;
+            if parent.meta.machine.memory_mib != meta.machine.memory_mib {
+                return Err(bad(format!("its parent {parent_id} has another RAM size")));
+            }
+            let layer = dir.join(LAYER_FILE);
+            check_layer_file(&layer).map_err(bad)?;
+            let mut layers = parent.layers;
+            layers.push(layer);
+            let mut ancestors = parent.ancestors;
+            ancestors.push(parent_id);
+            return Ok(Self {
+                ram: parent.ram,
+                layers,
+                ancestors,
+                dir,
+                meta,
+            });
+        }
         let snap = Self {
             ram: paths.snapshot_ram(id),
+            layers: Vec::new(),
+            ancestors: Vec::new(),
             dir: dir.clone(),
             meta,
         };
-        check_state_file(&snap.state_path()).map_err(bad)?;
         let ram_len = std::fs::metadata(&snap.ram)
             .map_err(|e| bad(format!("RAM file {}: {e}", snap.ram.display())))?
             .len();
-        let want = u64::from(snap.meta.machine.memory_mib) << 20;
         if ram_len != want {
             return Err(bad(format!("RAM file is {ram_len} bytes, expected {want}")));
         }
-        std::fs::metadata(snap.disk_path()).map_err(|e| bad(format!("disk.qcow2: {e}")))?;
         Ok(snap)
     }
 
@@ -95,6 +154,22 @@ impl Snapshot {
             }),
         }
     }
+}
+
+/// The RAM layer's file name in a layered snapshot's directory.
+pub const LAYER_FILE: &str = "ram.layer";
+
+/// A cheap check at open time; the whole index is read and checked when
+/// the chain is opened for a restore.
+fn check_layer_file(path: &Path) -> std::result::Result<(), String> {
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut magic, 0))
+        .map_err(|e| format!("RAM layer {}: {e}", path.display()))?;
+    if &magic != crate::ram::layer::MAGIC {
+        return Err(format!("RAM layer {} is damaged", path.display()));
+    }
+    Ok(())
 }
 
 fn check_state_file(path: &Path) -> std::result::Result<(), String> {

@@ -18,7 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 pub const PAGE: usize = 4096;
-const MAGIC: &[u8; 8] = b"TINERAML";
+pub(crate) const MAGIC: &[u8; 8] = b"TINERAML";
 const VERSION: u32 = 1;
 const ZERO_BIT: u64 = 1 << 63;
 

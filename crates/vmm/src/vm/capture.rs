@@ -1,58 +1,93 @@
-//! Capturing a VM into a snapshot: stop it, save its device state, seal
-//! its disk overlay and RAM into the snapshot, then continue it as a clone
-//! of the capture or remove it.
+//! Capturing a VM into a snapshot.
+//!
+//! Every capture stops the vCPUs and saves the device state without RAM
+//! (`xen-save-devices-state`: a few ms, tens of KB). Then:
+//!
+//! - a *restored* VM (RAM mapped MAP_PRIVATE over its parent's root file)
+//!   writes a RAM layer of the pages that differ from its parent (see
+//!   [`crate::ram`]) and seals its disk overlay by stacking a new one on
+//!   top (`blockdev-snapshot-sync`). Neither grows with the guest's RAM
+//!   size or with bytes written to disk, and the VM continues in the same
+//!   QEMU process;
+//! - a *booted* VM (RAM in a shared file) becomes a root snapshot: QEMU
+//!   exits, its RAM file moves into the snapshot, and if the VM is to
+//!   continue it is restored as a clone of that snapshot.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use super::{unix_ms, write_atomic, Vm, VmState};
+use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
-use crate::snapshot::{Snapshot, SnapshotMeta, META_VERSION};
+use crate::ram::{capture_layer, GuestRam};
+use crate::snapshot::{Snapshot, SnapshotMeta, LAYER_FILE, META_VERSION};
+
+/// What happens to the VM after its capture.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// It goes on in the same QEMU (restored VMs only), stopped.
+    Continue,
+    /// Its QEMU exits.
+    Exit,
+}
 
 impl Vm {
-    /// Capture the VM as snapshot `snap_id`: stop it, save its device state
-    /// (RAM stays in its file thanks to `x-ignore-shared`), seal its disk
-    /// overlay and RAM file into the snapshot, then continue this VM as a
-    /// clone of that snapshot (its RAM MAP_PRIVATE over the frozen file).
-    ///
-    /// A VM that is itself a clone maps its RAM privately, so QEMU writes
-    /// all of its RAM into the device state instead, and clones of that
-    /// snapshot load it from there (incremental RAM layers are future work).
+    /// Capture the VM as snapshot `snap_id`; the VM continues (running if
+    /// it was). Its RNG state and clock are now also in the snapshot, so a
+    /// caller that restores clones reseeds them (and this VM if it wants).
     pub async fn snapshot(&mut self, snap_id: &str) -> Result<Snapshot> {
         let t = Instant::now();
-        let snapshot = self.capture(snap_id).await?;
+        let was_running = self.state == VmState::Running;
+        if !self.record.ram_shared {
+            let captured = self.capture(snap_id, After::Continue).await;
+            let stopped_ms = t.elapsed().as_secs_f64() * 1e3;
+            if was_running && self.state == VmState::Paused {
+                self.resume().await?;
+            }
+            let snapshot = captured?;
+            tracing::info!(
+                vm = self.id(),
+                snapshot = snap_id,
+                stopped_ms,
+                "snapshot taken; the VM continues"
+            );
+            return Ok(snapshot);
+        }
+        let snapshot = self.capture(snap_id, After::Exit).await?;
         let captured = t.elapsed();
-        // Continue as a clone of the snapshot, in the same namespace.
+        // The RAM file is now the snapshot's: continue as its clone, in the
+        // same namespace.
         let netns = Netns::open(&self.record.netns)?;
         let id = self.id().to_string();
         let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
         *self = clone;
-        self.start_restored(None).await?;
+        if was_running {
+            self.start_restored(None).await?;
+        }
         tracing::info!(
             vm = self.id(),
             snapshot = snap_id,
             capture_ms = captured.as_secs_f64() * 1e3,
             continued_ms = (t.elapsed() - captured).as_secs_f64() * 1e3,
-            "snapshot taken; the VM continues as its clone"
+            "root snapshot taken; the VM continues as its clone"
         );
         Ok(snapshot)
     }
 
-    /// Capture the VM as snapshot `snap_id` (as [`Vm::snapshot`]), then
-    /// remove the VM instead of continuing it (building a template).
+    /// Capture the VM as snapshot `snap_id`, then remove the VM (pause,
+    /// template builds).
     pub async fn capture_and_kill(mut self, snap_id: &str) -> Result<Snapshot> {
-        let captured = self.capture(snap_id).await;
+        let captured = self.capture(snap_id, After::Exit).await;
         self.kill().await?;
         captured
     }
 
-    /// Stop, save and seal; leaves the VM `Stopped` with its QEMU gone.
-    async fn capture(&mut self, snap_id: &str) -> Result<Snapshot> {
+    async fn capture(&mut self, snap_id: &str, after: After) -> Result<Snapshot> {
         self.require(&[VmState::Running, VmState::Paused], "snapshot")?;
         let snap_dir = self.paths.snapshot_dir(snap_id);
-        let snap_ram = self.paths.snapshot_ram(snap_id);
         if snap_dir.exists() {
             return Err(Error::Snapshot {
                 path: snap_dir,
@@ -60,93 +95,51 @@ impl Vm {
             });
         }
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
-        let state_tmp = snap_dir.join("state.partial");
-        // A clone's RAM is private, so QEMU streams all of it into the state;
-        // that stream is then flattened into a RAM file (see `flatten`).
-        let stream = if self.record.ram_shared {
-            state_tmp.clone()
-        } else {
-            snap_dir.join("state.full")
-        };
+        let captured = self.capture_into(snap_id, &snap_dir, after).await;
+        if captured.is_err() {
+            let _ = Snapshot::delete(&self.paths, snap_id);
+        }
+        captured
+    }
 
-        let t_save = Instant::now();
+    async fn capture_into(&mut self, snap_id: &str, dir: &Path, after: After) -> Result<Snapshot> {
+        let t = Instant::now();
         if self.state == VmState::Running {
             self.qmp.run("stop", None).await?;
             self.state = VmState::Paused;
         }
-        let saved = async {
-            // Shared RAM stays in its file; private RAM is streamed without
-            // the capability, as `flatten` loads it (a QEMU with it on
-            // refuses pages for RAM it maps shared).
-            self.qmp
-                .set_migrate_capability("x-ignore-shared", self.record.ram_shared)
-                .await?;
-            self.qmp
-                .run(
-                    "migrate",
-                    Some(json!({ "uri": format!("file:{}", stream.display()) })),
-                )
-                .await?;
-            self.qmp.wait_migration("saving the device state").await?;
-            Ok::<_, Error>(())
-        }
-        .await;
-        tracing::debug!(
-            vm = self.id(),
-            state_saved_ms = t_save.elapsed().as_secs_f64() * 1e3,
-            "device state saved"
-        );
-        if let Err(e) = saved {
-            let _ = Snapshot::delete(&self.paths, snap_id);
-            return Err(e);
-        }
-        // The state is saved; QEMU's exit closes the disk (flushed when the
-        // migration completed) and leaves the RAM file as it is.
-        let _ = self.qmp.run("quit", None).await;
-        if tokio::time::timeout(Duration::from_secs(10), self.process.wait())
-            .await
-            .is_err()
-        {
-            self.process.kill().await;
-        }
-        self.state = VmState::Stopped;
+        self.qmp
+            .run(
+                "xen-save-devices-state",
+                Some(json!({ "filename": dir.join("state"), "live": false })),
+            )
+            .await?;
+        let t_state = t.elapsed();
 
-        let files = self.files();
-        std::fs::rename(files.disk(), snap_dir.join("disk.qcow2"))
-            .ctx(|| "sealing the disk overlay".into())?;
-        if self.record.ram_shared {
-            let t = Instant::now();
-            let bytes = crate::snapshot::move_sparse(&self.record.ram, &snap_ram)
-                .ctx(|| "freezing the RAM file".into())?;
-            tracing::debug!(
-                vm = self.id(),
-                mib = bytes >> 20,
-                ms = t.elapsed().as_secs_f64() * 1e3,
-                "RAM moved into the snapshot"
-            );
+        let parent = if self.record.ram_shared {
+            None
         } else {
-            let t = Instant::now();
-            let job = crate::flatten::Flatten {
-                netns: &self.netns,
-                machine: self.record.machine,
-                artifacts: &self.record.artifacts,
-                disk: &snap_dir.join("disk.qcow2"),
-                work_dir: &files.dir,
-            };
-            let flattened = job.run(&stream, &snap_ram, &state_tmp).await;
-            let _ = std::fs::remove_file(&stream);
-            if let Err(e) = flattened {
-                let _ = Snapshot::delete(&self.paths, snap_id);
-                return Err(e);
+            let parent = self.record.parent.clone().ok_or_else(|| Error::Snapshot {
+                path: dir.to_path_buf(),
+                detail: format!("VM {} maps private RAM but names no parent", self.id()),
+            })?;
+            self.write_layer(&parent, dir).await?;
+            Some(parent)
+        };
+        let t_ram = t.elapsed();
+
+        match after {
+            After::Continue => self.seal_disk_in_place(dir).await?,
+            After::Exit => {
+                self.quit().await;
+                std::fs::rename(self.files().disk(), dir.join("disk.qcow2"))
+                    .ctx(|| "sealing the disk overlay".into())?;
+                if self.record.ram_shared {
+                    crate::snapshot::move_sparse(&self.record.ram, &dir.join("ram"))
+                        .ctx(|| "freezing the RAM file".into())?;
+                }
             }
-            tracing::debug!(
-                vm = self.id(),
-                flatten_ms = t.elapsed().as_secs_f64() * 1e3,
-                "RAM flattened into a file"
-            );
         }
-        std::fs::rename(&state_tmp, snap_dir.join("state"))
-            .ctx(|| "finishing the device state".into())?;
         let meta = SnapshotMeta {
             version: META_VERSION,
             id: snap_id.to_string(),
@@ -155,12 +148,97 @@ impl Vm {
             artifacts: self.record.artifacts.clone(),
             extra_cmdline: self.record.extra_cmdline.clone(),
             created_unix_ms: unix_ms(),
+            parent,
         };
         write_atomic(
-            &snap_dir.join("meta.json"),
+            &dir.join("meta.json"),
             &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
         )?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
+        if after == After::Continue {
+            // Its next capture is a layer over this one.
+            self.record.parent = Some(snap_id.to_string());
+            self.save_record()?;
+        }
+        tracing::debug!(
+            vm = self.id(),
+            snapshot = snap_id,
+            state_ms = t_state.as_secs_f64() * 1e3,
+            ram_ms = (t_ram - t_state).as_secs_f64() * 1e3,
+            disk_ms = (t.elapsed() - t_ram).as_secs_f64() * 1e3,
+            "captured"
+        );
         Ok(snapshot)
+    }
+
+    /// Write the RAM layer of this (stopped, restored) VM over `parent`.
+    async fn write_layer(&self, parent: &str, dir: &Path) -> Result<()> {
+        let parent = Snapshot::open(&self.paths, parent)?;
+        let pid = self.pid();
+        let root = self.record.ram.clone();
+        let bytes = u64::from(self.record.machine.memory_mib) << 20;
+        let partial = dir.join(format!("{LAYER_FILE}.partial"));
+        let out = partial.clone();
+        let (pages, data) = tokio::task::spawn_blocking(move || {
+            let chain = parent.ram_chain()?;
+            let ram = GuestRam::find(pid, &root, bytes)
+                .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
+            capture_layer(&ram, &chain, &out).ctx(|| format!("writing {}", out.display()))
+        })
+        .await
+        .map_err(|e| Error::Io {
+            context: "the RAM layer task".into(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+        std::fs::rename(&partial, dir.join(LAYER_FILE)).ctx(|| "finishing the RAM layer".into())?;
+        tracing::debug!(vm = self.id(), pages, data, "RAM layer written");
+        Ok(())
+    }
+
+    /// Seal the disk overlay into `dir` while QEMU keeps running: the
+    /// overlay becomes the snapshot's (a hard link, no copy) and QEMU
+    /// stacks a new overlay over it and stops writing to it.
+    async fn seal_disk_in_place(&mut self, dir: &Path) -> Result<()> {
+        let active = self.files().disk();
+        let sealed = dir.join("disk.qcow2");
+        let next = self.files().dir.join("disk.next.qcow2");
+        std::fs::hard_link(&active, &sealed).ctx(|| "linking the disk overlay".into())?;
+        let stacked = async {
+            let size = disk::qcow2_virtual_size(&sealed)?;
+            disk::create_overlay_unchecked(&sealed, BackingFormat::Qcow2, &next, size).await?;
+            self.qmp
+                .run(
+                    "blockdev-snapshot-sync",
+                    Some(json!({
+                        "device": "root",
+                        "snapshot-file": next,
+                        "format": "qcow2",
+                        "mode": "existing",
+                    })),
+                )
+                .await?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        if let Err(e) = stacked {
+            let _ = std::fs::remove_file(&next);
+            let _ = std::fs::remove_file(&sealed);
+            return Err(e);
+        }
+        // QEMU writes to the new overlay now; give it the usual name (the
+        // old name's inode lives on as the snapshot's disk).
+        std::fs::rename(&next, &active).ctx(|| "renaming the new disk overlay".into())
+    }
+
+    /// Ask QEMU to exit (killing it if it does not); the VM is `Stopped`.
+    async fn quit(&mut self) {
+        let _ = self.qmp.run("quit", None).await;
+        if tokio::time::timeout(Duration::from_secs(10), self.process.wait())
+            .await
+            .is_err()
+        {
+            self.process.kill().await;
+        }
+        self.state = VmState::Stopped;
     }
 }

@@ -26,6 +26,7 @@ use crate::netns::Netns;
 use crate::process::QemuProcess;
 use crate::qemu::{self, Launch};
 use crate::qmp::Qmp;
+use crate::ram::GuestRam;
 use crate::snapshot::Snapshot;
 
 /// How long a cold boot may take until the agent answers (TCG: 2–3 s).
@@ -337,11 +338,12 @@ impl Vm {
         };
         let mut vm = Vm::launch(paths, record, netns, &launch, "while restoring").await?;
         let t_qmp = t.elapsed();
+        if let Err(e) = vm.write_layers(snapshot).await {
+            vm.process.kill().await;
+            return Err(e);
+        }
         let state = snapshot.state_path();
         let loaded = async {
-            vm.qmp
-                .set_migrate_capability("x-ignore-shared", true)
-                .await?;
             vm.qmp
                 .run(
                     "migrate-incoming",
@@ -362,7 +364,7 @@ impl Vm {
                 ),
             });
         }
-        // Loaded but not running: the capture was taken of a stopped VM.
+        // Loaded but not running (`-S`).
         vm.state = VmState::Paused;
         tracing::debug!(
             vm = id,
@@ -372,6 +374,42 @@ impl Vm {
             "clone loaded"
         );
         Ok(vm)
+    }
+
+    /// Write the snapshot's RAM layers into a clone that has not run yet
+    /// (its QEMU maps the root RAM file MAP_PRIVATE).
+    async fn write_layers(&self, snapshot: &Snapshot) -> Result<()> {
+        if snapshot.layers.is_empty() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let snapshot = snapshot.clone();
+        let pid = self.pid();
+        let bytes = u64::from(snapshot.meta.machine.memory_mib) << 20;
+        let pages = tokio::task::spawn_blocking(move || {
+            let chain = snapshot.ram_chain()?;
+            let ram = GuestRam::find(pid, &snapshot.ram, bytes)
+                .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
+            chain
+                .apply(&ram)
+                .ctx(|| format!("writing RAM layers into QEMU {pid}"))
+        })
+        .await
+        .map_err(|e| Error::Io {
+            context: "the RAM layer task".into(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+        tracing::debug!(
+            vm = self.id(),
+            pages,
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "RAM layers written"
+        );
+        Ok(())
+    }
+
+    fn save_record(&self) -> Result<()> {
+        save_record(&self.files(), &self.record)
     }
 
     /// Spawn QEMU and connect to its QMP socket.
@@ -393,10 +431,7 @@ impl Vm {
             &files.qemu_log(),
         )?;
         record.pid = process.pid();
-        write_atomic(
-            &files.record(),
-            &serde_json::to_vec_pretty(&record).expect("record serializes"),
-        )?;
+        save_record(&files, &record)?;
         let deadline = Instant::now() + QMP_TIMEOUT;
         let qmp = loop {
             if let Some(status) = process.exit_status() {
@@ -523,6 +558,13 @@ impl Vm {
             state,
         })
     }
+}
+
+fn save_record(files: &VmFiles, record: &VmRecord) -> Result<()> {
+    write_atomic(
+        &files.record(),
+        &serde_json::to_vec_pretty(record).expect("record serializes"),
+    )
 }
 
 fn prepare_dirs(dir: &Path, ram_dir: &Path) -> Result<()> {
