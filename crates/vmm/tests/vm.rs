@@ -212,17 +212,68 @@ async fn boot_snapshot_clone_kill() {
     src.resume().await.unwrap();
     assert_eq!(sh(&src, "echo alive").await.0, "alive");
 
-    // A snapshot of a clone (its RAM is private, so it goes into the state
-    // file) restores too.
+    // A snapshot of a clone is a RAM layer over its parent plus a sealed
+    // disk layer, and the clone continues in the same QEMU. State that
+    // lives only in guest RAM (a tmpfs file, a process) comes along.
+    let (blob, code) = sh(
+        &clones[0],
+        "head -c 6000000 /dev/urandom > /dev/shm/blob && sha256sum < /dev/shm/blob",
+    )
+    .await;
+    assert_eq!(code, 0);
+    sh(&clones[0], "(sleep 1000; echo late) > /dev/null 2>&1 &").await;
+    let pid_before = clones[0].pid();
     let snap2_id = uniq("snap2");
     let snap2 = clones[0]
         .snapshot(&snap2_id)
         .await
         .expect("snapshot of a clone");
+    assert_eq!(clones[0].pid(), pid_before, "the clone goes on in its QEMU");
+    assert_eq!(clones[0].state(), VmState::Running);
+    assert_eq!(snap2.meta.parent.as_deref(), Some(snap_id.as_str()));
+    assert_eq!(snap2.ram, snap.ram, "the root RAM file stays the same");
+    let layer2 = layer_pages(&snap2);
+    assert!(
+        layer2 > 6_000_000 / 4096 && layer2 < (256 << 20) / 4096 / 2,
+        "the layer holds the changed pages, not all RAM: {layer2} pages"
+    );
+    sh(&clones[0], "echo after > /root/mine").await;
     let grandchild = Vm::restore(&paths, &uniq("gc"), &snap2, StartOptions::default())
         .await
         .expect("restore");
     assert_eq!(sh(&grandchild, "cat /root/mine").await.0, "clone0");
+    assert_eq!(sh(&grandchild, "sha256sum < /dev/shm/blob").await.0, blob);
+    assert_eq!(sh(&grandchild, "pgrep -c -x sleep").await.0, "1");
+
+    // A second capture right after holds only what changed since the first.
+    let snap3_id = uniq("snap3");
+    let snap3 = clones[0].snapshot(&snap3_id).await.expect("second capture");
+    let layer3 = layer_pages(&snap3);
+    assert!(
+        layer3 < layer2 / 2,
+        "incremental: {layer3} pages over a {layer2}-page parent layer"
+    );
+    assert_eq!(snap3.layers.len(), 2);
+    let great = Vm::restore(&paths, &uniq("ggc"), &snap3, StartOptions::default())
+        .await
+        .expect("restore a two-layer chain");
+    assert_eq!(sh(&great, "cat /root/mine").await.0, "after");
+    assert_eq!(sh(&great, "sha256sum < /dev/shm/blob").await.0, blob);
+    great.kill().await.unwrap();
+
+    // A damaged layer is refused with a message naming it.
+    let layer_file = snap3.layer_path();
+    let good = std::fs::read(&layer_file).unwrap();
+    std::fs::write(&layer_file, &good[..good.len() - 5]).unwrap();
+    let err = Vm::restore(&paths, &uniq("bad"), &snap3, StartOptions::default())
+        .await
+        .err()
+        .expect("a truncated layer must fail");
+    assert!(err.to_string().contains("RAM layer"), "{err}");
+    std::fs::write(&layer_file, vec![0u8; 8192]).unwrap();
+    let err = Snapshot::open(&paths, &snap3_id).err().expect("no magic");
+    assert!(err.to_string().contains("damaged"), "{err}");
+    Snapshot::delete(&paths, &snap3_id).unwrap();
     clones.push(grandchild);
 
     // Another process can take a VM over (as the CLI or a restarted server
@@ -250,6 +301,13 @@ async fn boot_snapshot_clone_kill() {
     Snapshot::delete(&paths, &snap2_id).unwrap();
     assert!(!paths.snapshot_dir(&snap_id).exists());
     assert!(!paths.snapshot_ram(&snap_id).exists());
+}
+
+fn layer_pages(snap: &Snapshot) -> usize {
+    tine_vmm::ram::layer::Layer::open(&snap.layer_path())
+        .expect("the snapshot has a RAM layer")
+        .entries()
+        .len()
 }
 
 /// Rss, Pss and Shared (clean + dirty) in KiB of the mapping of `ram` in
