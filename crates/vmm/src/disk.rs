@@ -55,6 +55,34 @@ async fn qemu_img_create(
     if let Some(size) = size {
         cmd.arg(size.to_string());
     }
+    run(cmd, || {
+        format!(
+            "qemu-img create {} over {}",
+            path.display(),
+            backing.display()
+        )
+    })
+    .await
+}
+
+/// Rebase `path` onto `backing`, copying into it every cluster in which its
+/// old backing chain differs from the new backing (qemu-img's safe mode).
+pub async fn rebase(path: &Path, backing: &Path, format: BackingFormat) -> Result<()> {
+    let mut cmd = tokio::process::Command::new("qemu-img");
+    cmd.args(["rebase", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
+        .arg(backing)
+        .arg(path);
+    run(cmd, || {
+        format!(
+            "qemu-img rebase {} onto {}",
+            path.display(),
+            backing.display()
+        )
+    })
+    .await
+}
+
+async fn run(mut cmd: tokio::process::Command, what: impl FnOnce() -> String) -> Result<()> {
     let out = cmd
         .stdin(Stdio::null())
         .output()
@@ -62,11 +90,7 @@ async fn qemu_img_create(
         .ctx(|| "running qemu-img (is qemu-utils installed?)".into())?;
     if !out.status.success() {
         return Err(Error::Io {
-            context: format!(
-                "qemu-img create {} over {}",
-                path.display(),
-                backing.display()
-            ),
+            context: what(),
             source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
         });
     }

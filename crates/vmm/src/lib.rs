@@ -9,6 +9,7 @@
 //! overlays), [`ram`] (RAM layers), [`snapshot`] (files of a snapshot), [`guest`] (HTTP to the
 //! agent) and [`vm`] (the lifecycle that ties them together).
 
+pub mod compact;
 pub mod config;
 pub mod disk;
 pub mod error;

@@ -261,6 +261,29 @@ async fn boot_snapshot_clone_kill() {
     assert_eq!(sh(&great, "sha256sum < /dev/shm/blob").await.0, blob);
     great.kill().await.unwrap();
 
+    // Compaction folds the chain into one layer over the root; the parent
+    // snapshot can then go and the compacted one restores the same.
+    assert_eq!(
+        tine_vmm::compact::compact(&paths, &snap3_id).await.unwrap(),
+        Some(snap_id.clone())
+    );
+    let snap3 = Snapshot::open(&paths, &snap3_id).unwrap();
+    assert_eq!(snap3.layers.len(), 1);
+    assert_eq!(snap3.meta.parent.as_deref(), Some(snap_id.as_str()));
+    assert_eq!(
+        tine_vmm::compact::compact(&paths, &snap3_id).await.unwrap(),
+        None
+    );
+    let away = paths.snapshot_dir(&format!("{snap2_id}-away"));
+    std::fs::rename(paths.snapshot_dir(&snap2_id), &away).unwrap();
+    let flat = Vm::restore(&paths, &uniq("flat"), &snap3, StartOptions::default())
+        .await
+        .expect("restore the compacted snapshot without its old parent");
+    assert_eq!(sh(&flat, "cat /root/mine").await.0, "after");
+    assert_eq!(sh(&flat, "sha256sum < /dev/shm/blob").await.0, blob);
+    flat.kill().await.unwrap();
+    std::fs::rename(&away, paths.snapshot_dir(&snap2_id)).unwrap();
+
     // A damaged layer is refused with a message naming it.
     let layer_file = snap3.layer_path();
     let good = std::fs::read(&layer_file).unwrap();

@@ -105,7 +105,7 @@ pub fn log_tail(path: &Path, max: usize) -> String {
     String::from_utf8_lossy(&data[start..]).trim().to_string()
 }
 
-fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, data).ctx(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).ctx(|| format!("renaming {}", tmp.display()))

@@ -1,0 +1,78 @@
+//! Compaction: folding a snapshot's chain into one layer over its root.
+//!
+//! Each capture of a restored VM adds a RAM layer and a disk layer over its
+//! parent, so a sandbox paused and resumed many times restores through a
+//! long chain. Compaction rewrites one snapshot in place: its RAM layer
+//! becomes the merge of the whole chain and its disk overlay is rebased
+//! onto the root's disk (qemu-img copies in the clusters the chain
+//! changed), then its `meta.json` names the root as parent.
+//!
+//! The snapshot's contents do not change, only how they are stored, so
+//! this is safe next to users of it: each file is replaced by a rename, a
+//! reader sees the old or the new file, and either, with either `meta.json`,
+//! yields the same RAM and disk. VMs already running on the old files keep
+//! them open. The intermediate snapshots are then no longer needed by this
+//! one; deleting them is the caller's garbage collection.
+
+use std::time::Instant;
+
+use crate::config::Paths;
+use crate::disk::{self, BackingFormat};
+use crate::error::{Error, IoContext, Result};
+use crate::snapshot::{Snapshot, SnapshotMeta};
+
+/// Compact snapshot `id` if it has more than one RAM layer. Returns the
+/// root it now sits directly on, or `None` if there was nothing to do.
+pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
+    let snap = Snapshot::open(paths, id)?;
+    if snap.layers.len() <= 1 {
+        return Ok(None);
+    }
+    let t = Instant::now();
+    let root_id = snap.ancestors[0].clone();
+    let root = Snapshot::open(paths, &root_id)?;
+    let layer_tmp = snap.dir.join("ram.layer.compact");
+    let disk_tmp = snap.dir.join("disk.compact.qcow2");
+    let result = async {
+        let chain_snap = snap.clone();
+        let out = layer_tmp.clone();
+        let (pages, _) = tokio::task::spawn_blocking(move || {
+            let chain = chain_snap.ram_chain()?;
+            chain
+                .write_merged(&out)
+                .ctx(|| format!("writing {}", out.display()))
+        })
+        .await
+        .map_err(|e| Error::Io {
+            context: "the compaction task".into(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+        std::fs::copy(snap.disk_path(), &disk_tmp)
+            .ctx(|| format!("copying {}", snap.disk_path().display()))?;
+        disk::rebase(&disk_tmp, &root.disk_path(), BackingFormat::Qcow2).await?;
+
+        std::fs::rename(&layer_tmp, snap.layer_path()).ctx(|| "replacing the RAM layer".into())?;
+        std::fs::rename(&disk_tmp, snap.disk_path()).ctx(|| "replacing the disk".into())?;
+        let meta = SnapshotMeta {
+            parent: Some(root_id.clone()),
+            ..snap.meta.clone()
+        };
+        crate::vm::write_atomic(
+            &snap.dir.join("meta.json"),
+            &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
+        )?;
+        Ok::<_, Error>(pages)
+    }
+    .await;
+    let _ = std::fs::remove_file(&layer_tmp);
+    let _ = std::fs::remove_file(&disk_tmp);
+    let pages = result?;
+    tracing::info!(
+        snapshot = id,
+        layers = snap.layers.len(),
+        pages,
+        ms = t.elapsed().as_secs_f64() * 1e3,
+        "chain compacted onto {root_id}"
+    );
+    Ok(Some(root_id))
+}
