@@ -14,6 +14,7 @@
 //! max_fork_count = 32
 //! pool_size = 2                   # warm pool per template shape
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
+//! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! ```
 
 use std::net::SocketAddr;
@@ -45,6 +46,9 @@ pub struct Config {
     pub pool_size: usize,
     /// VM starts (create, resume, fork children) running at once; more wait.
     pub max_concurrent_starts: usize,
+    /// A capture with more RAM/disk layers above its template than this is
+    /// compacted in the background (0: never).
+    pub compact_after_layers: usize,
 }
 
 impl Default for Config {
@@ -64,6 +68,7 @@ impl Default for Config {
             max_fork_count: 32,
             pool_size: 2,
             max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
+            compact_after_layers: 3,
         }
     }
 }

@@ -185,6 +185,15 @@ impl Db {
         Ok(out)
     }
 
+    /// A capture now sits directly on `parent_id` (after compaction).
+    pub fn set_snapshot_parent(&self, id: &str, parent_id: &str) -> Result<()> {
+        self.conn().execute(
+            "UPDATE snapshots SET parent_id = ?2 WHERE id = ?1",
+            params![id, parent_id],
+        )?;
+        Ok(())
+    }
+
     pub fn set_sandbox_snapshot(&self, sandbox_id: &str, snapshot_id: Option<&str>) -> Result<()> {
         self.conn().execute(
             "UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1",

@@ -75,20 +75,23 @@ impl Manager {
         let t = Instant::now();
         let captured = vm.capture_and_kill(&row.id).await;
         self.remove_live(id);
-        if let Err(e) = captured {
-            let why = format!("pause failed, the VM is gone: {e}");
-            self.db.set_state(
-                id,
-                &[SandboxState::Running],
-                SandboxState::Killed,
-                Some(&why),
-            )?;
-            self.event(id, "killed", &why);
-            return Err(SandboxError::Vm {
-                id: id.to_string(),
-                detail: why,
-            });
-        }
+        let snapshot = match captured {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                let why = format!("pause failed, the VM is gone: {e}");
+                self.db.set_state(
+                    id,
+                    &[SandboxState::Running],
+                    SandboxState::Killed,
+                    Some(&why),
+                )?;
+                self.event(id, "killed", &why);
+                return Err(SandboxError::Vm {
+                    id: id.to_string(),
+                    detail: why,
+                });
+            }
+        };
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
         self.db
@@ -99,6 +102,7 @@ impl Manager {
             &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
         );
         self.gc();
+        self.maybe_compact(&snapshot);
         Ok(())
     }
 
@@ -193,10 +197,15 @@ impl Manager {
             id: id.to_string(),
             detail,
         };
-        vm.snapshot(&row.id)
+        let pid = vm.pid();
+        let snapshot = vm
+            .snapshot(&row.id)
             .await
             .map_err(|e| vm_err(e.to_string()))?;
-        live.renew();
+        if vm.pid() != pid {
+            // A new QEMU: connections to the old one are gone.
+            live.renew();
+        }
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
         guest::init(
@@ -216,6 +225,7 @@ impl Manager {
             "captured",
             &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
         );
+        self.maybe_compact(&snapshot);
         Ok(row)
     }
 

@@ -3,6 +3,7 @@
 //! The REST handlers in [`crate::api`] are thin wrappers over [`Manager`].
 
 mod capture;
+mod compaction;
 pub mod guest;
 pub mod model;
 mod pool;
@@ -92,6 +93,7 @@ pub struct Manager {
     /// Bounds VM starts running at once: past a few per core they only
     /// slow each other down until agents time out; beyond it they queue.
     starts: tokio::sync::Semaphore,
+    compactions: compaction::Compactions,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -116,6 +118,7 @@ impl Manager {
             ops: std::sync::Mutex::new(HashMap::new()),
             pool,
             starts: tokio::sync::Semaphore::new(config.max_concurrent_starts.max(1)),
+            compactions: Default::default(),
             config,
         }
     }
