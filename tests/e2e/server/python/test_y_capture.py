@@ -1,6 +1,7 @@
 """Pause / resume, snapshots and fork through the real SDK (issue
 "Templates as warm snapshots; pause, resume, snapshots and fork")."""
 
+import json
 import os
 import subprocess
 import time
@@ -126,7 +127,7 @@ def test_fork_children_share_state_and_diverge(fresh):
         time.sleep(0.1)
     assert len(held) == 8
 
-    n = 4
+    n = 16
     kids = s.fork(count=n, timeout=600)
     assert len(kids) == n
     for k in kids:
@@ -134,7 +135,7 @@ def test_fork_children_share_state_and_diverge(fresh):
     try:
         ids = {k.sandbox_id for k in kids}
         assert len(ids) == n and s.sandbox_id not in ids
-        uuids, randoms, hosts = set(), set(), set()
+        uuids, randoms, hosts, machine_ids = set(), set(), set(), set()
         now = time.time()
         for i, k in enumerate(kids):
             assert k.files.read("/home/user/parent") == "p"
@@ -142,16 +143,19 @@ def test_fork_children_share_state_and_diverge(fresh):
             out = k.commands.run(
                 "pgrep -f 'time.sleep\\(3600\\)' >/dev/null && echo alive; "
                 "cat /proc/sys/kernel/random/uuid; "
-                "python3 -c 'import os; print(os.urandom(16).hex())'; hostname; date +%s"
+                "python3 -c 'import os; print(os.urandom(16).hex())'; hostname; date +%s; "
+                "cat /etc/machine-id"
             ).stdout.split()
             assert out[0] == "alive", "the held process came along"
             uuids.add(out[1])
             randoms.add(out[2])
             hosts.add(out[3])
+            machine_ids.add(out[5])
             assert abs(int(out[4]) - now) < 120, "the child's clock is current"
             k.files.write("/home/user/mine", str(i))
         assert len(uuids) == n and len(randoms) == n, "every child has its own entropy"
         assert hosts == ids, "each child's host name is its sandbox id"
+        assert len(machine_ids) == n and all(len(m) == 32 for m in machine_ids), machine_ids
         for i, k in enumerate(kids):
             assert k.files.read("/home/user/mine") == str(i)
         assert not s.files.exists("/home/user/mine"), "the source did not see the children's writes"
@@ -194,6 +198,61 @@ def test_damaged_pause_capture_is_a_clear_error(fresh):
     # Still paused (nothing else affected), and it can be killed.
     assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
     assert s.kill() is True
+
+
+def test_damaged_ram_layer_is_a_clear_error(fresh):
+    s = fresh(timeout=600)
+    assert s.pause() is True
+    data = os.environ["TINE_DATA_DIR"]
+    (snap,) = [d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")]
+    layer = os.path.join(data, "snapshots", snap, "ram.layer")
+    size = os.path.getsize(layer)
+    with open(layer, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(SandboxException) as e:
+        Sandbox.connect(s.sandbox_id)
+    assert "RAM layer" in str(e.value)
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    assert s.kill() is True
+
+
+def pause_captures(sandbox_id):
+    root = os.path.join(os.environ["TINE_DATA_DIR"], "snapshots")
+    return [d for d in os.listdir(root) if d.startswith(f"p-{sandbox_id}-")]
+
+
+def capture_parent(snapshot_id):
+    meta = os.path.join(os.environ["TINE_DATA_DIR"], "snapshots", snapshot_id, "meta.json")
+    with open(meta) as f:
+        return json.load(f).get("parent")
+
+
+def test_pause_resume_cycles_are_compacted(fresh):
+    """Each pause is a layer over the previous capture; past
+    compact_after_layers (3) the chain is folded onto the template in the
+    background and the captures only it used are deleted."""
+    s, mark = marked_sandbox_with_counter(fresh)
+    for i in range(6):
+        s.files.write("/home/user/cycle", str(i))
+        assert s.pause() is True
+        s = Sandbox.connect(s.sandbox_id, timeout=600)
+        assert s.files.read("/home/user/mark") == mark
+        assert s.files.read("/home/user/cycle") == str(i)
+        assert grows(s), f"the process runs after resume {i}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        caps = pause_captures(s.sandbox_id)
+        parents = [capture_parent(c) for c in caps]
+        if len(caps) <= 3 and any(p and p.startswith("tpl-") for p in parents):
+            break
+        time.sleep(0.5)
+    assert len(caps) <= 3, f"old captures are collected: {caps}"
+    assert any(p and p.startswith("tpl-") for p in parents), f"a capture sits on the template: {parents}"
+    # And the compacted chain still restores everything.
+    assert s.pause() is True
+    s = Sandbox.connect(s.sandbox_id, timeout=600)
+    assert s.files.read("/home/user/cycle") == "5"
+    assert grows(s)
 
 
 def test_snapshot_after_writing_a_gib_restores_it(fresh):
