@@ -21,7 +21,7 @@ pub enum VmCommand {
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
     },
-    /// Stop a VM, save it as a snapshot, and continue it as a clone of it.
+    /// Capture a VM as a snapshot (a RAM and disk layer if it was restored), and let it continue.
     Snapshot { id: String, snapshot: String },
     /// Start clones of a snapshot.
     Clone {
@@ -157,7 +157,7 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
             let t = Instant::now();
             vm.snapshot(&snapshot).await?;
             eprintln!(
-                "snapshot {snapshot} of {id} taken; {id} continues as its clone ({} ms)",
+                "snapshot {snapshot} of {id} taken; {id} continues ({} ms)",
                 t.elapsed().as_millis()
             );
         }

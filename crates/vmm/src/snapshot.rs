@@ -142,6 +142,26 @@ impl Snapshot {
         Ok(snap)
     }
 
+    /// Flush the snapshot's files and directory to disk. Captures write
+    /// them through the page cache while the VM is stopped and sync here,
+    /// after it runs again.
+    pub fn sync(&self) -> Result<()> {
+        let sync = |path: &Path| std::fs::File::open(path).and_then(|f| f.sync_all());
+        for name in ["state", "disk.qcow2", "meta.json", LAYER_FILE, "ram"] {
+            let path = self.dir.join(name);
+            if path.exists() {
+                sync(&path).map_err(|e| Error::Io {
+                    context: format!("syncing {}", path.display()),
+                    source: e,
+                })?;
+            }
+        }
+        sync(&self.dir).map_err(|e| Error::Io {
+            context: format!("syncing {}", self.dir.display()),
+            source: e,
+        })
+    }
+
     /// Delete every file of the snapshot.
     pub fn delete(paths: &Paths, id: &str) -> Result<()> {
         let dir = paths.snapshot_dir(id);

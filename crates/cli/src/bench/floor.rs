@@ -161,7 +161,6 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     st.spawn_qmp = ms(t);
 
     let t = Instant::now();
-    qmp.set_migrate_capability("x-ignore-shared", true).await?;
     let uri = format!("file:{}", snapshot.state_path().display());
     qmp.run("migrate-incoming", Some(json!({ "uri": uri })))
         .await?;

@@ -168,7 +168,9 @@ impl LayerWriter {
         self.index.is_empty()
     }
 
-    /// Write index and header and sync; returns the pages and data pages.
+    /// Write index and header; returns the pages and data pages. The file
+    /// is not synced: a capture syncs its files once the VM runs again
+    /// (`Snapshot::sync`).
     pub fn finish(mut self) -> io::Result<(u64, u64)> {
         for word in &self.index {
             self.out.write_all(&word.to_le_bytes())?;
@@ -184,7 +186,6 @@ impl LayerWriter {
         let index_at = PAGE as u64 + self.data_pages * PAGE as u64;
         header.extend_from_slice(&index_at.to_le_bytes());
         file.write_all_at(&header, 0)?;
-        file.sync_all()?;
         Ok((self.index.len() as u64, self.data_pages))
     }
 }

@@ -48,6 +48,7 @@ impl Vm {
                 self.resume().await?;
             }
             let snapshot = captured?;
+            snapshot.sync()?;
             tracing::info!(
                 vm = self.id(),
                 snapshot = snap_id,
@@ -82,7 +83,9 @@ impl Vm {
     pub async fn capture_and_kill(mut self, snap_id: &str) -> Result<Snapshot> {
         let captured = self.capture(snap_id, After::Exit).await;
         self.kill().await?;
-        captured
+        let snapshot = captured?;
+        snapshot.sync()?;
+        Ok(snapshot)
     }
 
     async fn capture(&mut self, snap_id: &str, after: After) -> Result<Snapshot> {
@@ -98,11 +101,17 @@ impl Vm {
         let captured = self.capture_into(snap_id, &snap_dir, after).await;
         if captured.is_err() {
             let _ = Snapshot::delete(&self.paths, snap_id);
+            let _ = std::fs::remove_file(self.files().dir.join("disk.next.qcow2"));
         }
         captured
     }
 
     async fn capture_into(&mut self, snap_id: &str, dir: &Path, after: After) -> Result<Snapshot> {
+        // The overlay QEMU will switch to is made before the VM stops.
+        let next = match after {
+            After::Continue => Some(self.prepare_next_overlay(dir).await?),
+            After::Exit => None,
+        };
         let t = Instant::now();
         if self.state == VmState::Running {
             self.qmp.run("stop", None).await?;
@@ -128,9 +137,9 @@ impl Vm {
         };
         let t_ram = t.elapsed();
 
-        match after {
-            After::Continue => self.seal_disk_in_place(dir).await?,
-            After::Exit => {
+        match next {
+            Some(next) => self.seal_disk_in_place(dir, &next).await?,
+            None => {
                 self.quit().await;
                 std::fs::rename(self.files().disk(), dir.join("disk.qcow2"))
                     .ctx(|| "sealing the disk overlay".into())?;
@@ -195,17 +204,25 @@ impl Vm {
         Ok(())
     }
 
+    /// Create the overlay the VM's disk continues in after a capture into
+    /// `dir`: over `dir`'s `disk.qcow2` (not there yet; `-u`).
+    async fn prepare_next_overlay(&self, dir: &Path) -> Result<std::path::PathBuf> {
+        let next = self.files().dir.join("disk.next.qcow2");
+        let _ = std::fs::remove_file(&next);
+        let size = disk::qcow2_virtual_size(&self.files().disk())?;
+        disk::create_overlay_unchecked(&dir.join("disk.qcow2"), BackingFormat::Qcow2, &next, size)
+            .await?;
+        Ok(next)
+    }
+
     /// Seal the disk overlay into `dir` while QEMU keeps running: the
     /// overlay becomes the snapshot's (a hard link, no copy) and QEMU
-    /// stacks a new overlay over it and stops writing to it.
-    async fn seal_disk_in_place(&mut self, dir: &Path) -> Result<()> {
+    /// stacks `next` over it and stops writing to it.
+    async fn seal_disk_in_place(&mut self, dir: &Path, next: &Path) -> Result<()> {
         let active = self.files().disk();
         let sealed = dir.join("disk.qcow2");
-        let next = self.files().dir.join("disk.next.qcow2");
         std::fs::hard_link(&active, &sealed).ctx(|| "linking the disk overlay".into())?;
         let stacked = async {
-            let size = disk::qcow2_virtual_size(&sealed)?;
-            disk::create_overlay_unchecked(&sealed, BackingFormat::Qcow2, &next, size).await?;
             self.qmp
                 .run(
                     "blockdev-snapshot-sync",
@@ -221,13 +238,13 @@ impl Vm {
         }
         .await;
         if let Err(e) = stacked {
-            let _ = std::fs::remove_file(&next);
+            let _ = std::fs::remove_file(next);
             let _ = std::fs::remove_file(&sealed);
             return Err(e);
         }
         // QEMU writes to the new overlay now; give it the usual name (the
         // old name's inode lives on as the snapshot's disk).
-        std::fs::rename(&next, &active).ctx(|| "renaming the new disk overlay".into())
+        std::fs::rename(next, &active).ctx(|| "renaming the new disk overlay".into())
     }
 
     /// Ask QEMU to exit (killing it if it does not); the VM is `Stopped`.
