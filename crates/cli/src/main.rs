@@ -6,6 +6,8 @@
 //! `tine serve` is the server, `tine keys` manages its API keys.
 
 mod bench;
+mod client;
+mod sandbox;
 mod server;
 mod template;
 mod vm;
@@ -25,6 +27,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Sandboxes of a running server: list, create, fork, pause, resume,
+    /// snapshot, kill (E2B_API_URL, E2B_API_KEY).
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCommand),
     /// Drive single microVMs by hand.
     #[command(subcommand)]
     Vm(vm::VmCommand),
@@ -59,6 +65,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let code = runtime.block_on(async move {
         match cli.command {
+            Command::Sandbox(cmd) => sandbox::run(cmd).await,
             Command::Vm(cmd) => vm::run(cmd).await,
             Command::Run(args) => vm::run_once(args).await,
             Command::Serve(args) => server::serve(args).await,

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tine_vmm::Snapshot;
 
-use super::api::Sandbox;
 use super::create::{floor_once, ms, server_stages};
 use super::report::Row;
 use super::{mem, stages, Ctx, Out};
+use crate::client::Sandbox;
 
 const CMD_TIMEOUT: Duration = Duration::from_secs(600);
 

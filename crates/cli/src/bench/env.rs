@@ -154,7 +154,7 @@ impl OwnServer {
             .kill_on_drop(true)
             .spawn()
             .context("starting tine serve")?;
-        let api = super::api::Api::new(&self.url, &self.key);
+        let api = crate::client::Api::new(&self.url, &self.key);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if api.health().await {

@@ -9,11 +9,9 @@
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
 //! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7).
 
-mod api;
 mod capture;
 mod create;
 mod env;
-mod envd;
 mod floor;
 mod fork;
 mod mem;
@@ -33,7 +31,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tine_vmm::Paths;
 
-use api::Api;
+use crate::client::Api;
 use report::{Report, Row, Stages};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]

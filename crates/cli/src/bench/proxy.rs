@@ -9,9 +9,9 @@ use anyhow::bail;
 use tine_vmm::netns::Netns;
 
 use super::create::ms;
-use super::envd::Direct;
 use super::report::Row;
 use super::{Ctx, Out};
+use crate::client::envd::Direct;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

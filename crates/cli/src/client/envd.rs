@@ -1,6 +1,6 @@
 //! `commands.run` at the wire level: the Connect streaming request envd's
 //! `process.Process/Start` takes and the frames it answers, sent either
-//! through the server's proxy ([`super::api::Api::exec`]) or straight to the
+//! through the server's proxy ([`super::Api::exec`]) or straight to the
 //! agent inside the VM's network namespace ([`Direct`]).
 
 use std::time::Duration;

@@ -1,6 +1,9 @@
-//! A small client of tine's REST API and of envd through its proxy, with
-//! the sandboxes and snapshots it made remembered so that they can all be
-//! removed at the end, whatever happened.
+//! A small client of tine's REST API and of envd through its proxy (for
+//! `tine sandbox` and `tine bench`), with the sandboxes and snapshots it
+//! made remembered so that a benchmark can remove them all at the end,
+//! whatever happened.
+
+pub mod envd;
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -14,8 +17,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-
-use super::envd;
 
 /// How long one REST call may take (a fork of 16 under TCG takes seconds).
 const CALL_TIMEOUT: Duration = Duration::from_secs(600);
