@@ -254,6 +254,17 @@ async fn boot_snapshot_clone_kill() {
         "incremental: {layer3} pages over a {layer2}-page parent layer"
     );
     assert_eq!(snap3.layers.len(), 2);
+    // The clone's own disk is intact after two captures: what it wrote
+    // between them reads back from disk, and new writes reach the disk.
+    assert_eq!(
+        sh(
+            &clones[0],
+            "sync; echo 3 > /proc/sys/vm/drop_caches; cat /root/mine; \
+             dd if=/dev/zero of=/root/more bs=1M count=64 conv=fsync status=none && echo synced"
+        )
+        .await,
+        ("after\nsynced".into(), 0)
+    );
     let great = Vm::restore(&paths, &uniq("ggc"), &snap3, StartOptions::default())
         .await
         .expect("restore a two-layer chain");

@@ -101,7 +101,10 @@ impl Vm {
         let captured = self.capture_into(snap_id, &snap_dir, after).await;
         if captured.is_err() {
             let _ = Snapshot::delete(&self.paths, snap_id);
-            let _ = std::fs::remove_file(self.files().dir.join("disk.next.qcow2"));
+            let next = self
+                .files()
+                .disk_generation(self.record.disk_generation + 1);
+            let _ = std::fs::remove_file(next);
         }
         captured
     }
@@ -141,7 +144,7 @@ impl Vm {
             Some(next) => self.seal_disk_in_place(dir, &next).await?,
             None => {
                 self.quit().await;
-                std::fs::rename(self.files().disk(), dir.join("disk.qcow2"))
+                std::fs::rename(self.active_disk(), dir.join("disk.qcow2"))
                     .ctx(|| "sealing the disk overlay".into())?;
                 if self.record.ram_shared {
                     crate::snapshot::move_sparse(&self.record.ram, &dir.join("ram"))
@@ -207,9 +210,11 @@ impl Vm {
     /// Create the overlay the VM's disk continues in after a capture into
     /// `dir`: over `dir`'s `disk.qcow2` (not there yet; `-u`).
     async fn prepare_next_overlay(&self, dir: &Path) -> Result<std::path::PathBuf> {
-        let next = self.files().dir.join("disk.next.qcow2");
+        let next = self
+            .files()
+            .disk_generation(self.record.disk_generation + 1);
         let _ = std::fs::remove_file(&next);
-        let size = disk::qcow2_virtual_size(&self.files().disk())?;
+        let size = disk::qcow2_virtual_size(&self.active_disk())?;
         disk::create_overlay_unchecked(&dir.join("disk.qcow2"), BackingFormat::Qcow2, &next, size)
             .await?;
         Ok(next)
@@ -217,9 +222,10 @@ impl Vm {
 
     /// Seal the disk overlay into `dir` while QEMU keeps running: the
     /// overlay becomes the snapshot's (a hard link, no copy) and QEMU
-    /// stacks `next` over it and stops writing to it.
+    /// stacks `next` over it and stops writing to it. The old name stays:
+    /// QEMU reopens the old overlay by it.
     async fn seal_disk_in_place(&mut self, dir: &Path, next: &Path) -> Result<()> {
-        let active = self.files().disk();
+        let active = self.active_disk();
         let sealed = dir.join("disk.qcow2");
         std::fs::hard_link(&active, &sealed).ctx(|| "linking the disk overlay".into())?;
         let stacked = async {
@@ -242,9 +248,8 @@ impl Vm {
             let _ = std::fs::remove_file(&sealed);
             return Err(e);
         }
-        // QEMU writes to the new overlay now; give it the usual name (the
-        // old name's inode lives on as the snapshot's disk).
-        std::fs::rename(next, &active).ctx(|| "renaming the new disk overlay".into())
+        self.record.disk_generation += 1;
+        Ok(())
     }
 
     /// Ask QEMU to exit (killing it if it does not); the VM is `Stopped`.

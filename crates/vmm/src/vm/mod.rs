@@ -68,8 +68,12 @@ pub struct VmRecord {
     /// frozen RAM (restored).
     pub ram_shared: bool,
     pub ram: PathBuf,
-    /// The snapshot this VM was restored from, if any.
+    /// The snapshot this VM was restored from, if any (or last captured
+    /// in place: its RAM layers are over this one).
     pub parent: Option<String>,
+    /// In-place captures so far: which disk overlay QEMU writes to.
+    #[serde(default)]
+    pub disk_generation: u32,
 }
 
 /// Options for boot and restore.
@@ -128,8 +132,18 @@ struct VmFiles {
 }
 
 impl VmFiles {
+    /// The first disk overlay.
     fn disk(&self) -> PathBuf {
-        self.dir.join("disk.qcow2")
+        self.disk_generation(0)
+    }
+    /// The overlay after `generation` in-place captures. Each capture
+    /// stacks a new file; none is renamed, because QEMU reopens images by
+    /// name (read-only, when they become a backing file).
+    fn disk_generation(&self, generation: u32) -> PathBuf {
+        match generation {
+            0 => self.dir.join("disk.qcow2"),
+            n => self.dir.join(format!("disk-{n}.qcow2")),
+        }
     }
     fn qmp(&self) -> PathBuf {
         self.dir.join("qmp.sock")
@@ -155,6 +169,11 @@ impl Vm {
         VmFiles {
             dir: self.paths.vm_dir(&self.record.id),
         }
+    }
+
+    /// The disk overlay QEMU writes to now.
+    fn active_disk(&self) -> PathBuf {
+        self.files().disk_generation(self.record.disk_generation)
     }
 
     pub fn id(&self) -> &str {
@@ -225,6 +244,7 @@ impl Vm {
                 ram_shared: true,
                 ram: ram.clone(),
                 parent: None,
+                disk_generation: 0,
             };
             let mut vm = Vm::launch(paths, record, netns, &launch, "during boot").await?;
             vm.state = VmState::Running;
@@ -335,6 +355,7 @@ impl Vm {
             ram_shared: false,
             ram: snapshot.ram.clone(),
             parent: Some(meta.id.clone()),
+            disk_generation: 0,
         };
         let mut vm = Vm::launch(paths, record, netns, &launch, "while restoring").await?;
         let t_qmp = t.elapsed();
