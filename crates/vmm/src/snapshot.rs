@@ -69,6 +69,23 @@ impl Snapshot {
     pub fn layer_path(&self) -> PathBuf {
         self.dir.join(LAYER_FILE)
     }
+    /// Write this snapshot's RAM layers into QEMU process `pid`, which maps
+    /// the root RAM file MAP_PRIVATE and has not run yet (blocking).
+    /// Returns the pages written.
+    pub fn write_ram_layers(&self, pid: i32) -> Result<u64> {
+        if self.layers.is_empty() {
+            return Ok(0);
+        }
+        let chain = self.ram_chain()?;
+        let bytes = u64::from(self.meta.machine.memory_mib) << 20;
+        let io = |context: String| move |source| Error::Io { context, source };
+        let ram = crate::ram::GuestRam::find(pid, &self.ram, bytes)
+            .map_err(io(format!("finding the guest RAM of QEMU {pid}")))?;
+        chain
+            .apply(&ram)
+            .map_err(io(format!("writing RAM layers into QEMU {pid}")))
+    }
+
     /// The root and layers of this snapshot's RAM, opened for reading.
     pub fn ram_chain(&self) -> Result<crate::ram::Chain> {
         crate::ram::Chain::open(&self.ram, &self.layers).map_err(|e| Error::Snapshot {

@@ -161,6 +161,11 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     st.spawn_qmp = ms(t);
 
     let t = Instant::now();
+    // A capture of a restored VM: its RAM layers go in first, as in a
+    // real restore.
+    let pid = vm.process.as_ref().expect("set above").pid();
+    let layered = snapshot.clone();
+    tokio::task::spawn_blocking(move || layered.write_ram_layers(pid)).await??;
     let uri = format!("file:{}", snapshot.state_path().display());
     qmp.run("migrate-incoming", Some(json!({ "uri": uri })))
         .await?;

@@ -111,6 +111,11 @@ impl Layer {
         &self.entries
     }
 
+    /// Read `buf.len()` bytes of page data starting at byte `at`.
+    pub fn read_at(&self, buf: &mut [u8], at: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, at)
+    }
+
     /// Read one page's bytes into `buf` (`PAGE` long).
     pub fn read(&self, data: PageData, buf: &mut [u8]) -> io::Result<()> {
         match data {

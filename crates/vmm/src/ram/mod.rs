@@ -80,10 +80,48 @@ impl Chain {
 
     /// The page's contents under this chain.
     pub fn read(&self, page: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.read_run(&[page], buf)
+    }
+
+    /// Where a page's bytes are: (file, byte offset), or `None` for zeros.
+    fn locate(&self, page: u64) -> Option<(Option<usize>, u64)> {
         match self.top.get(&page) {
-            Some(&(layer, data)) => self.layers[layer].read(data, buf),
-            None => self.root.read_exact_at(buf, page * PAGE as u64),
+            Some(&(_, PageData::Zero)) => None,
+            Some(&(layer, PageData::At(at))) => Some((Some(layer), at)),
+            None => Some((None, page * PAGE as u64)),
         }
+    }
+
+    /// The contents of consecutive `pages` into `buf`, one read per stretch
+    /// that lies contiguously in one file.
+    pub fn read_run(&self, pages: &[u64], buf: &mut [u8]) -> io::Result<()> {
+        let mut i = 0;
+        while i < pages.len() {
+            let here = self.locate(pages[i]);
+            let mut n = 1;
+            while i + n < pages.len() {
+                let next = self.locate(pages[i + n]);
+                let contiguous = match (here, next) {
+                    (None, None) => true,
+                    (Some((f, at)), Some((g, next_at))) => {
+                        f == g && next_at == at + (n * PAGE) as u64
+                    }
+                    _ => false,
+                };
+                if !contiguous {
+                    break;
+                }
+                n += 1;
+            }
+            let out = &mut buf[i * PAGE..(i + n) * PAGE];
+            match here {
+                None => out.fill(0),
+                Some((None, at)) => self.root.read_exact_at(out, at)?,
+                Some((Some(layer), at)) => self.layers[layer].read_at(out, at)?,
+            }
+            i += n;
+        }
+        Ok(())
     }
 
     /// Write every layered page into `ram` (a VM that maps the root file
@@ -93,9 +131,7 @@ impl Chain {
         let pages: Vec<u64> = self.pages().collect();
         for run in runs(&pages) {
             let bytes = run.len() * PAGE;
-            for (i, &page) in run.iter().enumerate() {
-                self.read(page, &mut buf[i * PAGE..(i + 1) * PAGE])?;
-            }
+            self.read_run(run, &mut buf[..bytes])?;
             ram.write(run[0], &buf[..bytes])?;
         }
         Ok(pages.len() as u64)
@@ -124,15 +160,15 @@ pub fn capture_layer(ram: &GuestRam, parent: &Chain, out: &Path) -> io::Result<(
     candidates.dedup();
     let mut w = LayerWriter::create(out, ram.pages() * PAGE as u64)?;
     let mut now = vec![0u8; RUN * PAGE];
-    let mut before = vec![0u8; PAGE];
+    let mut before = vec![0u8; RUN * PAGE];
     for run in runs(&candidates) {
         let bytes = run.len() * PAGE;
         ram.read(run[0], &mut now[..bytes])?;
+        parent.read_run(run, &mut before[..bytes])?;
         for (i, &page) in run.iter().enumerate() {
-            let current = &now[i * PAGE..(i + 1) * PAGE];
-            parent.read(page, &mut before)?;
-            if current != before.as_slice() {
-                w.push(page, current)?;
+            let span = i * PAGE..(i + 1) * PAGE;
+            if now[span.clone()] != before[span.clone()] {
+                w.push(page, &now[span])?;
             }
         }
     }
@@ -206,6 +242,13 @@ mod tests {
         let want = vec![1, 1, 2, 3, 1, 0, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1];
         assert_eq!(contents(&chain), want);
         assert_eq!(chain.pages().collect::<Vec<_>>(), vec![2, 3, 5, 9]);
+        // One read of all pages, across root, layers and a zero page.
+        let all: Vec<u64> = (0..16).collect();
+        let mut buf = vec![7u8; 16 * PAGE];
+        chain.read_run(&all, &mut buf).unwrap();
+        let firsts: Vec<u8> = buf.chunks(PAGE).map(|p| p[0]).collect();
+        assert_eq!(firsts, want);
+        assert!(buf.chunks(PAGE).all(|p| p.iter().all(|&b| b == p[0])));
 
         let merged = dir.path().join("m");
         assert_eq!(chain.write_merged(&merged).unwrap(), (4, 3));

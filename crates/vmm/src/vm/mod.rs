@@ -26,7 +26,6 @@ use crate::netns::Netns;
 use crate::process::QemuProcess;
 use crate::qemu::{self, Launch};
 use crate::qmp::Qmp;
-use crate::ram::GuestRam;
 use crate::snapshot::Snapshot;
 
 /// How long a cold boot may take until the agent answers (TCG: 2–3 s).
@@ -406,20 +405,12 @@ impl Vm {
         let t = Instant::now();
         let snapshot = snapshot.clone();
         let pid = self.pid();
-        let bytes = u64::from(snapshot.meta.machine.memory_mib) << 20;
-        let pages = tokio::task::spawn_blocking(move || {
-            let chain = snapshot.ram_chain()?;
-            let ram = GuestRam::find(pid, &snapshot.ram, bytes)
-                .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
-            chain
-                .apply(&ram)
-                .ctx(|| format!("writing RAM layers into QEMU {pid}"))
-        })
-        .await
-        .map_err(|e| Error::Io {
-            context: "the RAM layer task".into(),
-            source: std::io::Error::other(e.to_string()),
-        })??;
+        let pages = tokio::task::spawn_blocking(move || snapshot.write_ram_layers(pid))
+            .await
+            .map_err(|e| Error::Io {
+                context: "the RAM layer task".into(),
+                source: std::io::Error::other(e.to_string()),
+            })??;
         tracing::debug!(
             vm = self.id(),
             pages,
