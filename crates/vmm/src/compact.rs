@@ -37,8 +37,8 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
         let chain_snap = snap.clone();
         let out = layer_tmp.clone();
         let (pages, _) = tokio::task::spawn_blocking(move || {
-            let chain = chain_snap.ram_chain()?;
-            chain
+            chain_snap
+                .ram_chain()
                 .write_merged(&out)
                 .ctx(|| format!("writing {}", out.display()))
         })

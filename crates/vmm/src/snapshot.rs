@@ -16,11 +16,13 @@
 //! backed by the parent's. The chain ends at a root snapshot.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Artifacts, Machine, Paths};
 use crate::error::{Error, Result};
+use crate::ram::Chain;
 
 /// 2: the RAM file moved from the shm dir into the snapshot directory.
 /// 3: device state without RAM (`xen-save-devices-state`), RAM layers.
@@ -47,6 +49,9 @@ pub struct SnapshotMeta {
     pub parent: Option<String>,
 }
 
+/// An opened snapshot. Its RAM files (root and layers) are held open, so
+/// a snapshot opened before its ancestors' files are deleted (by garbage
+/// collection after a compaction) still restores.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub meta: SnapshotMeta,
@@ -57,6 +62,7 @@ pub struct Snapshot {
     pub layers: Vec<PathBuf>,
     /// Snapshot ids from the root up to this one's parent.
     pub ancestors: Vec<String>,
+    chain: Option<Arc<Chain>>,
 }
 
 impl Snapshot {
@@ -76,7 +82,7 @@ impl Snapshot {
         if self.layers.is_empty() {
             return Ok(0);
         }
-        let chain = self.ram_chain()?;
+        let chain = self.ram_chain();
         let bytes = u64::from(self.meta.machine.memory_mib) << 20;
         let io = |context: String| move |source| Error::Io { context, source };
         let ram = crate::ram::GuestRam::find(pid, &self.ram, bytes)
@@ -87,18 +93,21 @@ impl Snapshot {
     }
 
     /// The root and layers of this snapshot's RAM, opened for reading.
-    pub fn ram_chain(&self) -> Result<crate::ram::Chain> {
-        crate::ram::Chain::open(&self.ram, &self.layers).map_err(|e| Error::Snapshot {
-            path: self.dir.clone(),
-            detail: format!("RAM: {e}"),
-        })
+    pub fn ram_chain(&self) -> Arc<Chain> {
+        self.chain.clone().expect("Snapshot::open opens the chain")
     }
 
     /// Open snapshot `id` and check that its files are all there and look
-    /// right, so a damaged snapshot fails here with a clear message rather
-    /// than inside QEMU.
+    /// right (the whole RAM layer chain is read and checked), so a damaged
+    /// snapshot fails here with a clear message rather than inside QEMU.
     pub fn open(paths: &Paths, id: &str) -> Result<Self> {
-        Self::open_at_depth(paths, id, 0)
+        let mut snap = Self::open_at_depth(paths, id, 0)?;
+        let chain = Chain::open(&snap.ram, &snap.layers).map_err(|e| Error::Snapshot {
+            path: snap.dir.clone(),
+            detail: format!("RAM: {e}"),
+        })?;
+        snap.chain = Some(Arc::new(chain));
+        Ok(snap)
     }
 
     fn open_at_depth(paths: &Paths, id: &str, depth: usize) -> Result<Self> {
@@ -141,6 +150,7 @@ impl Snapshot {
                 ancestors,
                 dir,
                 meta,
+                chain: None,
             });
         }
         let snap = Self {
@@ -149,6 +159,7 @@ impl Snapshot {
             ancestors: Vec::new(),
             dir: dir.clone(),
             meta,
+            chain: None,
         };
         let ram_len = std::fs::metadata(&snap.ram)
             .map_err(|e| bad(format!("RAM file {}: {e}", snap.ram.display())))?

@@ -35,6 +35,15 @@ pub struct Chain {
     top: BTreeMap<u64, (usize, PageData)>,
 }
 
+impl std::fmt::Debug for Chain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chain")
+            .field("layers", &self.layers.len())
+            .field("pages", &self.top.len())
+            .finish()
+    }
+}
+
 impl Chain {
     /// Open `root` and `layers` (root-first); each layer must describe RAM
     /// of the root's size.

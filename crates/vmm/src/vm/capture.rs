@@ -192,7 +192,7 @@ impl Vm {
         let partial = dir.join(format!("{LAYER_FILE}.partial"));
         let out = partial.clone();
         let (pages, data) = tokio::task::spawn_blocking(move || {
-            let chain = parent.ram_chain()?;
+            let chain = parent.ram_chain();
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
             capture_layer(&ram, &chain, &out).ctx(|| format!("writing {}", out.display()))
