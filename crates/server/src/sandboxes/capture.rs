@@ -73,7 +73,10 @@ impl Manager {
             vec![],
         )?;
         let t = Instant::now();
-        let captured = vm.capture_and_kill(&row.id).await;
+        let captured = {
+            let _chains = self.chains.read().await;
+            vm.capture_and_kill(&row.id).await
+        };
         self.remove_live(id);
         let snapshot = match captured {
             Ok(snapshot) => snapshot,
@@ -198,10 +201,11 @@ impl Manager {
             detail,
         };
         let pid = vm.pid();
-        let snapshot = vm
-            .snapshot(&row.id)
-            .await
-            .map_err(|e| vm_err(e.to_string()))?;
+        let snapshot = {
+            let _chains = self.chains.read().await;
+            vm.snapshot(&row.id).await
+        }
+        .map_err(|e| vm_err(e.to_string()))?;
         if vm.pid() != pid {
             // A new QEMU: connections to the old one are gone.
             live.renew();

@@ -94,6 +94,14 @@ pub struct Manager {
     /// slow each other down until agents time out; beyond it they queue.
     starts: tokio::sync::Semaphore,
     compactions: compaction::Compactions,
+    /// Held shared while a VM opens a capture chain (a restore until its
+    /// QEMU has loaded, a capture while it reads its parent's); garbage
+    /// collection takes it exclusively, so it never deletes a file that a
+    /// start or capture is about to open.
+    chains: tokio::sync::RwLock<()>,
+    /// A collection was skipped because chains were in use; the sweep
+    /// runs it.
+    gc_pending: std::sync::atomic::AtomicBool,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -119,6 +127,8 @@ impl Manager {
             pool,
             starts: tokio::sync::Semaphore::new(config.max_concurrent_starts.max(1)),
             compactions: Default::default(),
+            chains: tokio::sync::RwLock::new(()),
+            gc_pending: Default::default(),
             config,
         }
     }
@@ -186,14 +196,17 @@ impl Manager {
                     return Err(e.to_string());
                 }
             },
-            None => Vm::restore(
-                &self.paths,
-                &rec.id,
-                &source.snapshot,
-                StartOptions::default(),
-            )
-            .await
-            .map_err(|e| e.to_string())?,
+            None => {
+                let _chains = self.chains.read().await;
+                Vm::restore(
+                    &self.paths,
+                    &rec.id,
+                    &source.snapshot,
+                    StartOptions::default(),
+                )
+                .await
+                .map_err(|e| e.to_string())?
+            }
         };
         let netns = vm.netns().try_clone().map_err(|e| e.to_string())?;
         if let Err(e) = guest::init(
@@ -457,6 +470,12 @@ impl Manager {
 
     /// Delete the files of captures nothing depends on any more.
     pub fn gc(&self) {
+        use std::sync::atomic::Ordering;
+        let Ok(_exclusive) = self.chains.try_write() else {
+            self.gc_pending.store(true, Ordering::Relaxed);
+            return;
+        };
+        self.gc_pending.store(false, Ordering::Relaxed);
         loop {
             let ids = match self.db.collectable_snapshots() {
                 Ok(ids) if !ids.is_empty() => ids,
@@ -500,6 +519,9 @@ impl Manager {
 
     /// Kill sandboxes whose time is up and forget those whose VM died.
     pub async fn sweep(&self) {
+        if self.gc_pending.load(std::sync::atomic::Ordering::Relaxed) {
+            self.gc();
+        }
         let now = now_ms();
         let ids: Vec<(String, Arc<Live>)> = self
             .live
