@@ -155,14 +155,7 @@ pub async fn run(cmd: SandboxCommand) -> anyhow::Result<i32> {
         }
         SandboxCommand::Snapshot { id } => {
             let t = Instant::now();
-            let v = api
-                .call(
-                    Method::POST,
-                    &format!("/sandboxes/{id}/snapshots"),
-                    Some(json!({})),
-                )
-                .await?;
-            println!("{}", field(&v, "snapshotID")?);
+            println!("{}", api.snapshot(&id).await?);
             eprintln!("snapshot of {id} in {} ms", t.elapsed().as_millis());
         }
         SandboxCommand::Kill { ids } => {

@@ -118,41 +118,40 @@ impl GuestRam {
 
     /// Read consecutive pages starting at `first_page` into `buf`.
     pub fn read(&self, first_page: u64, buf: &mut [u8]) -> io::Result<()> {
-        let mut done = 0;
-        while done < buf.len() {
-            let remote = self.remote(first_page, buf.len())?;
-            let remote = RemoteIoVec {
-                base: remote.base + done,
-                len: buf.len() - done,
-            };
-            let n = process_vm_readv(
-                self.pid,
-                &mut [IoSliceMut::new(&mut buf[done..])],
-                &[remote],
-            )?;
-            if n == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            done += n;
-        }
-        Ok(())
+        let pid = self.pid;
+        self.transfer(first_page, buf.len(), |done, remote| {
+            process_vm_readv(pid, &mut [IoSliceMut::new(&mut buf[done..])], &[remote])
+        })
     }
 
     /// Write consecutive pages starting at `first_page` from `buf`. Writing
     /// into the MAP_PRIVATE mapping gives the process private copies.
     pub fn write(&self, first_page: u64, buf: &[u8]) -> io::Result<()> {
+        let pid = self.pid;
+        self.transfer(first_page, buf.len(), |done, remote| {
+            process_vm_writev(pid, &[IoSlice::new(&buf[done..])], &[remote])
+        })
+    }
+
+    /// Move `len` bytes at `first_page` with `call(done, rest_of_remote)`
+    /// until all are moved (the calls may move less than asked).
+    fn transfer(
+        &self,
+        first_page: u64,
+        len: usize,
+        mut call: impl FnMut(usize, RemoteIoVec) -> nix::Result<usize>,
+    ) -> io::Result<()> {
+        let remote = self.remote(first_page, len)?;
         let mut done = 0;
-        while done < buf.len() {
-            let remote = self.remote(first_page, buf.len())?;
-            let remote = RemoteIoVec {
+        while done < len {
+            let rest = RemoteIoVec {
                 base: remote.base + done,
-                len: buf.len() - done,
+                len: len - done,
             };
-            let n = process_vm_writev(self.pid, &[IoSlice::new(&buf[done..])], &[remote])?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
+            match call(done, rest)? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => done += n,
             }
-            done += n;
         }
         Ok(())
     }

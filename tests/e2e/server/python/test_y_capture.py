@@ -184,41 +184,30 @@ def test_capture_bad_input(fresh):
         Sandbox.connect(s.sandbox_id)
 
 
-def test_damaged_pause_capture_is_a_clear_error(fresh):
-    s = fresh(timeout=600)
-    assert s.pause() is True
-    data = os.environ["TINE_DATA_DIR"]
-    snaps = [d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")]
-    assert len(snaps) == 1
-    with open(os.path.join(data, "snapshots", snaps[0], "state"), "r+b") as f:
-        f.write(b"XXXX")
-    with pytest.raises(SandboxException) as e:
-        Sandbox.connect(s.sandbox_id)
-    assert "not a QEMU migration stream" in str(e.value)
-    # Still paused (nothing else affected), and it can be killed.
-    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
-    assert s.kill() is True
-
-
-def test_damaged_ram_layer_is_a_clear_error(fresh):
-    s = fresh(timeout=600)
-    assert s.pause() is True
-    data = os.environ["TINE_DATA_DIR"]
-    (snap,) = [d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")]
-    layer = os.path.join(data, "snapshots", snap, "ram.layer")
-    size = os.path.getsize(layer)
-    with open(layer, "r+b") as f:
-        f.truncate(size - 100)
-    with pytest.raises(SandboxException) as e:
-        Sandbox.connect(s.sandbox_id)
-    assert "RAM layer" in str(e.value)
-    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
-    assert s.kill() is True
-
-
 def pause_captures(sandbox_id):
     root = os.path.join(os.environ["TINE_DATA_DIR"], "snapshots")
     return [d for d in os.listdir(root) if d.startswith(f"p-{sandbox_id}-")]
+
+
+@pytest.mark.parametrize(
+    "file,damage,message",
+    [
+        ("state", lambda f: f.write(b"XXXX"), "not a QEMU migration stream"),
+        ("ram.layer", lambda f: f.truncate(os.fstat(f.fileno()).st_size - 100), "RAM layer"),
+    ],
+)
+def test_damaged_pause_capture_is_a_clear_error(fresh, file, damage, message):
+    s = fresh(timeout=600)
+    assert s.pause() is True
+    (snap,) = pause_captures(s.sandbox_id)
+    with open(os.path.join(os.environ["TINE_DATA_DIR"], "snapshots", snap, file), "r+b") as f:
+        damage(f)
+    with pytest.raises(SandboxException) as e:
+        Sandbox.connect(s.sandbox_id)
+    assert message in str(e.value)
+    # Still paused (nothing else affected), and it can be killed.
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    assert s.kill() is True
 
 
 def capture_parent(snapshot_id):
