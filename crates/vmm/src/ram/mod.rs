@@ -158,21 +158,69 @@ impl Chain {
     }
 }
 
-/// Write to `out` a layer of the pages of the stopped VM's `ram` that
-/// differ from `parent`: those it has private copies of, and those the
-/// parent's layers hold (the VM got them written at restore). Returns the
-/// pages written and how many of them carry data (the others are zero).
-pub fn capture_layer(ram: &GuestRam, parent: &Chain, out: &Path) -> io::Result<(u64, u64)> {
-    let mut candidates = ram.private_pages()?;
-    candidates.extend(parent.pages());
-    candidates.sort_unstable();
-    candidates.dedup();
-    let mut w = LayerWriter::create(out, ram.pages() * PAGE as u64)?;
+/// The pages of a stopped VM that may differ from `parent`: those it has
+/// private copies of, and those the parent's layers hold (the VM got them
+/// written at restore). Ascending.
+pub fn candidates(ram: &GuestRam, parent: &Chain) -> io::Result<Vec<u64>> {
+    let mut pages = ram.private_pages()?;
+    pages.extend(parent.pages());
+    pages.sort_unstable();
+    pages.dedup();
+    Ok(pages)
+}
+
+/// Where a capture reads the VM's current pages from.
+pub enum Current<'a> {
+    /// The (stopped) VM itself.
+    Live(&'a GuestRam),
+    /// A copy taken while it was stopped ([`copy_out`]), so the VM could
+    /// run on while the layer is written.
+    Copied { pages: &'a [u64], data: &'a [u8] },
+}
+
+impl Current<'_> {
+    fn read_run(&self, run: &[u64], buf: &mut [u8]) -> io::Result<()> {
+        match self {
+            Current::Live(ram) => ram.read(run[0], buf),
+            Current::Copied { pages, data } => {
+                let i = pages.binary_search(&run[0]).map_err(|_| {
+                    io::Error::new(io::ErrorKind::NotFound, "page missing from the copy")
+                })?;
+                buf.copy_from_slice(&data[i * PAGE..(i + run.len()) * PAGE]);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Copy `pages` (ascending) out of the stopped VM, one call per run.
+pub fn copy_out(ram: &GuestRam, pages: &[u64]) -> io::Result<Vec<u8>> {
+    let mut data = vec![0u8; pages.len() * PAGE];
+    let mut at = 0;
+    for run in runs(pages) {
+        let bytes = run.len() * PAGE;
+        ram.read(run[0], &mut data[at..at + bytes])?;
+        at += bytes;
+    }
+    Ok(data)
+}
+
+/// Write to `out` a layer of those `candidates` whose `current` contents
+/// differ from `parent`. Returns the pages written and how many of them
+/// carry data (the others are zero).
+pub fn write_layer(
+    candidates: &[u64],
+    current: &Current<'_>,
+    parent: &Chain,
+    out: &Path,
+) -> io::Result<(u64, u64)> {
+    let ram_bytes = parent.root.metadata()?.len();
+    let mut w = LayerWriter::create(out, ram_bytes)?;
     let mut now = vec![0u8; RUN * PAGE];
     let mut before = vec![0u8; RUN * PAGE];
-    for run in runs(&candidates) {
+    for run in runs(candidates) {
         let bytes = run.len() * PAGE;
-        ram.read(run[0], &mut now[..bytes])?;
+        current.read_run(run, &mut now[..bytes])?;
         parent.read_run(run, &mut before[..bytes])?;
         for (i, &page) in run.iter().enumerate() {
             let span = i * PAGE..(i + 1) * PAGE;

@@ -22,8 +22,32 @@ use super::{unix_ms, write_atomic, Vm, VmState};
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
-use crate::ram::{capture_layer, GuestRam};
+use crate::ram::{self, layer::PAGE, Chain, Current, GuestRam};
 use crate::snapshot::{Snapshot, SnapshotMeta, LAYER_FILE, META_VERSION};
+
+/// Most bytes of changed pages a capture copies out of a VM to let it run
+/// on while the layer is written; beyond it the VM stays stopped until
+/// the layer is on disk.
+const COPY_LIMIT: usize = 256 << 20;
+
+/// The RAM half of a capture, between the VM's stop and the layer's write.
+struct RamCapture {
+    parent: String,
+    chain: std::sync::Arc<Chain>,
+    candidates: Vec<u64>,
+    copy: Option<Vec<u8>>,
+    out: std::path::PathBuf,
+}
+
+/// Run blocking file and process-memory work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Io {
+            context: "a capture task".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?
+}
 
 /// What happens to the VM after its capture.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -42,8 +66,9 @@ impl Vm {
         let t = Instant::now();
         let was_running = self.state == VmState::Running;
         if !self.record.ram_shared {
+            // The capture lets the VM run again as soon as it can; if it
+            // failed before that, this does.
             let captured = self.capture(snap_id, After::Continue).await;
-            let stopped_ms = t.elapsed().as_secs_f64() * 1e3;
             if was_running && self.state == VmState::Paused {
                 self.resume().await?;
             }
@@ -52,7 +77,7 @@ impl Vm {
             tracing::info!(
                 vm = self.id(),
                 snapshot = snap_id,
-                stopped_ms,
+                total_ms = t.elapsed().as_secs_f64() * 1e3,
                 "snapshot taken; the VM continues"
             );
             return Ok(snapshot);
@@ -98,13 +123,24 @@ impl Vm {
             });
         }
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
+        let generation = self.record.disk_generation;
         let captured = self.capture_into(snap_id, &snap_dir, after).await;
         if captured.is_err() {
-            let _ = Snapshot::delete(&self.paths, snap_id);
-            let next = self
-                .files()
-                .disk_generation(self.record.disk_generation + 1);
-            let _ = std::fs::remove_file(next);
+            if self.record.disk_generation == generation {
+                let _ = Snapshot::delete(&self.paths, snap_id);
+                let _ = std::fs::remove_file(self.files().disk_generation(generation + 1));
+            } else {
+                // The disk was sealed into the snapshot directory and the
+                // VM's new overlay is backed by it there: keep that file.
+                for name in ["state", "meta.json", LAYER_FILE] {
+                    let _ = std::fs::remove_file(snap_dir.join(name));
+                }
+                tracing::warn!(
+                    vm = self.id(),
+                    dir = %snap_dir.display(),
+                    "capture failed after sealing the disk; its disk layer stays (the VM's disk is stacked on it)"
+                );
+            }
         }
         captured
     }
@@ -115,8 +151,9 @@ impl Vm {
             After::Continue => Some(self.prepare_next_overlay(dir).await?),
             After::Exit => None,
         };
+        let was_running = self.state == VmState::Running;
         let t = Instant::now();
-        if self.state == VmState::Running {
+        if was_running {
             self.qmp.run("stop", None).await?;
             self.state = VmState::Paused;
         }
@@ -127,21 +164,20 @@ impl Vm {
             )
             .await?;
         let t_state = t.elapsed();
-
-        let parent = if self.record.ram_shared {
+        let ram = if self.record.ram_shared {
             None
         } else {
-            let parent = self.record.parent.clone().ok_or_else(|| Error::Snapshot {
-                path: dir.to_path_buf(),
-                detail: format!("VM {} maps private RAM but names no parent", self.id()),
-            })?;
-            self.write_layer(&parent, dir).await?;
-            Some(parent)
+            Some(self.capture_ram(dir, after).await?)
         };
         let t_ram = t.elapsed();
 
         match next {
-            Some(next) => self.seal_disk_in_place(dir, &next).await?,
+            Some(next) => {
+                self.seal_disk_in_place(dir, &next).await?;
+                if was_running {
+                    self.resume().await?;
+                }
+            }
             None => {
                 self.quit().await;
                 std::fs::rename(self.active_disk(), dir.join("disk.qcow2"))
@@ -152,6 +188,11 @@ impl Vm {
                 }
             }
         }
+        let t_stopped = t.elapsed();
+        let parent = match ram {
+            Some(ram) => Some(self.finish_layer(ram, dir).await?),
+            None => None,
+        };
         let meta = SnapshotMeta {
             version: META_VERSION,
             id: snap_id.to_string(),
@@ -177,34 +218,80 @@ impl Vm {
             snapshot = snap_id,
             state_ms = t_state.as_secs_f64() * 1e3,
             ram_ms = (t_ram - t_state).as_secs_f64() * 1e3,
-            disk_ms = (t.elapsed() - t_ram).as_secs_f64() * 1e3,
+            disk_ms = (t_stopped - t_ram).as_secs_f64() * 1e3,
+            stopped_ms = t_stopped.as_secs_f64() * 1e3,
+            layer_ms = (t.elapsed() - t_stopped).as_secs_f64() * 1e3,
             "captured"
         );
         Ok(snapshot)
     }
 
-    /// Write the RAM layer of this (stopped, restored) VM over `parent`.
-    async fn write_layer(&self, parent: &str, dir: &Path) -> Result<()> {
-        let parent = Snapshot::open(&self.paths, parent)?;
+    /// The RAM half of capturing this (stopped, restored) VM: find the
+    /// pages that may differ from its parent. If the VM is to continue and
+    /// they fit [`COPY_LIMIT`], copy them out so it can run on while the
+    /// layer is written; otherwise write the layer now.
+    async fn capture_ram(&self, dir: &Path, after: After) -> Result<RamCapture> {
+        let parent = self.record.parent.clone().ok_or_else(|| Error::Snapshot {
+            path: dir.to_path_buf(),
+            detail: format!("VM {} maps private RAM but names no parent", self.id()),
+        })?;
+        let chain = Snapshot::open(&self.paths, &parent)?.ram_chain();
         let pid = self.pid();
         let root = self.record.ram.clone();
         let bytes = u64::from(self.record.machine.memory_mib) << 20;
-        let partial = dir.join(format!("{LAYER_FILE}.partial"));
-        let out = partial.clone();
-        let (pages, data) = tokio::task::spawn_blocking(move || {
-            let chain = parent.ram_chain();
+        let out = dir.join(format!("{LAYER_FILE}.partial"));
+        blocking(move || {
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
-            capture_layer(&ram, &chain, &out).ctx(|| format!("writing {}", out.display()))
+            let candidates =
+                ram::candidates(&ram, &chain).ctx(|| format!("scanning QEMU {pid}'s RAM"))?;
+            let copy = if after == After::Continue && candidates.len() * PAGE <= COPY_LIMIT {
+                Some(
+                    ram::copy_out(&ram, &candidates)
+                        .ctx(|| format!("copying pages out of QEMU {pid}"))?,
+                )
+            } else {
+                let written = ram::write_layer(&candidates, &Current::Live(&ram), &chain, &out)
+                    .ctx(|| format!("writing {}", out.display()))?;
+                tracing::debug!(pages = written.0, data = written.1, "RAM layer written");
+                None
+            };
+            Ok(RamCapture {
+                parent,
+                chain,
+                candidates,
+                copy,
+                out,
+            })
         })
         .await
-        .map_err(|e| Error::Io {
-            context: "the RAM layer task".into(),
-            source: std::io::Error::other(e.to_string()),
-        })??;
-        std::fs::rename(&partial, dir.join(LAYER_FILE)).ctx(|| "finishing the RAM layer".into())?;
-        tracing::debug!(vm = self.id(), pages, data, "RAM layer written");
-        Ok(())
+    }
+
+    /// Finish the RAM layer (from the copy, if one was taken); returns the
+    /// parent it is over.
+    async fn finish_layer(&self, ram: RamCapture, dir: &Path) -> Result<String> {
+        let RamCapture {
+            parent,
+            chain,
+            candidates,
+            copy,
+            out,
+        } = ram;
+        if let Some(data) = copy {
+            let path = out.clone();
+            let (pages, data) = blocking(move || {
+                let current = Current::Copied {
+                    pages: &candidates,
+                    data: &data,
+                };
+                ram::write_layer(&candidates, &current, &chain, &path)
+                    .ctx(|| format!("writing {}", path.display()))
+            })
+            .await?;
+            tracing::debug!(vm = self.id(), pages, data, "RAM layer written");
+        }
+        std::fs::rename(&out, dir.join(LAYER_FILE)).ctx(|| "finishing the RAM layer".into())?;
+        Ok(parent)
     }
 
     /// Create the overlay the VM's disk continues in after a capture into
