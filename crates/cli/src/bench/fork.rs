@@ -40,9 +40,11 @@ async fn sequential_restores(ctx: &Ctx, snapshot: &Snapshot, count: usize) -> an
     result.map(|()| took)
 }
 
-/// How long the source was unavailable: the server's `captured … in N ms`
-/// event (stop, save, continue as a clone, agent ready, `/init`).
-fn source_capture_ms(ctx: &Ctx, source: &str) -> anyhow::Result<f64> {
+/// What the source's capture took, from the server's event `captured … in
+/// N ms (vCPUs stopped M ms)`: (N, M). N runs from the stop to the layer on
+/// disk and the source's reseed (`/init`) answered; M is the part its vCPUs
+/// stood still.
+fn source_capture_ms(ctx: &Ctx, source: &str) -> anyhow::Result<(f64, f64)> {
     let db = tine_server::db::Db::open(&ctx.paths.data_dir.join("tine.db"))?;
     let ev = db
         .events(source)?
@@ -50,21 +52,24 @@ fn source_capture_ms(ctx: &Ctx, source: &str) -> anyhow::Result<f64> {
         .rev()
         .find(|e| e.kind == "captured")
         .context("no captured event")?;
-    let n = ev
-        .detail
-        .rsplit(" in ")
-        .next()
-        .and_then(|s| s.strip_suffix(" ms"))
-        .context("unexpected event detail")?;
-    Ok(n.trim().parse()?)
+    let number_after = |word: &str| -> anyhow::Result<f64> {
+        let rest = ev
+            .detail
+            .split_once(word)
+            .context("unexpected event detail")?
+            .1;
+        let n = rest.split(" ms").next().unwrap_or_default();
+        Ok(n.trim().parse()?)
+    };
+    Ok((number_after(" in ")?, number_after("stopped ")?))
 }
 
 pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let n = ctx.iterations(3);
     let k = ctx.args.fork_count;
     let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
-    let (mut fork_ms, mut floor_ms, mut paused_ms, mut errors) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut fork_ms, mut floor_ms, mut paused_ms, mut busy_ms, mut errors) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut snapshot: Option<Snapshot> = None;
     for i in 1..=n {
         ctx.step(format!("{i}/{n}: source sandbox"));
@@ -113,7 +118,10 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
                     ));
                 }
                 match source_capture_ms(ctx, &src.id) {
-                    Ok(v) => paused_ms.push(v),
+                    Ok((busy, stopped)) => {
+                        busy_ms.push(busy);
+                        paused_ms.push(stopped);
+                    }
                     Err(e) => errors.push(format!("source pause time: {e:#}")),
                 }
                 for c in ok {
@@ -146,15 +154,20 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             .error(first_error.clone())
             .param("errors", errors.len()),
     );
-    let mut paused = Row::new(
-        "P2",
-        "source unavailable during fork (capture → ready)",
-        "ms",
-    )
-    .samples(paused_ms);
+    let mut paused =
+        Row::new("P2", "source paused during fork (vCPUs stopped)", "ms").samples(paused_ms);
     paused.target = "≤ 50 ms".into();
     paused.met = paused.summary.map(|s| s.p50 <= 50.0);
     out.rows
-        .push(paused.param("source", "server event 'captured … in N ms'"));
+        .push(paused.param("source", "server event 'captured … (vCPUs stopped N ms)'"));
+    out.rows.push(
+        Row::new(
+            "P2",
+            "source capture until layer written and source reseeded",
+            "ms",
+        )
+        .samples(busy_ms)
+        .param("source", "server event 'captured … in N ms'"),
+    );
     Ok(())
 }

@@ -210,6 +210,7 @@ impl Manager {
             // A new QEMU: connections to the old one are gone.
             live.renew();
         }
+        let stopped = vm.last_capture_stop().unwrap_or_default();
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
         guest::init(
@@ -227,7 +228,12 @@ impl Manager {
         self.event(
             id,
             "captured",
-            &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
+            &format!(
+                "{} in {} ms (vCPUs stopped {} ms)",
+                row.id,
+                t.elapsed().as_millis(),
+                stopped.as_millis()
+            ),
         );
         self.maybe_compact(&snapshot);
         Ok(row)

@@ -189,6 +189,7 @@ impl Vm {
             }
         }
         let t_stopped = t.elapsed();
+        self.last_stop = Some(t_stopped);
         let parent = match ram {
             Some(ram) => Some(self.finish_layer(ram, dir).await?),
             None => None,

@@ -92,6 +92,8 @@ pub struct Vm {
     process: QemuProcess,
     qmp: Qmp,
     state: VmState,
+    /// How long the last capture kept the vCPUs stopped.
+    last_stop: Option<Duration>,
 }
 
 fn unix_ms() -> u128 {
@@ -180,6 +182,10 @@ impl Vm {
     }
     pub fn state(&self) -> VmState {
         self.state
+    }
+    /// How long the vCPUs stood still during the last in-place capture.
+    pub fn last_capture_stop(&self) -> Option<Duration> {
+        self.last_stop
     }
     pub fn record(&self) -> &VmRecord {
         &self.record
@@ -464,6 +470,7 @@ impl Vm {
             process,
             qmp,
             state: VmState::Paused,
+            last_stop: None,
         })
     }
 
@@ -568,6 +575,7 @@ impl Vm {
             process,
             qmp,
             state,
+            last_stop: None,
         })
     }
 }
