@@ -36,17 +36,13 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
     let result = async {
         let chain_snap = snap.clone();
         let out = layer_tmp.clone();
-        let (pages, _) = tokio::task::spawn_blocking(move || {
+        let (pages, _) = crate::blocking(move || {
             chain_snap
                 .ram_chain()
                 .write_merged(&out)
                 .ctx(|| format!("writing {}", out.display()))
         })
-        .await
-        .map_err(|e| Error::Io {
-            context: "the compaction task".into(),
-            source: std::io::Error::other(e.to_string()),
-        })??;
+        .await?;
         std::fs::copy(snap.disk_path(), &disk_tmp)
             .ctx(|| format!("copying {}", snap.disk_path().display()))?;
         disk::rebase(&disk_tmp, &root.disk_path(), BackingFormat::Qcow2).await?;

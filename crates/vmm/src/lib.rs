@@ -23,6 +23,19 @@ pub mod snapshot;
 pub mod vm;
 
 pub use config::{Accel, Artifacts, Machine, Paths};
+
+/// Run blocking file and process-memory work (RAM layers, compaction) off
+/// the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Io {
+            context: "a blocking task".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?
+}
 pub use error::{Error, Result};
 pub use snapshot::Snapshot;
 pub use vm::{StartOptions, Vm, VmState};

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{unix_ms, write_atomic, Vm, VmState};
+use crate::blocking;
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
@@ -39,20 +40,11 @@ struct RamCapture {
     out: std::path::PathBuf,
 }
 
-/// Run blocking file and process-memory work off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Io {
-            context: "a capture task".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?
-}
-
 /// What happens to the VM after its capture.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum After {
-    /// It goes on in the same QEMU (restored VMs only), stopped.
+    /// It goes on in the same QEMU (restored VMs only), running again as
+    /// soon as its state is taken if it was running.
     Continue,
     /// Its QEMU exits.
     Exit,

@@ -411,12 +411,7 @@ impl Vm {
         let t = Instant::now();
         let snapshot = snapshot.clone();
         let pid = self.pid();
-        let pages = tokio::task::spawn_blocking(move || snapshot.write_ram_layers(pid))
-            .await
-            .map_err(|e| Error::Io {
-                context: "the RAM layer task".into(),
-                source: std::io::Error::other(e.to_string()),
-            })??;
+        let pages = crate::blocking(move || snapshot.write_ram_layers(pid)).await?;
         tracing::debug!(
             vm = self.id(),
             pages,
