@@ -15,6 +15,7 @@
 //! pool_size = 2                   # warm pool per template shape
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
+//! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
 //! ```
 
 use std::net::SocketAddr;
@@ -49,6 +50,10 @@ pub struct Config {
     /// A capture with more RAM/disk layers above its template than this is
     /// compacted in the background (0: never).
     pub compact_after_layers: usize,
+    /// A fork of at least this many children first gives its capture its
+    /// whole RAM as a file, which the children then share instead of each
+    /// holding private copies of the source's changed pages (0: never).
+    pub fork_shared_ram_from: usize,
 }
 
 impl Default for Config {
@@ -69,6 +74,7 @@ impl Default for Config {
             pool_size: 2,
             max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
             compact_after_layers: 3,
+            fork_shared_ram_from: 2,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Compaction: folding a snapshot's chain into one layer over its root.
+//! Compaction: folding a snapshot's chain into one layer over its root;
+//! and materializing: giving a snapshot its whole RAM as a file.
 //!
 //! Each capture of a restored VM adds a RAM layer and a disk layer over its
 //! parent, so a sandbox paused and resumed many times restores through a
@@ -71,4 +72,63 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
         "chain compacted onto {root_id}"
     );
     Ok(Some(root_id))
+}
+
+/// Turn layered snapshot `id` into one with its whole RAM in a file of its
+/// own (`ram`: the root's data plus the chain's pages), so that the VMs
+/// restored from it map that file and share all of its pages, rather than
+/// each getting private copies of the layer pages. A fork does this before
+/// it starts its children. Its disk stays layered on its parent's. Returns
+/// whether there was anything to do.
+pub async fn materialize(paths: &Paths, id: &str) -> Result<bool> {
+    let snap = Snapshot::open(paths, id)?;
+    if snap.layers.is_empty() {
+        return Ok(false);
+    }
+    let t = Instant::now();
+    let tmp = snap.dir.join("ram.partial");
+    let (src, out) = (snap.clone(), tmp.clone());
+    let written = crate::blocking(move || {
+        let copied = crate::snapshot::copy_sparse(&src.ram, &out)
+            .ctx(|| format!("copying {} to {}", src.ram.display(), out.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&out)
+            .ctx(|| format!("opening {}", out.display()))?;
+        let pages = src
+            .ram_chain()
+            .write_into(&file)
+            .ctx(|| format!("writing the RAM layers into {}", out.display()))?;
+        file.sync_all()
+            .ctx(|| format!("syncing {}", out.display()))?;
+        Ok((copied, pages))
+    })
+    .await;
+    let (copied, pages) = match written {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    // The file first, then meta.json; a reader in between still finds the
+    // layer and its parents, which give the same RAM.
+    std::fs::rename(&tmp, snap.dir.join("ram")).ctx(|| "installing the RAM file".into())?;
+    let meta = SnapshotMeta {
+        parent: None,
+        ..snap.meta.clone()
+    };
+    crate::vm::write_atomic(
+        &snap.dir.join("meta.json"),
+        &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
+    )?;
+    let _ = std::fs::remove_file(snap.layer_path());
+    tracing::info!(
+        snapshot = id,
+        mib = copied >> 20,
+        pages,
+        ms = t.elapsed().as_secs_f64() * 1e3,
+        "RAM materialized into its own file"
+    );
+    Ok(true)
 }

@@ -240,6 +240,14 @@ fn check_state_file(path: &Path) -> std::result::Result<(), String> {
 /// files are mostly holes), then remove `from`. Used to move a booted VM's
 /// RAM from tmpfs into its snapshot on disk.
 pub(crate) fn move_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
+    let copied = copy_sparse(from, to)?;
+    std::fs::remove_file(from)?;
+    Ok(copied)
+}
+
+/// Copy `from` to a new file `to`, writing only its data extents, and sync
+/// it. Returns the bytes copied.
+pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
     use nix::unistd::{lseek, Whence};
     use std::os::fd::AsFd;
     use std::os::unix::fs::FileExt;
@@ -270,7 +278,6 @@ pub(crate) fn move_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
         pos = end;
     }
     dst.sync_all()?;
-    std::fs::remove_file(from)?;
     Ok(copied)
 }
 

@@ -295,7 +295,39 @@ async fn boot_snapshot_clone_kill() {
     flat.kill().await.unwrap();
     std::fs::rename(&away, paths.snapshot_dir(&snap2_id)).unwrap();
 
+    // Materializing gives the snapshot its whole RAM as its own file; VMs
+    // restored from it map that file, and the clone that was captured into
+    // it captures again as a layer over it.
+    assert!(tine_vmm::compact::materialize(&paths, &snap3_id)
+        .await
+        .unwrap());
+    let snap3 = Snapshot::open(&paths, &snap3_id).unwrap();
+    assert!(snap3.layers.is_empty() && snap3.meta.parent.is_none());
+    assert_eq!(snap3.ram, paths.snapshot_ram(&snap3_id));
+    let full = Vm::restore(&paths, &uniq("full"), &snap3, StartOptions::default())
+        .await
+        .expect("restore the materialized snapshot");
+    assert_eq!(sh(&full, "cat /root/mine").await.0, "after");
+    assert_eq!(sh(&full, "sha256sum < /dev/shm/blob").await.0, blob);
+    let (rss, _, _) = ram_mapping_usage(full.pid(), &snap3.ram);
+    assert!(rss > 0, "it maps the snapshot's own RAM file");
+    full.kill().await.unwrap();
+    sh(&clones[0], "echo again > /root/mine").await;
+    let snap4_id = uniq("snap4");
+    let snap4 = clones[0].snapshot(&snap4_id).await.expect("capture");
+    assert_eq!(
+        (snap4.ram.clone(), snap4.layers.len()),
+        (snap3.ram.clone(), 1)
+    );
+    let again = Vm::restore(&paths, &uniq("again"), &snap4, StartOptions::default())
+        .await
+        .expect("restore a layer over a materialized snapshot");
+    assert_eq!(sh(&again, "cat /root/mine").await.0, "again");
+    assert_eq!(sh(&again, "sha256sum < /dev/shm/blob").await.0, blob);
+    again.kill().await.unwrap();
+
     // A damaged layer is refused with a message naming it.
+    let (snap3, snap3_id) = (snap4, snap4_id);
     let layer_file = snap3.layer_path();
     let good = std::fs::read(&layer_file).unwrap();
     std::fs::write(&layer_file, &good[..good.len() - 5]).unwrap();

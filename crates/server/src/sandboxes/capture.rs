@@ -299,6 +299,24 @@ impl Manager {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
         };
+        let shared_from = self.config.fork_shared_ram_from;
+        if shared_from > 0 && count >= shared_from {
+            // The source runs on meanwhile; the children wait for the file.
+            let t = Instant::now();
+            let materialized = {
+                let _chains = self.chains.read().await;
+                tine_vmm::compact::materialize(&self.paths, &row.id).await
+            };
+            materialized.map_err(|e| SandboxError::Vm {
+                id: id.to_string(),
+                detail: format!("preparing the fork's RAM file: {e}"),
+            })?;
+            tracing::debug!(
+                snapshot = %row.id,
+                ms = t.elapsed().as_secs_f64() * 1e3,
+                "fork capture has its own RAM file"
+            );
+        }
         let snapshot =
             tine_vmm::Snapshot::open(&self.paths, &row.id).map_err(|e| SandboxError::Vm {
                 id: id.to_string(),

@@ -146,6 +146,19 @@ impl Chain {
         Ok(pages.len() as u64)
     }
 
+    /// Write the chain's pages into `file`, a copy of the root (so it
+    /// becomes the whole RAM). Returns the pages written.
+    pub fn write_into(&self, file: &File) -> io::Result<u64> {
+        let mut buf = vec![0u8; RUN * PAGE];
+        let pages: Vec<u64> = self.pages().collect();
+        for run in runs(&pages) {
+            let bytes = run.len() * PAGE;
+            self.read_run(run, &mut buf[..bytes])?;
+            file.write_all_at(&buf[..bytes], run[0] * PAGE as u64)?;
+        }
+        Ok(pages.len() as u64)
+    }
+
     /// Write the chain's pages as one layer over its root (compaction).
     pub fn write_merged(&self, out: &Path) -> io::Result<(u64, u64)> {
         let mut w = LayerWriter::create(out, self.root.metadata()?.len())?;

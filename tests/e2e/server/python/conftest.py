@@ -93,3 +93,39 @@ def assert_error(resp, status):
     assert doc.get("code") == status and type(doc.get("code")) is int, doc
     assert isinstance(doc.get("message"), str) and doc["message"], doc
     return doc
+
+
+def qemu_pid(sandbox_id):
+    """The QEMU process of a sandbox: the one whose command line names its
+    VM directory."""
+    needle = f"/vms/{sandbox_id}/".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no QEMU for {sandbox_id}")
+
+
+def ram_usage(pid, under):
+    """(Rss, Pss, Shared) in KiB of the QEMU's mapping of a snapshot RAM
+    file whose path contains `under` (e.g. "/snapshots/tpl-")."""
+    rss = pss = shared = 0
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                inside = under in line and line.rstrip().endswith("/ram")
+                continue
+            if inside:
+                kib = int(line.split()[1]) if line.split()[1].isdigit() else 0
+                if first == "Rss:":
+                    rss += kib
+                elif first == "Pss:":
+                    pss += kib
+                elif first in ("Shared_Clean:", "Shared_Dirty:"):
+                    shared += kib
+    return rss, pss, shared

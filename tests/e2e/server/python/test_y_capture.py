@@ -10,7 +10,7 @@ import uuid
 import pytest
 from e2b import NotFoundException, Sandbox, SandboxException, SandboxState
 
-from conftest import HERE, assert_error, http, new_sandbox
+from conftest import HERE, assert_error, http, new_sandbox, qemu_pid, ram_usage
 
 SERVER_SH = os.path.join(os.path.dirname(HERE), "server.sh")
 
@@ -158,6 +158,9 @@ def test_fork_children_share_state_and_diverge(fresh):
         assert len(machine_ids) == n and all(len(m) == 32 for m in machine_ids), machine_ids
         for i, k in enumerate(kids):
             assert k.files.read("/home/user/mine") == str(i)
+            # The children map the fork capture's own RAM file and share it.
+            rss, pss, shared = ram_usage(qemu_pid(k.sandbox_id), "/snapshots/f-")
+            assert rss > 0 and shared > 0 and pss < rss, (rss, pss, shared)
         assert not s.files.exists("/home/user/mine"), "the source did not see the children's writes"
         assert s.commands.run("echo ok").stdout == "ok\n", "the source keeps running"
     finally:

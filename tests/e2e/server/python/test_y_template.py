@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from e2b import Sandbox
 
-from conftest import API, API_KEY, assert_error, http, new_sandbox
+from conftest import API, API_KEY, assert_error, http, new_sandbox, qemu_pid, ram_usage
 
 TINE = os.environ["TINE_BIN"]
 
@@ -60,46 +60,11 @@ def test_bad_templates():
     assert_error(http("POST", "/v2/sandboxes", {"templateID": "no-such-template"}), 404)
 
 
-def qemu_pid(sandbox_id):
-    """The QEMU process of a sandbox: the one whose command line names its
-    VM directory."""
-    needle = f"/vms/{sandbox_id}/".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle in f.read():
-                    return int(pid)
-        except OSError:
-            continue
-    raise AssertionError(f"no QEMU for {sandbox_id}")
-
-
-def template_ram_usage(pid):
-    """(Rss, Pss, Shared) in KiB of the mapping of a template's RAM file."""
-    rss = pss = shared = 0
-    inside = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            first = line.split()[0]
-            if "-" in first and not first.endswith(":"):
-                inside = "/snapshots/tpl-" in line and line.rstrip().endswith("/ram")
-                continue
-            if inside:
-                kib = int(line.split()[1]) if line.split()[1].isdigit() else 0
-                if first == "Rss:":
-                    rss += kib
-                elif first == "Pss:":
-                    pss += kib
-                elif first in ("Shared_Clean:", "Shared_Dirty:"):
-                    shared += kib
-    return rss, pss, shared
-
-
 def test_ten_creates_share_the_template_ram(fresh):
     boxes = [fresh(timeout=600) for _ in range(10)]
     for s in boxes:
         assert s.commands.run("cat /etc/os-release").stdout.startswith("PRETTY_NAME=\"Debian")
     for s in boxes:
-        rss, pss, shared = template_ram_usage(qemu_pid(s.sandbox_id))
+        rss, pss, shared = ram_usage(qemu_pid(s.sandbox_id), "/snapshots/tpl-")
         assert rss > 0, f"{s.sandbox_id} maps the template's RAM file"
         assert shared > 0 and pss < rss, f"{s.sandbox_id} shares its pages: rss {rss} pss {pss} shared {shared} KiB"
