@@ -241,12 +241,13 @@ fn check_state_file(path: &Path) -> std::result::Result<(), String> {
 /// RAM from tmpfs into its snapshot on disk.
 pub(crate) fn move_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
     let copied = copy_sparse(from, to)?;
+    std::fs::File::open(to)?.sync_all()?;
     std::fs::remove_file(from)?;
     Ok(copied)
 }
 
-/// Copy `from` to a new file `to`, writing only its data extents, and sync
-/// it. Returns the bytes copied.
+/// Copy `from` to a new file `to`, writing only its data extents (not
+/// synced). Returns the bytes copied.
 pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
     use nix::unistd::{lseek, Whence};
     use std::os::fd::AsFd;
@@ -265,10 +266,26 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
             Err(e) => return Err(e.into()),
         };
         let end = lseek(src.as_fd(), start, Whence::SeekHole)?;
-        // copy_file_range refuses to cross filesystems (tmpfs to the data
-        // dir's), so extents are copied through a buffer.
+        // In the kernel when it can; copy_file_range refuses to cross
+        // filesystems (tmpfs to the data dir's): then through a buffer.
         let mut off = start as u64;
         while off < end as u64 {
+            let (mut src_off, mut dst_off) = (off as i64, off as i64);
+            let want = (end as u64 - off) as usize;
+            match nix::fcntl::copy_file_range(
+                src.as_fd(),
+                Some(&mut src_off),
+                dst.as_fd(),
+                Some(&mut dst_off),
+                want,
+            ) {
+                Ok(n) if n > 0 => {
+                    off += n as u64;
+                    copied += n as u64;
+                    continue;
+                }
+                _ => {}
+            }
             let n = ((end as u64 - off) as usize).min(buf.len());
             src.read_exact_at(&mut buf[..n], off)?;
             dst.write_all_at(&buf[..n], off)?;
@@ -277,7 +294,6 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
         }
         pos = end;
     }
-    dst.sync_all()?;
     Ok(copied)
 }
 
