@@ -22,9 +22,14 @@ use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::snapshot::{Snapshot, SnapshotMeta};
 
+/// Compaction and materializing both rewrite a snapshot's files and
+/// `meta.json`; they run one at a time so their renames never interleave.
+static REWRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Compact snapshot `id` if it has more than one RAM layer. Returns the
 /// root it now sits directly on, or `None` if there was nothing to do.
 pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
+    let _one_at_a_time = REWRITES.lock().await;
     let snap = Snapshot::open(paths, id)?;
     if snap.layers.len() <= 1 {
         return Ok(None);
@@ -81,6 +86,7 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
 /// it starts its children. Its disk stays layered on its parent's. Returns
 /// whether there was anything to do.
 pub async fn materialize(paths: &Paths, id: &str) -> Result<bool> {
+    let _one_at_a_time = REWRITES.lock().await;
     let snap = Snapshot::open(paths, id)?;
     if snap.layers.is_empty() {
         return Ok(false);
