@@ -161,6 +161,25 @@ impl VmFiles {
     fn record(&self) -> PathBuf {
         self.dir.join("vm.json")
     }
+
+    /// QEMU's command line for `record`: a booted VM maps its RAM shared
+    /// and boots; a restored one maps its root RAM privately and waits for
+    /// its device state.
+    fn launch(&self, record: &VmRecord) -> Launch {
+        Launch {
+            machine: record.machine,
+            artifacts: record.artifacts.clone(),
+            disk: self.disk_generation(record.disk_generation),
+            disk_readonly: false,
+            ram: record.ram.clone(),
+            ram_shared: record.ram_shared,
+            qmp_socket: self.qmp(),
+            console_log: self.console(),
+            pidfile: self.pidfile(),
+            incoming: !record.ram_shared,
+            extra_cmdline: record.extra_cmdline.clone(),
+        }
+    }
 }
 
 mod capture;
@@ -226,19 +245,6 @@ impl Vm {
         let result = async {
             disk::create_overlay(&artifacts.rootfs, BackingFormat::Raw, &files.disk()).await?;
             let netns = Netns::create(id).await?;
-            let launch = Launch {
-                machine,
-                artifacts: artifacts.clone(),
-                disk: files.disk(),
-                disk_readonly: false,
-                ram: ram.clone(),
-                ram_shared: true,
-                qmp_socket: files.qmp(),
-                console_log: files.console(),
-                pidfile: files.pidfile(),
-                incoming: false,
-                extra_cmdline: opts.extra_cmdline.clone(),
-            };
             let record = VmRecord {
                 id: id.to_string(),
                 pid: 0,
@@ -251,7 +257,7 @@ impl Vm {
                 parent: None,
                 disk_generation: 0,
             };
-            let mut vm = Vm::launch(paths, record, netns, &launch, "during boot").await?;
+            let mut vm = Vm::launch(paths, record, netns, "during boot").await?;
             vm.state = VmState::Running;
             vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
                 .await?;
@@ -337,19 +343,6 @@ impl Vm {
         disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
         let t_overlay = t.elapsed();
         let meta = &snapshot.meta;
-        let launch = Launch {
-            machine: meta.machine,
-            artifacts: meta.artifacts.clone(),
-            disk: files.disk(),
-            disk_readonly: false,
-            ram: snapshot.ram.clone(),
-            ram_shared: false,
-            qmp_socket: files.qmp(),
-            console_log: files.console(),
-            pidfile: files.pidfile(),
-            incoming: true,
-            extra_cmdline: meta.extra_cmdline.clone(),
-        };
         let record = VmRecord {
             id: id.to_string(),
             pid: 0,
@@ -362,7 +355,7 @@ impl Vm {
             parent: Some(meta.id.clone()),
             disk_generation: 0,
         };
-        let mut vm = Vm::launch(paths, record, netns, &launch, "while restoring").await?;
+        let mut vm = Vm::launch(paths, record, netns, "while restoring").await?;
         let t_qmp = t.elapsed();
         if let Err(e) = vm.write_layers(snapshot).await {
             vm.process.kill().await;
@@ -430,7 +423,6 @@ impl Vm {
         paths: &Paths,
         mut record: VmRecord,
         netns: Netns,
-        launch: &Launch,
         during: &'static str,
     ) -> Result<Vm> {
         let files = VmFiles {
@@ -439,7 +431,7 @@ impl Vm {
         let _ = std::fs::remove_file(files.qmp());
         let process = QemuProcess::spawn(
             &qemu::binary(),
-            &qemu::args(launch),
+            &qemu::args(&files.launch(&record)),
             &netns,
             &files.qemu_log(),
         )?;
