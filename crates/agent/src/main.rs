@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use anyhow::Context;
 
 /// The port the E2B SDKs expect envd on.
-pub const ENVD_PORT: u16 = 49983;
+pub const ENVD_PORT: u16 = tine_agent_client::AGENT_PORT;
 
 fn main() {
     let is_init = std::process::id() == 1;

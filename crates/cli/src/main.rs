@@ -50,6 +50,12 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// The QEMU driver over `paths`, with the agent's readiness probe (the
+/// same the server uses).
+pub fn driver(paths: &tine_vmm::Paths) -> tine_vmm::QemuDriver {
+    tine_vmm::QemuDriver::new(paths.clone(), tine_server::sandboxes::agent::probe())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -75,8 +75,9 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
                 }
                 bar.set_message(step.to_string());
             };
+            let driver = crate::driver(&paths);
             let result = templates::build(
-                &paths,
+                &driver,
                 &paths.current_artifacts(),
                 &db,
                 &spec,

@@ -3,9 +3,10 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Args, Subcommand};
-use tine_vmm::{Machine, Paths, Snapshot, StartOptions, Vm};
+use tine_agent_client::{ExecOutput, AGENT_PORT};
+use tine_vmm::{Driver, Guest, Machine, Paths, QemuDriver, VmHandle};
 
 #[derive(Subcommand)]
 pub enum VmCommand {
@@ -86,18 +87,12 @@ fn machine(a: &BootArgs) -> Machine {
     }
 }
 
-async fn boot(paths: &Paths, a: &BootArgs) -> anyhow::Result<Vm> {
+async fn boot(driver: &QemuDriver, a: &BootArgs) -> anyhow::Result<Box<dyn VmHandle>> {
     let id = a.id.clone().unwrap_or_else(|| new_id("vm"));
     let m = machine(a);
     let t = Instant::now();
-    let vm = Vm::boot(
-        paths,
-        &id,
-        m,
-        &paths.current_artifacts(),
-        StartOptions::default(),
-    )
-    .await?;
+    let artifacts = driver.paths().current_artifacts();
+    let vm = driver.boot(&id, m, &artifacts).await?;
     eprintln!(
         "booted {id} ({} vCPU, {} MiB, {}) in {} ms",
         m.vcpus,
@@ -108,18 +103,33 @@ async fn boot(paths: &Paths, a: &BootArgs) -> anyhow::Result<Vm> {
     Ok(vm)
 }
 
-fn print_output(out: &tine_vmm::guest::ExecOutput) {
+fn print_output(out: &ExecOutput) {
     let _ = std::io::stdout().write_all(&out.stdout);
     let _ = std::io::stderr().write_all(&out.stderr);
 }
 
+/// Run `cmd` as `user` through the agent of a guest.
+async fn exec(
+    guest: &Guest,
+    user: &str,
+    cmd: &str,
+    timeout: Duration,
+) -> anyhow::Result<ExecOutput> {
+    let conn = guest.connect(AGENT_PORT);
+    Ok(tine_agent_client::process::exec(conn, user, cmd, None, timeout).await?)
+}
+
 pub async fn run_once(a: RunArgs) -> anyhow::Result<i32> {
-    let paths = Paths::from_env();
-    let vm = boot(&paths, &a.boot).await?;
+    let driver = crate::driver(&Paths::from_env());
+    let vm = boot(&driver, &a.boot).await?;
     let t = Instant::now();
-    let result = vm
-        .exec(&a.user, &a.command.join(" "), Duration::from_secs(300))
-        .await;
+    let result = exec(
+        &vm.guest(),
+        &a.user,
+        &a.command.join(" "),
+        Duration::from_secs(300),
+    )
+    .await;
     let elapsed = t.elapsed();
     vm.kill().await?;
     let out = result?;
@@ -134,9 +144,10 @@ pub async fn run_once(a: RunArgs) -> anyhow::Result<i32> {
 
 pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
     let paths = Paths::from_env();
+    let driver = crate::driver(&paths);
     match cmd {
         VmCommand::Boot(a) => {
-            let vm = boot(&paths, &a).await?;
+            let vm = boot(&driver, &a).await?;
             println!("{}", vm.id());
         }
         VmCommand::Exec {
@@ -145,63 +156,67 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
             timeout_secs,
             command,
         } => {
-            let vm = Vm::adopt(&paths, &id).await?;
-            let out = vm
-                .exec(&user, &command.join(" "), Duration::from_secs(timeout_secs))
-                .await?;
+            let guest = driver.guest_of(&id)?;
+            let timeout = Duration::from_secs(timeout_secs);
+            let out = exec(&guest, &user, &command.join(" "), timeout).await?;
             print_output(&out);
             return Ok(out.exit_code);
         }
         VmCommand::Snapshot { id, snapshot } => {
-            let mut vm = Vm::adopt(&paths, &id).await?;
+            let mut vm = driver.adopt(&id).await?;
             let t = Instant::now();
-            vm.snapshot(&snapshot).await?;
+            vm.capture(&snapshot).await?;
             eprintln!(
                 "snapshot {snapshot} of {id} taken; {id} continues ({} ms)",
                 t.elapsed().as_millis()
             );
         }
-        VmCommand::Clone { snapshot, count } => {
-            let snap = Snapshot::open(&paths, &snapshot)?;
-            for _ in 0..count {
-                let id = new_id("vm");
-                let t = Instant::now();
-                let vm = Vm::restore(&paths, &id, &snap, StartOptions::default()).await?;
-                eprintln!(
-                    "restored {id} from {snapshot} in {} ms",
-                    t.elapsed().as_millis()
-                );
-                println!("{}", vm.id());
-            }
-        }
-        VmCommand::List => {
-            for id in tine_vmm::vm::list(&paths) {
-                match Vm::adopt(&paths, &id).await {
-                    Ok(vm) => println!("{id}\t{}\tpid {}", vm.state().as_str(), vm.pid()),
-                    Err(e) => println!("{id}\tdead\t{e}"),
-                }
-            }
-        }
+        VmCommand::Clone { snapshot, count } => clone(&driver, &snapshot, count).await?,
+        VmCommand::List => list(&driver).await,
         VmCommand::Logs { id } => {
-            let path = paths.vm_dir(&id).join("console.log");
-            let log =
-                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-            std::io::stdout().write_all(&log)?;
+            if !paths.vm_dir(&id).exists() {
+                bail!("no VM {id}");
+            }
+            std::io::stdout().write_all(driver.console_log(&id).as_bytes())?;
         }
         VmCommand::Kill { ids, all } => {
-            let ids = if all { tine_vmm::vm::list(&paths) } else { ids };
+            let ids = if all { driver.vm_ids() } else { ids };
             if ids.is_empty() && !all {
                 bail!("name VMs to kill, or --all");
             }
             for id in ids {
-                match Vm::adopt(&paths, &id).await {
+                match driver.adopt(&id).await {
                     Ok(vm) => vm.kill().await?,
-                    Err(_) => tine_vmm::vm::cleanup(&paths, &id).await,
+                    Err(_) => driver.cleanup(&id).await,
                 }
                 eprintln!("killed {id}");
             }
         }
-        VmCommand::DeleteSnapshot { snapshot } => Snapshot::delete(&paths, &snapshot)?,
+        VmCommand::DeleteSnapshot { snapshot } => driver.delete_snapshot(&snapshot)?,
     }
     Ok(0)
+}
+
+async fn clone(driver: &QemuDriver, snapshot: &str, count: usize) -> anyhow::Result<()> {
+    let snap = driver.open_snapshot(snapshot)?;
+    for _ in 0..count {
+        let id = new_id("vm");
+        let t = Instant::now();
+        let vm = driver.restore(&id, &snap).await?;
+        eprintln!(
+            "restored {id} from {snapshot} in {} ms",
+            t.elapsed().as_millis()
+        );
+        println!("{}", vm.id());
+    }
+    Ok(())
+}
+
+async fn list(driver: &QemuDriver) {
+    for id in driver.vm_ids() {
+        match driver.adopt(&id).await {
+            Ok(vm) => println!("{id}\trunning or paused\tpid {}", vm.process_id()),
+            Err(e) => println!("{id}\tdead\t{e}"),
+        }
+    }
 }

@@ -2,105 +2,25 @@
 //! proxies SDK traffic into sandboxes, runs their lifecycle and keeps its
 //! state in SQLite.
 //!
-//! Where a request goes: [`proxy`] (sandbox traffic, chosen by headers or
-//! Host) or [`api`] (REST routes) → [`sandboxes::Manager`] (lifecycle) →
-//! `tine_vmm` (VMs). [`db`] is the state, [`templates`] the snapshots
-//! sandboxes start from.
+//! Where a request goes: [`app`] composes [`proxy`] (sandbox traffic,
+//! chosen by headers or Host) in front of [`api`] (REST routes); both are
+//! thin over [`sandboxes::Manager`] (lifecycle), which drives VMs through
+//! `tine_vmm::Driver`. The import arrows run one way:
+//! `app` → `api`/`proxy` → [`state`] → [`guest_client`] → [`sandboxes`] →
+//! [`templates`] → [`db`] → [`model`] → `tine_vmm`.
 
 pub mod api;
+pub mod app;
 pub mod config;
 pub mod db;
+pub mod guest_client;
 pub mod ids;
 pub mod metrics;
+pub mod model;
 pub mod proxy;
 pub mod sandboxes;
+pub mod state;
 pub mod templates;
 
-use std::sync::Arc;
-
-use anyhow::Context;
-
+pub use app::serve;
 pub use config::Config;
-
-/// Open the database, re-adopt or clean up the sandboxes of a previous run,
-/// and serve until the process ends.
-pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
-    config.validate()?;
-    let _lock = lock_data_dir(&paths.data_dir)?;
-    let artifacts = paths
-        .current_artifacts()
-        .resolve()
-        .context("guest artifacts")?;
-    let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
-    let templates = templates::Templates::new(paths.clone(), artifacts, db.clone());
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("listening on {}", config.listen))?;
-    let domain = config.domain();
-    let manager = Arc::new(sandboxes::Manager::new(config, db, paths, templates));
-    manager
-        .recover()
-        .await
-        .context("recovering sandboxes of the previous run")?;
-    tokio::spawn(manager.clone().sweep_loop());
-    tokio::spawn(manager.clone().compaction_loop());
-    manager.warm_up();
-    let client = proxy::client(manager.clone());
-    let state = Arc::new(api::AppState {
-        manager,
-        metrics: Arc::new(metrics::Metrics::default()),
-        domain,
-        client,
-    });
-    tracing::info!(addr = %listener.local_addr()?, "tine server listening");
-    let shutdown_manager = state.manager.clone();
-    // On SIGTERM/SIGINT stop accepting and let requests in flight finish,
-    // but not for long: SDK streams (process output, watches) can stay
-    // open indefinitely, and sandboxes outlive the server anyway.
-    let stopping = Arc::new(tokio::sync::Notify::new());
-    let notify = stopping.clone();
-    let serve = axum::serve(listener, api::router(state)).with_graceful_shutdown(async move {
-        shutdown_signal().await;
-        notify.notify_one();
-    });
-    tokio::select! {
-        r = serve => r?,
-        _ = async {
-            stopping.notified().await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
-        } => tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; closing them"),
-    }
-    tracing::info!("shutting down: stopping the warm pool (sandboxes keep running)");
-    shutdown_manager.shutdown().await;
-    Ok(())
-}
-
-/// How long requests in flight may take to finish after SIGTERM.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
-
-/// One server per data directory: a second one would adopt (and clean up
-/// after) the first one's sandboxes. The lock lasts as long as the returned
-/// handle, i.e. the process.
-fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("server.lock");
-    let file =
-        std::fs::File::create(&path).with_context(|| format!("opening {}", path.display()))?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
-        anyhow::anyhow!(
-            "another tine server is using {} (it holds {})",
-            dir.display(),
-            path.display()
-        )
-    })
-}

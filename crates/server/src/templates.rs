@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use tine_vmm::{Artifacts, Machine, Paths, Snapshot, StartOptions, Vm};
+use tine_agent_client::{AgentError, ExecOutput, AGENT_PORT};
+use tine_vmm::{Artifacts, Driver, Machine, SnapshotRef, VmHandle};
 use tokio::sync::Mutex;
 
 use crate::db::{now_ms, Db, DbError, SnapshotKind, SnapshotRow};
@@ -30,12 +31,25 @@ pub enum TemplateError {
     Invalid(String),
     #[error("building template '{template}': {detail}")]
     Build { template: String, detail: String },
+    /// The VM driver failed; its error keeps its kind.
+    #[error("template '{template}': {source}")]
+    Vm {
+        template: String,
+        #[source]
+        source: tine_vmm::Error,
+    },
+    #[error("building template '{template}': {source}")]
+    Agent {
+        template: String,
+        #[source]
+        source: AgentError,
+    },
     #[error(transparent)]
     Db(#[from] DbError),
 }
 
 pub struct Templates {
-    paths: Paths,
+    driver: Arc<dyn Driver>,
     artifacts: Artifacts,
     db: Arc<Db>,
     /// One lock per snapshot name, so concurrent creates build it once.
@@ -43,9 +57,9 @@ pub struct Templates {
 }
 
 impl Templates {
-    pub fn new(paths: Paths, artifacts: Artifacts, db: Arc<Db>) -> Self {
+    pub fn new(driver: Arc<dyn Driver>, artifacts: Artifacts, db: Arc<Db>) -> Self {
         Self {
-            paths,
+            driver,
             artifacts,
             db,
             building: Mutex::new(HashMap::new()),
@@ -86,16 +100,19 @@ impl Templates {
         &self,
         template: &str,
         machine: Machine,
-    ) -> Result<(Snapshot, SnapshotRow), TemplateError> {
+    ) -> Result<(SnapshotRef, SnapshotRow), TemplateError> {
         if template != DEFAULT_TEMPLATE {
             let row = self
                 .db
                 .find_template(template, None)?
                 .ok_or_else(|| TemplateError::NotFound(template.into()))?;
-            let snap = Snapshot::open(&self.paths, &row.id).map_err(|e| TemplateError::Build {
-                template: template.into(),
-                detail: e.to_string(),
-            })?;
+            let snap = self
+                .driver
+                .open_snapshot(&row.id)
+                .map_err(|source| TemplateError::Vm {
+                    template: template.into(),
+                    source,
+                })?;
             return Ok((snap, row));
         }
         let name = self.base_snapshot_name(machine);
@@ -111,7 +128,7 @@ impl Templates {
             source_token: String::new(),
             created_ms: now_ms(),
         };
-        if let Ok(s) = Snapshot::open(&self.paths, &name) {
+        if let Ok(s) = self.driver.open_snapshot(&name) {
             self.db.insert_snapshot(&row(machine))?;
             return Ok((s, row(machine)));
         }
@@ -123,18 +140,25 @@ impl Templates {
             .or_default()
             .clone();
         let _guard = lock.lock().await;
-        if let Ok(s) = Snapshot::open(&self.paths, &name) {
+        if let Ok(s) = self.driver.open_snapshot(&name) {
             return Ok((s, row(machine)));
         }
         // Leftovers of an interrupted build would make the capture fail.
-        let _ = Snapshot::delete(&self.paths, &name);
+        let _ = self.driver.delete_snapshot(&name);
         tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");
         let spec = BuildSpec {
             name: DEFAULT_TEMPLATE.into(),
             machine,
             ..Default::default()
         };
-        let snap = capture(&self.paths, &self.artifacts, &spec, &name, &mut |_| {}).await?;
+        let snap = capture(
+            self.driver.as_ref(),
+            &self.artifacts,
+            &spec,
+            &name,
+            &mut |_| {},
+        )
+        .await?;
         self.db.insert_snapshot(&row(machine))?;
         tracing::info!(snapshot = %name, "template snapshot ready");
         Ok((snap, row(machine)))
@@ -167,91 +191,102 @@ fn valid_name(name: &str) -> bool {
 /// Boot `base`, run the spec's commands, start its start command, wait
 /// until ready, capture as snapshot `snap_id`. `progress` hears each step.
 async fn capture(
-    paths: &Paths,
+    driver: &dyn Driver,
     artifacts: &Artifacts,
     spec: &BuildSpec,
     snap_id: &str,
     progress: &mut (dyn FnMut(&str) + Send),
-) -> Result<Snapshot, TemplateError> {
-    let fail = |detail: String| TemplateError::Build {
+) -> Result<SnapshotRef, TemplateError> {
+    let vm_err = |source| TemplateError::Vm {
         template: spec.name.clone(),
-        detail,
+        source,
     };
     let vm_id = format!("build-{}", crate::ids::random_hex(4));
     progress("booting base");
-    let vm = Vm::boot(
-        paths,
-        &vm_id,
-        spec.machine,
-        artifacts,
-        StartOptions::default(),
-    )
-    .await
-    .map_err(|e| fail(e.to_string()))?;
-    let steps = async {
-        for (i, cmd) in spec.run.iter().enumerate() {
-            progress(&format!("run {}/{}: {cmd}", i + 1, spec.run.len()));
-            let out = vm
-                .exec("root", cmd, Duration::from_secs(3600))
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            if out.exit_code != 0 {
-                let tail =
-                    String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..])
-                        .into_owned();
-                return Err(fail(format!(
-                    "`{cmd}` exited with {}: {tail}",
-                    out.exit_code
-                )));
-            }
-        }
-        if let Some(start) = &spec.start {
-            progress(&format!("start: {start}"));
-            let quoted = start.replace('\'', r"'\''");
-            let detach = format!(
-                "nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &"
-            );
-            vm.exec("root", &detach, Duration::from_secs(60))
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-        }
-        if let Some(ready) = &spec.ready {
-            progress(&format!("waiting until ready: {ready}"));
-            let deadline = Instant::now() + spec.ready_timeout;
-            loop {
-                let out = vm
-                    .exec("root", ready, Duration::from_secs(60))
-                    .await
-                    .map_err(|e| fail(e.to_string()))?;
-                if out.exit_code == 0 {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(fail(format!(
-                        "not ready after {:?}: `{ready}` exited with {}",
-                        spec.ready_timeout, out.exit_code
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-        Ok(())
-    }
-    .await;
-    if let Err(e) = steps {
+    let vm = driver
+        .boot(&vm_id, spec.machine, artifacts)
+        .await
+        .map_err(vm_err)?;
+    if let Err(e) = run_steps(vm.as_ref(), spec, progress).await {
         let _ = vm.kill().await;
         return Err(e);
     }
     progress("capturing");
-    vm.capture_and_kill(snap_id)
+    vm.capture_and_kill(snap_id).await.map_err(vm_err)
+}
+
+/// A build's commands, start command and ready check, in the booted VM.
+async fn run_steps(
+    vm: &dyn VmHandle,
+    spec: &BuildSpec,
+    progress: &mut (dyn FnMut(&str) + Send),
+) -> Result<(), TemplateError> {
+    let fail = |detail: String| TemplateError::Build {
+        template: spec.name.clone(),
+        detail,
+    };
+    for (i, cmd) in spec.run.iter().enumerate() {
+        progress(&format!("run {}/{}: {cmd}", i + 1, spec.run.len()));
+        let out = exec_root(vm, spec, cmd, Duration::from_secs(3600)).await?;
+        if out.exit_code != 0 {
+            let tail =
+                String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..])
+                    .into_owned();
+            return Err(fail(format!(
+                "`{cmd}` exited with {}: {tail}",
+                out.exit_code
+            )));
+        }
+    }
+    if let Some(start) = &spec.start {
+        progress(&format!("start: {start}"));
+        let quoted = start.replace('\'', r"'\''");
+        let detach = format!(
+            "nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &"
+        );
+        exec_root(vm, spec, &detach, Duration::from_secs(60)).await?;
+    }
+    if let Some(ready) = &spec.ready {
+        progress(&format!("waiting until ready: {ready}"));
+        let deadline = Instant::now() + spec.ready_timeout;
+        loop {
+            let out = exec_root(vm, spec, ready, Duration::from_secs(60)).await?;
+            if out.exit_code == 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(fail(format!(
+                    "not ready after {:?}: `{ready}` exited with {}",
+                    spec.ready_timeout, out.exit_code
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Run `cmd` as root in the build VM (no access token: a build's guest
+/// has none).
+async fn exec_root(
+    vm: &dyn VmHandle,
+    spec: &BuildSpec,
+    cmd: &str,
+    timeout: Duration,
+) -> Result<ExecOutput, TemplateError> {
+    let guest = vm.guest();
+    tine_agent_client::process::exec(guest.connect(AGENT_PORT), "root", cmd, None, timeout)
         .await
-        .map_err(|e| fail(e.to_string()))
+        .map_err(|source| TemplateError::Agent {
+            template: spec.name.clone(),
+            source,
+        })
 }
 
 /// `tine template build`: make template `spec.name` (replacing an older
 /// one of that name, whose files go once no sandbox uses them).
 pub async fn build(
-    paths: &Paths,
+    driver: &dyn Driver,
     artifacts: &Artifacts,
     db: &Db,
     spec: &BuildSpec,
@@ -270,11 +305,11 @@ pub async fn build(
     }
     let older = db.find_template(&spec.name, None)?;
     let id = format!("tpl-{}-{}", spec.name, crate::ids::random_hex(4));
-    let artifacts = artifacts.resolve().map_err(|e| TemplateError::Build {
+    let artifacts = artifacts.resolve().map_err(|source| TemplateError::Vm {
         template: spec.name.clone(),
-        detail: e.to_string(),
+        source,
     })?;
-    capture(paths, &artifacts, spec, &id, progress).await?;
+    capture(driver, &artifacts, spec, &id, progress).await?;
     let row = SnapshotRow {
         id,
         kind: SnapshotKind::Template,

@@ -24,10 +24,8 @@ pub enum Error {
         console: String,
     },
 
-    #[error(
-        "the agent of VM {vm} did not answer within {secs} s; last console lines: {console:?}"
-    )]
-    AgentTimeout {
+    #[error("the guest of VM {vm} was not ready within {secs} s; last console lines: {console:?}")]
+    NotReady {
         vm: String,
         secs: u64,
         console: String,
@@ -39,6 +37,9 @@ pub enum Error {
     #[error("network namespace {name}: {detail}")]
     Netns { name: String, detail: String },
 
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: String },
+
     #[error("snapshot {path}: {detail}")]
     Snapshot { path: PathBuf, detail: String },
 
@@ -49,9 +50,6 @@ pub enum Error {
         op: &'static str,
     },
 
-    #[error("guest agent of VM {vm}: {detail}")]
-    Agent { vm: String, detail: String },
-
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -61,6 +59,38 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What kind of failure an [`Error`] is, for callers that answer for it
+/// (the server maps kinds to HTTP statuses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A VM or snapshot that is not there.
+    NotFound,
+    /// The VM is in a state the operation does not apply to.
+    InvalidState,
+    /// A snapshot's files are damaged or of another version.
+    Damaged,
+    /// The guest did not come up or its QEMU died.
+    Guest,
+    /// The host failed: missing artifacts, spawning, namespaces, files, QMP.
+    Host,
+}
+
+impl Error {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::NotFound { .. } => ErrorKind::NotFound,
+            Error::InvalidState { .. } => ErrorKind::InvalidState,
+            Error::Snapshot { .. } => ErrorKind::Damaged,
+            Error::QemuExited { .. } | Error::NotReady { .. } => ErrorKind::Guest,
+            Error::MissingArtifact { .. }
+            | Error::Spawn { .. }
+            | Error::Qmp(_)
+            | Error::Netns { .. }
+            | Error::Io { .. } => ErrorKind::Host,
+        }
+    }
+}
 
 /// Attach a description to an `io::Error`.
 pub(crate) trait IoContext<T> {

@@ -2,27 +2,40 @@
 //! hardware virtualization, TCG otherwise), one network namespace per VM,
 //! snapshots whose RAM clones map copy-on-write.
 //!
-//! Modules, from the bottom up: [`config`] (paths, artifacts, machine
-//! shape, accelerator probe), [`qemu`] (the command line), [`process`]
-//! (spawning and watching QEMU), [`qmp`] (the control socket), [`netns`]
-//! (namespace + tap, and connecting to guest ports), [`disk`] (qcow2
-//! overlays), [`ram`] (RAM layers), [`snapshot`] (files of a snapshot), [`guest`] (HTTP to the
-//! agent) and [`vm`] (the lifecycle that ties them together).
+//! The seam the server uses is [`driver`]: the [`Driver`] and [`VmHandle`]
+//! traits, with snapshots described as data; [`QemuDriver`] is the one
+//! implementation. Inside, from the bottom up: [`config`] (paths,
+//! artifacts, machine shape, accelerator probe), `qemu` (the command
+//! line), `process` (spawning and watching QEMU), `qmp` (the control
+//! socket), [`netns`] (namespace + tap, and connecting to guest ports),
+//! [`disk`] (qcow2 overlays), [`ram`] (RAM layers), [`snapshot`] (files of
+//! a snapshot), [`compact`] (folding chains) and `vm` (the lifecycle that
+//! ties them together). `qemu`, `qmp` and `process` are private; the
+//! bench's by-hand restore (its floor) is [`floor`], behind the `bench`
+//! feature.
 
 pub mod compact;
 pub mod config;
 pub mod disk;
+pub mod driver;
 pub mod error;
-pub mod guest;
+#[cfg(feature = "bench")]
+pub mod floor;
 pub mod netns;
-pub mod process;
-pub mod qemu;
-pub mod qmp;
+mod process;
+mod qemu;
+mod qmp;
 pub mod ram;
 pub mod snapshot;
-pub mod vm;
+mod vm;
 
 pub use config::{Accel, Artifacts, Machine, Paths};
+pub use driver::{
+    BoxFuture, Capture, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef, VmHandle,
+};
+pub use error::{Error, ErrorKind, Result};
+pub use snapshot::Snapshot;
+pub use vm::{log_tail, QemuDriver, StartOptions, Vm, VmRecord, VmState};
 
 /// Run blocking file and process-memory work (RAM layers, compaction) off
 /// the async threads.
@@ -36,6 +49,3 @@ pub(crate) async fn blocking<T: Send + 'static>(
             source: std::io::Error::other(e.to_string()),
         })?
 }
-pub use error::{Error, Result};
-pub use snapshot::Snapshot;
-pub use vm::{StartOptions, Vm, VmState};

@@ -178,3 +178,12 @@ pub fn list_ours() -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+impl crate::driver::GuestNet for Netns {
+    fn connect(
+        &self,
+        port: u16,
+    ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
+        Box::pin(Netns::connect(self, port))
+    }
+}

@@ -49,8 +49,6 @@ pub enum QmpError {
 pub struct Qmp {
     reader: BufReader<OwnedReadHalf>,
     writer: OwnedWriteHalf,
-    /// Events received while waiting for replies, oldest first.
-    events: Vec<Value>,
 }
 
 impl Qmp {
@@ -66,7 +64,6 @@ impl Qmp {
         let mut qmp = Self {
             reader: BufReader::new(r),
             writer: w,
-            events: Vec::new(),
         };
         // QEMU serves one QMP client at a time; a second one is accepted
         // but gets no greeting until the first leaves.
@@ -113,7 +110,7 @@ impl Qmp {
         loop {
             let reply = self.read_message(command).await?;
             if reply.get("event").is_some() {
-                self.events.push(reply);
+                tracing::trace!(event = %reply["event"], "QMP event");
                 continue;
             }
             if let Some(ret) = reply.get("return") {
@@ -139,24 +136,6 @@ impl Qmp {
     /// Run a command whose reply is empty.
     pub async fn run(&mut self, command: &str, arguments: Option<Value>) -> Result<(), QmpError> {
         self.execute::<Value>(command, arguments).await.map(drop)
-    }
-
-    /// Events seen so far (drained).
-    pub fn take_events(&mut self) -> Vec<Value> {
-        std::mem::take(&mut self.events)
-    }
-
-    /// Enable or disable migration capabilities.
-    pub async fn set_migrate_capability(
-        &mut self,
-        capability: &str,
-        state: bool,
-    ) -> Result<(), QmpError> {
-        self.run(
-            "migrate-set-capabilities",
-            Some(json!({ "capabilities": [{ "capability": capability, "state": state }] })),
-        )
-        .await
     }
 
     /// Poll `query-migrate` until the migration leaves its active states.

@@ -101,6 +101,12 @@ impl Snapshot {
     /// right (the whole RAM layer chain is read and checked), so a damaged
     /// snapshot fails here with a clear message rather than inside QEMU.
     pub fn open(paths: &Paths, id: &str) -> Result<Self> {
+        if !paths.snapshot_dir(id).exists() {
+            return Err(Error::NotFound {
+                what: "snapshot",
+                id: id.to_string(),
+            });
+        }
         let mut snap = Self::open_at_depth(paths, id, 0)?;
         let chain = Chain::open(&snap.ram, &snap.layers).map_err(|e| Error::Snapshot {
             path: snap.dir.clone(),

@@ -7,7 +7,22 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tine_vmm::{Artifacts, Error, Machine, Paths, Snapshot, StartOptions, Vm, VmState};
+use tine_vmm::{
+    Artifacts, Error, Guest, Machine, Paths, Probe, Snapshot, StartOptions, Vm, VmState,
+};
+
+/// Ready when the agent answers `GET /health` (what the server uses).
+fn probe() -> Probe {
+    std::sync::Arc::new(|guest: Guest| {
+        Box::pin(async move {
+            tine_agent_client::healthy(guest.connect(tine_agent_client::AGENT_PORT)).await
+        })
+    })
+}
+
+fn opts() -> StartOptions {
+    StartOptions::new(probe())
+}
 
 const T: Duration = Duration::from_secs(60);
 
@@ -74,8 +89,9 @@ fn uniq(prefix: &str) -> String {
 }
 
 async fn sh(vm: &Vm, cmd: &str) -> (String, i32) {
-    let out = vm
-        .exec("root", cmd, T)
+    let guest = vm.guest().unwrap();
+    let conn = guest.connect(tine_agent_client::AGENT_PORT);
+    let out = tine_agent_client::process::exec(conn, "root", cmd, None, T)
         .await
         .unwrap_or_else(|e| panic!("exec {cmd:?} in {}: {e}", vm.id()));
     (
@@ -117,15 +133,9 @@ fn assert_gone(paths: &Paths, ids: &[String]) {
 async fn boot_snapshot_clone_kill() {
     let (_d, _s, paths, artifacts, _reap) = setup();
     let src_id = uniq("src");
-    let mut src = Vm::boot(
-        &paths,
-        &src_id,
-        machine(),
-        &artifacts,
-        StartOptions::default(),
-    )
-    .await
-    .expect("cold boot of the base template");
+    let mut src = Vm::boot(&paths, &src_id, machine(), &artifacts, opts())
+        .await
+        .expect("cold boot of the base template");
     assert_eq!(src.state(), VmState::Running);
 
     // The guest runs the Debian cloud kernel that setup unpacked.
@@ -133,10 +143,12 @@ async fn boot_snapshot_clone_kill() {
     let (uname, code) = sh(&src, "uname -r").await;
     assert_eq!((uname.as_str(), code), (release.trim(), 0));
     // stdout, stderr and exit codes come back.
-    let out = src
-        .exec("root", "echo out; echo err >&2; exit 3", T)
-        .await
-        .unwrap();
+    let guest = src.guest().unwrap();
+    let conn = guest.connect(tine_agent_client::AGENT_PORT);
+    let out =
+        tine_agent_client::process::exec(conn, "root", "echo out; echo err >&2; exit 3", None, T)
+            .await
+            .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "out\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
     assert_eq!(out.exit_code, 3);
@@ -156,7 +168,7 @@ async fn boot_snapshot_clone_kill() {
     let mut clones = Vec::new();
     for i in 0..3 {
         let id = uniq(&format!("c{i}"));
-        let vm = Vm::restore(&paths, &id, &snap, StartOptions::default())
+        let vm = Vm::restore(&paths, &id, &snap, opts())
             .await
             .expect("restore a clone");
         clones.push(vm);
@@ -181,14 +193,9 @@ async fn boot_snapshot_clone_kill() {
     let mut more = Vec::new();
     for i in 0..7 {
         more.push(
-            Vm::restore(
-                &paths,
-                &uniq(&format!("m{i}")),
-                &snap,
-                StartOptions::default(),
-            )
-            .await
-            .expect("restore"),
+            Vm::restore(&paths, &uniq(&format!("m{i}")), &snap, opts())
+                .await
+                .expect("restore"),
         );
     }
     for vm in clones.iter().chain(more.iter()) {
@@ -238,7 +245,7 @@ async fn boot_snapshot_clone_kill() {
         "the layer holds the changed pages, not all RAM: {layer2} pages"
     );
     sh(&clones[0], "echo after > /root/mine").await;
-    let grandchild = Vm::restore(&paths, &uniq("gc"), &snap2, StartOptions::default())
+    let grandchild = Vm::restore(&paths, &uniq("gc"), &snap2, opts())
         .await
         .expect("restore");
     assert_eq!(sh(&grandchild, "cat /root/mine").await.0, "clone0");
@@ -265,7 +272,7 @@ async fn boot_snapshot_clone_kill() {
         .await,
         ("after\nsynced".into(), 0)
     );
-    let great = Vm::restore(&paths, &uniq("ggc"), &snap3, StartOptions::default())
+    let great = Vm::restore(&paths, &uniq("ggc"), &snap3, opts())
         .await
         .expect("restore a two-layer chain");
     assert_eq!(sh(&great, "cat /root/mine").await.0, "after");
@@ -287,7 +294,7 @@ async fn boot_snapshot_clone_kill() {
     );
     let away = paths.snapshot_dir(&format!("{snap2_id}-away"));
     std::fs::rename(paths.snapshot_dir(&snap2_id), &away).unwrap();
-    let flat = Vm::restore(&paths, &uniq("flat"), &snap3, StartOptions::default())
+    let flat = Vm::restore(&paths, &uniq("flat"), &snap3, opts())
         .await
         .expect("restore the compacted snapshot without its old parent");
     assert_eq!(sh(&flat, "cat /root/mine").await.0, "after");
@@ -304,7 +311,7 @@ async fn boot_snapshot_clone_kill() {
     let snap3 = Snapshot::open(&paths, &snap3_id).unwrap();
     assert!(snap3.layers.is_empty() && snap3.meta.parent.is_none());
     assert_eq!(snap3.ram, paths.snapshot_ram(&snap3_id));
-    let full = Vm::restore(&paths, &uniq("full"), &snap3, StartOptions::default())
+    let full = Vm::restore(&paths, &uniq("full"), &snap3, opts())
         .await
         .expect("restore the materialized snapshot");
     assert_eq!(sh(&full, "cat /root/mine").await.0, "after");
@@ -319,7 +326,7 @@ async fn boot_snapshot_clone_kill() {
         (snap4.ram.clone(), snap4.layers.len()),
         (snap3.ram.clone(), 1)
     );
-    let again = Vm::restore(&paths, &uniq("again"), &snap4, StartOptions::default())
+    let again = Vm::restore(&paths, &uniq("again"), &snap4, opts())
         .await
         .expect("restore a layer over a materialized snapshot");
     assert_eq!(sh(&again, "cat /root/mine").await.0, "again");
@@ -344,13 +351,13 @@ async fn boot_snapshot_clone_kill() {
     // Another process can take a VM over (as the CLI or a restarted server
     // does) once the one controlling it lets go; not while it holds QMP.
     let id1 = clones[1].id().to_string();
-    let err = Vm::adopt(&paths, &id1)
+    let err = Vm::adopt(&paths, &id1, probe())
         .await
         .err()
         .expect("QMP is held by clones[1]");
     assert!(err.to_string().contains("another process"), "{err}");
     drop(clones.remove(1));
-    let adopted = Vm::adopt(&paths, &id1).await.expect("adopt");
+    let adopted = Vm::adopt(&paths, &id1, probe()).await.expect("adopt");
     assert_eq!(adopted.state(), VmState::Running);
     assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
     clones.push(adopted);
@@ -419,7 +426,7 @@ async fn missing_artifacts_are_named() {
     let mut bad = artifacts.clone();
     bad.kernel = PathBuf::from("/nonexistent/vmlinuz");
     let id = uniq("mk");
-    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default())
+    let err = Vm::boot(&paths, &id, machine(), &bad, opts())
         .await
         .err()
         .expect("must fail");
@@ -437,7 +444,7 @@ async fn missing_artifacts_are_named() {
 
     let mut bad = artifacts.clone();
     bad.rootfs = PathBuf::from("/nonexistent/rootfs.ext4");
-    let err = Vm::boot(&paths, &id, machine(), &bad, StartOptions::default())
+    let err = Vm::boot(&paths, &id, machine(), &bad, opts())
         .await
         .err()
         .expect("must fail");
@@ -453,7 +460,7 @@ async fn a_vm_that_dies_during_boot_says_why() {
     let id = uniq("die");
     let opts = StartOptions {
         extra_cmdline: vec!["tine.root=/dev/nonexistent".into()],
-        ..Default::default()
+        ..opts()
     };
     let err = Vm::boot(&paths, &id, machine(), &artifacts, opts)
         .await
@@ -474,7 +481,9 @@ async fn damaged_snapshots_are_refused_clearly() {
     let (_d, _s, paths, _artifacts, _reap) = setup();
     // Unknown snapshot.
     let err = Snapshot::open(&paths, "nope").err().expect("must fail");
-    assert!(err.to_string().contains("meta.json"), "{err}");
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    assert_eq!(err.kind(), tine_vmm::ErrorKind::NotFound);
+    assert!(err.to_string().contains("snapshot nope not found"), "{err}");
 
     // A snapshot whose device state is garbage: build the files by hand.
     let id = "broken";
@@ -521,7 +530,7 @@ async fn damaged_snapshots_are_refused_clearly() {
     .unwrap();
     let snap = Snapshot::open(&paths, id).unwrap();
     let vm_id = uniq("bad");
-    let err = Vm::restore(&paths, &vm_id, &snap, StartOptions::default())
+    let err = Vm::restore(&paths, &vm_id, &snap, opts())
         .await
         .err()
         .expect("must fail");

@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::error::{EnvdError, Result};
 use super::{Envd, User};
@@ -20,35 +20,8 @@ pub fn routes() -> Router<Arc<Envd>> {
         .route("/metrics", get(metrics))
 }
 
-/// The `/init` body (envd.yaml's fields; unknown fields are ignored).
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InitRequest {
-    #[serde(default)]
-    pub env_vars: Option<BTreeMap<String, String>>,
-    #[serde(default)]
-    pub access_token: Option<String>,
-    /// RFC 3339; the guest clock is set to it when it is off by over a second.
-    #[serde(default)]
-    pub timestamp: Option<String>,
-    #[serde(default)]
-    pub default_user: Option<String>,
-    #[serde(default)]
-    pub default_workdir: Option<String>,
-    /// Base64 bytes mixed into the kernel's entropy pool (fresh randomness
-    /// for a restored snapshot, whose pool would otherwise repeat).
-    #[serde(default)]
-    pub entropy: Option<String>,
-    /// tine extension: the guest's new host name (each sandbox its own).
-    #[serde(default)]
-    pub hostname: Option<String>,
-    /// tine extension: the new `/etc/machine-id` (32 hex digits).
-    #[serde(default)]
-    pub machine_id: Option<String>,
-    /// Accepted for compatibility; tine has no hyperloop server.
-    #[serde(default, rename = "hyperloopIP")]
-    pub hyperloop_ip: Option<String>,
-}
+/// The `/init` body: one type, shared with the host's client.
+pub use tine_agent_client::InitRequest;
 
 async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<StatusCode> {
     let req: InitRequest = if body.iter().all(u8::is_ascii_whitespace) {

@@ -35,10 +35,9 @@ use axum::Router;
 use self::error::{EnvdError, Result};
 use self::user::User;
 
-/// The envd version advertised to the SDKs (they enable features by it:
-/// 0.5.2 `close_stdin`, 0.5.7 raw uploads, 0.6.2 file metadata, 0.6.3
-/// entries in watch events, 0.6.4 the network-mount watch option).
-pub const ENVD_VERSION: &str = "0.6.4";
+/// The envd version advertised to the SDKs (one definition, shared with
+/// the host: `tine_agent_client::ENVD_VERSION`).
+pub const ENVD_VERSION: &str = tine_agent_client::ENVD_VERSION;
 
 /// The user calls run as when they name none (E2B images have `user`).
 pub const DEFAULT_USER: &str = "user";

@@ -5,6 +5,12 @@
 //! between the binary wire format and the JSON value the handlers read and
 //! write, driven by a schema table per message (field number, JSON name,
 //! type). Unknown fields are skipped, as proto3 requires.
+//!
+//! This module is the generic codec ([`Schema`], [`decode`], [`encode`]).
+//! Each service's tables sit next to the serde structs they mirror:
+//! `package process` in [`super::process::proto`], `package filesystem` in
+//! [`super::filesystem`] and its `entry` and `watch` modules; [`method`]
+//! finds a call's pair.
 
 use base64::Engine;
 use serde_json::{Map, Value};
@@ -38,7 +44,8 @@ pub struct Schema {
     pub fields: &'static [Field],
 }
 
-const fn f(num: u32, name: &'static str, ty: Ty) -> Field {
+/// A singular field.
+pub const fn f(num: u32, name: &'static str, ty: Ty) -> Field {
     Field {
         num,
         name,
@@ -46,7 +53,8 @@ const fn f(num: u32, name: &'static str, ty: Ty) -> Field {
         repeated: false,
     }
 }
-const fn rep(num: u32, name: &'static str, ty: Ty) -> Field {
+/// A `repeated` field.
+pub const fn rep(num: u32, name: &'static str, ty: Ty) -> Field {
     Field {
         num,
         name,
@@ -343,214 +351,27 @@ pub fn encode(schema: &Schema, v: &Value) -> Result<Vec<u8>, ProtoError> {
     Ok(out)
 }
 
-// ---- the schemas of package process and package filesystem ----
+/// The empty message: `List`'s request, the `…Response {}` of unary
+/// calls, and the `start`/`keepalive` members of stream oneofs (each
+/// service's `Empty` struct and `Keepalive {}` variants).
+pub static EMPTY: Schema = Schema { fields: &[] };
 
-static EMPTY: Schema = Schema { fields: &[] };
-
-const SIGNAL: &[(&str, i64)] = &[
-    ("SIGNAL_UNSPECIFIED", 0),
-    ("SIGNAL_SIGTERM", 15),
-    ("SIGNAL_SIGKILL", 9),
-];
-static PTY_SIZE: Schema = Schema {
-    fields: &[f(1, "cols", Ty::U32), f(2, "rows", Ty::U32)],
-};
-static PTY: Schema = Schema {
-    fields: &[f(1, "size", Ty::Msg(&PTY_SIZE))],
-};
-static PROCESS_CONFIG: Schema = Schema {
-    fields: &[
-        f(1, "cmd", Ty::Str),
-        rep(2, "args", Ty::Str),
-        f(3, "envs", Ty::StrMap),
-        f(4, "cwd", Ty::Str),
-    ],
-};
-static SELECTOR: Schema = Schema {
-    fields: &[f(1, "pid", Ty::U32), f(2, "tag", Ty::Str)],
-};
-static SELECTOR_REQUEST: Schema = Schema {
-    fields: &[f(1, "process", Ty::Msg(&SELECTOR))],
-};
-static PROCESS_INFO: Schema = Schema {
-    fields: &[
-        f(1, "config", Ty::Msg(&PROCESS_CONFIG)),
-        f(2, "pid", Ty::U32),
-        f(3, "tag", Ty::Str),
-    ],
-};
-static LIST_RESPONSE: Schema = Schema {
-    fields: &[rep(1, "processes", Ty::Msg(&PROCESS_INFO))],
-};
-static START_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "process", Ty::Msg(&PROCESS_CONFIG)),
-        f(2, "pty", Ty::Msg(&PTY)),
-        f(3, "tag", Ty::Str),
-        f(4, "stdin", Ty::Bool),
-    ],
-};
-static UPDATE_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "process", Ty::Msg(&SELECTOR)),
-        f(2, "pty", Ty::Msg(&PTY)),
-    ],
-};
-static START_EVENT: Schema = Schema {
-    fields: &[f(1, "pid", Ty::U32)],
-};
-static DATA_EVENT: Schema = Schema {
-    fields: &[
-        f(1, "stdout", Ty::Bytes),
-        f(2, "stderr", Ty::Bytes),
-        f(3, "pty", Ty::Bytes),
-    ],
-};
-static END_EVENT: Schema = Schema {
-    fields: &[
-        f(1, "exitCode", Ty::S32),
-        f(2, "exited", Ty::Bool),
-        f(3, "status", Ty::Str),
-        f(4, "error", Ty::Str),
-    ],
-};
-static PROCESS_EVENT: Schema = Schema {
-    fields: &[
-        f(1, "start", Ty::Msg(&START_EVENT)),
-        f(2, "data", Ty::Msg(&DATA_EVENT)),
-        f(3, "end", Ty::Msg(&END_EVENT)),
-        f(4, "keepalive", Ty::Msg(&EMPTY)),
-    ],
-};
-static EVENT_RESPONSE: Schema = Schema {
-    fields: &[f(1, "event", Ty::Msg(&PROCESS_EVENT))],
-};
-static PROCESS_INPUT: Schema = Schema {
-    fields: &[f(1, "stdin", Ty::Bytes), f(2, "pty", Ty::Bytes)],
-};
-static SEND_INPUT_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "process", Ty::Msg(&SELECTOR)),
-        f(2, "input", Ty::Msg(&PROCESS_INPUT)),
-    ],
-};
-static STREAM_INPUT_DATA: Schema = Schema {
-    fields: &[f(2, "input", Ty::Msg(&PROCESS_INPUT))],
-};
-static STREAM_INPUT_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "start", Ty::Msg(&SELECTOR_REQUEST)),
-        f(2, "data", Ty::Msg(&STREAM_INPUT_DATA)),
-        f(3, "keepalive", Ty::Msg(&EMPTY)),
-    ],
-};
-static SEND_SIGNAL_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "process", Ty::Msg(&SELECTOR)),
-        f(2, "signal", Ty::Enum(SIGNAL)),
-    ],
-};
-
-const FILE_TYPE: &[(&str, i64)] = &[
-    ("FILE_TYPE_UNSPECIFIED", 0),
-    ("FILE_TYPE_FILE", 1),
-    ("FILE_TYPE_DIRECTORY", 2),
-    ("FILE_TYPE_SYMLINK", 3),
-];
-const EVENT_TYPE: &[(&str, i64)] = &[
-    ("EVENT_TYPE_UNSPECIFIED", 0),
-    ("EVENT_TYPE_CREATE", 1),
-    ("EVENT_TYPE_WRITE", 2),
-    ("EVENT_TYPE_REMOVE", 3),
-    ("EVENT_TYPE_RENAME", 4),
-    ("EVENT_TYPE_CHMOD", 5),
-];
-static ENTRY_INFO: Schema = Schema {
-    fields: &[
-        f(1, "name", Ty::Str),
-        f(2, "type", Ty::Enum(FILE_TYPE)),
-        f(3, "path", Ty::Str),
-        f(4, "size", Ty::I64),
-        f(5, "mode", Ty::U32),
-        f(6, "permissions", Ty::Str),
-        f(7, "owner", Ty::Str),
-        f(8, "group", Ty::Str),
-        f(9, "modifiedTime", Ty::Timestamp),
-        f(10, "symlinkTarget", Ty::Str),
-        f(11, "metadata", Ty::StrMap),
-        f(12, "isSymlink", Ty::Bool),
-    ],
-};
-static PATH_REQUEST: Schema = Schema {
-    fields: &[f(1, "path", Ty::Str)],
-};
-static ENTRY_RESPONSE: Schema = Schema {
-    fields: &[f(1, "entry", Ty::Msg(&ENTRY_INFO))],
-};
-static MOVE_REQUEST: Schema = Schema {
-    fields: &[f(1, "source", Ty::Str), f(2, "destination", Ty::Str)],
-};
-static LIST_DIR_REQUEST: Schema = Schema {
-    fields: &[f(1, "path", Ty::Str), f(2, "depth", Ty::U32)],
-};
-static LIST_DIR_RESPONSE: Schema = Schema {
-    fields: &[rep(1, "entries", Ty::Msg(&ENTRY_INFO))],
-};
-static WATCH_REQUEST: Schema = Schema {
-    fields: &[
-        f(1, "path", Ty::Str),
-        f(2, "recursive", Ty::Bool),
-        f(3, "includeEntry", Ty::Bool),
-        f(4, "allowNetworkMounts", Ty::Bool),
-    ],
-};
-static FS_EVENT: Schema = Schema {
-    fields: &[
-        f(1, "name", Ty::Str),
-        f(2, "type", Ty::Enum(EVENT_TYPE)),
-        f(3, "entry", Ty::Msg(&ENTRY_INFO)),
-    ],
-};
-static WATCH_DIR_RESPONSE: Schema = Schema {
-    fields: &[
-        f(1, "start", Ty::Msg(&EMPTY)),
-        f(2, "filesystem", Ty::Msg(&FS_EVENT)),
-        f(3, "keepalive", Ty::Msg(&EMPTY)),
-    ],
-};
-static WATCHER_ID: Schema = Schema {
-    fields: &[f(1, "watcherId", Ty::Str)],
-};
-static WATCHER_EVENTS: Schema = Schema {
-    fields: &[rep(1, "events", Ty::Msg(&FS_EVENT))],
-};
-
-/// Request and response schemas of `service/method`.
+/// Request and response schemas of `service/method`. The tables live next
+/// to each service's serde structs ([`super::process::proto`] and
+/// [`super::filesystem`]).
 pub fn method(service: &str, method: &str) -> Option<(&'static Schema, &'static Schema)> {
-    Some(match (service, method) {
-        ("process.Process", "List") => (&EMPTY, &LIST_RESPONSE),
-        ("process.Process", "Start") => (&START_REQUEST, &EVENT_RESPONSE),
-        ("process.Process", "Connect") => (&SELECTOR_REQUEST, &EVENT_RESPONSE),
-        ("process.Process", "Update") => (&UPDATE_REQUEST, &EMPTY),
-        ("process.Process", "StreamInput") => (&STREAM_INPUT_REQUEST, &EMPTY),
-        ("process.Process", "SendInput") => (&SEND_INPUT_REQUEST, &EMPTY),
-        ("process.Process", "SendSignal") => (&SEND_SIGNAL_REQUEST, &EMPTY),
-        ("process.Process", "CloseStdin") => (&SELECTOR_REQUEST, &EMPTY),
-        ("filesystem.Filesystem", "Stat" | "MakeDir") => (&PATH_REQUEST, &ENTRY_RESPONSE),
-        ("filesystem.Filesystem", "Remove") => (&PATH_REQUEST, &EMPTY),
-        ("filesystem.Filesystem", "Move") => (&MOVE_REQUEST, &ENTRY_RESPONSE),
-        ("filesystem.Filesystem", "ListDir") => (&LIST_DIR_REQUEST, &LIST_DIR_RESPONSE),
-        ("filesystem.Filesystem", "WatchDir") => (&WATCH_REQUEST, &WATCH_DIR_RESPONSE),
-        ("filesystem.Filesystem", "CreateWatcher") => (&WATCH_REQUEST, &WATCHER_ID),
-        ("filesystem.Filesystem", "GetWatcherEvents") => (&WATCHER_ID, &WATCHER_EVENTS),
-        ("filesystem.Filesystem", "RemoveWatcher") => (&WATCHER_ID, &EMPTY),
-        _ => return None,
-    })
+    match service {
+        "process.Process" => super::process::proto::schemas(method),
+        "filesystem.Filesystem" => super::filesystem::schemas(method),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::envd::filesystem::{ENTRY_RESPONSE, PATH_REQUEST};
+    use crate::envd::process::proto::{EVENT_RESPONSE, SEND_SIGNAL_REQUEST, START_REQUEST};
     use serde_json::json;
 
     #[test]

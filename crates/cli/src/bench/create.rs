@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use tine_vmm::Snapshot;
+use tine_vmm::{floor, Driver, Snapshot};
 
 use super::report::Row;
-use super::{floor, stages, Ctx, Out};
+use super::{stages, Ctx, Out};
 
 pub fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -23,7 +23,8 @@ pub async fn floor_once(
     init: bool,
 ) -> anyhow::Result<f64> {
     let id = floor::vm_id("floor");
-    let (vm, st) = floor::restore(&ctx.floor_paths, &id, snapshot).await?;
+    let probe = tine_server::sandboxes::agent::probe();
+    let (vm, st) = floor::restore(&ctx.floor_paths, &id, snapshot, probe).await?;
     for (name, v) in st.named() {
         out.stage(name, v);
     }
@@ -32,8 +33,8 @@ pub async fn floor_once(
     if init {
         let t = Instant::now();
         let token = floor::vm_id("token");
-        match tine_server::sandboxes::guest::init(&vm.netns, &id, &BTreeMap::new(), &token, None)
-            .await
+        let guest = vm.guest()?;
+        match tine_server::sandboxes::agent::init(&guest, &id, BTreeMap::new(), &token, None).await
         {
             Ok(()) => out.stage("by hand: /init (outside the floor)", ms(t)),
             Err(e) => result = Err(anyhow::anyhow!("/init of a VM restored by hand: {e}")),
@@ -115,7 +116,7 @@ const POOL_SIZE: usize = 2;
 /// runs), plus a moment for the last one to finish loading.
 async fn pool_full(ctx: &Ctx) -> anyhow::Result<()> {
     let deadline = Instant::now() + std::time::Duration::from_secs(120);
-    while tine_vmm::vm::list(&ctx.paths).len() < POOL_SIZE {
+    while crate::driver(&ctx.paths).vm_ids().len() < POOL_SIZE {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the warm pool did not fill within 120 s"
@@ -144,7 +145,7 @@ async fn with_warm_pool(
         floor_ms.push(floor_once(ctx, snapshot, out, false).await?);
         ctx.step(format!("warm pool {i}/{n}: create through the API"));
         let pooled: std::collections::HashSet<String> =
-            tine_vmm::vm::list(&ctx.paths).into_iter().collect();
+            crate::driver(&ctx.paths).vm_ids().into_iter().collect();
         let t = Instant::now();
         let sb = ctx.api.create(cpus, mem).await?;
         let took = ms(t);

@@ -164,14 +164,14 @@ impl OwnServer {
             if let Some(status) = child.try_wait()? {
                 bail!(
                     "tine serve exited ({status}): {}",
-                    tine_vmm::vm::log_tail(&self.log, 800)
+                    tine_vmm::log_tail(&self.log, 800)
                 );
             }
             if Instant::now() > deadline {
                 let _ = child.kill().await;
                 bail!(
                     "tine serve did not answer /health within 60 s: {}",
-                    tine_vmm::vm::log_tail(&self.log, 800)
+                    tine_vmm::log_tail(&self.log, 800)
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -200,7 +200,8 @@ impl OwnServer {
 
 /// Remove VMs left by hand in `paths` by an interrupted earlier run.
 pub async fn clean_hand_vms(paths: &Paths) {
-    for id in tine_vmm::vm::list(paths) {
-        tine_vmm::vm::cleanup(paths, &id).await;
+    let driver = crate::driver(paths);
+    for id in tine_vmm::Driver::vm_ids(&driver) {
+        tine_vmm::Driver::cleanup(&driver, &id).await;
     }
 }

@@ -4,28 +4,24 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tine_vmm::{Snapshot, StartOptions, Vm};
+use tine_vmm::{floor, Driver, Snapshot, SnapshotRef};
 
 use super::create::{ms, server_stages};
 use super::report::Row;
-use super::{floor, stages, Ctx, Out};
+use super::{stages, Ctx, Out};
 
-/// N restores of `snapshot` one after the other (`Vm::restore`, each until
-/// its agent answers), all kept running until the last; then removed.
+/// N restores of `snapshot` one after the other (the driver's `restore`,
+/// each until its agent answers), all kept running until the last; then
+/// removed.
 async fn sequential_restores(ctx: &Ctx, snapshot: &Snapshot, count: usize) -> anyhow::Result<f64> {
+    let driver = crate::driver(&ctx.floor_paths);
+    let snapshot = SnapshotRef::from(snapshot.clone());
     let mut vms = Vec::new();
     let t = Instant::now();
     let mut result = Ok(());
     for j in 0..count {
         ctx.step(format!("floor: restore {}/{count}", j + 1));
-        match Vm::restore(
-            &ctx.floor_paths,
-            &floor::vm_id("seq"),
-            snapshot,
-            StartOptions::default(),
-        )
-        .await
-        {
+        match driver.restore(&floor::vm_id("seq"), &snapshot).await {
             Ok(vm) => vms.push(vm),
             Err(e) => {
                 result = Err(anyhow::Error::from(e).context("sequential restore"));

@@ -2,9 +2,9 @@
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
-//! Files: [`env`] (the server the bench talks to), [`api`] (its REST
-//! client), [`envd`] (`commands.run` on the wire), [`floor`] (restores by
-//! hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
+//! Files: [`env`] (the server the bench talks to), `crate::client` (its
+//! REST client, and `commands.run` through the proxy), `tine_vmm::floor`
+//! (restores by hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
 //! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7).
@@ -12,7 +12,6 @@
 mod capture;
 mod create;
 mod env;
-mod floor;
 mod fork;
 mod mem;
 mod memory;

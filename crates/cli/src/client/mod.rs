@@ -3,8 +3,6 @@
 //! made remembered so that a benchmark can remove them all at the end,
 //! whatever happened.
 
-pub mod envd;
-
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -17,6 +15,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
+use tine_agent_client::process::{parse_start_response, start_request, ExecOutput};
 
 /// How long one REST call may take (a fork of 16 under TCG takes seconds).
 const CALL_TIMEOUT: Duration = Duration::from_secs(600);
@@ -247,14 +246,14 @@ impl Api {
         sb: &Sandbox,
         cmd: &str,
         timeout: Duration,
-    ) -> anyhow::Result<envd::ExecOutput> {
-        let mut req = envd::start_request(cmd, &sb.token, timeout)?;
+    ) -> anyhow::Result<ExecOutput> {
+        let mut req = start_request("user", cmd, Some(&sb.token), timeout);
         *req.uri_mut() = format!("{}/process.Process/Start", self.base).parse()?;
         req.headers_mut().insert("e2b-sandbox-id", sb.id.parse()?);
         let (status, body) = tokio::time::timeout(timeout + Duration::from_secs(5), self.send(req))
             .await
             .context("no answer from the sandbox")??;
-        envd::parse(status, &body).map_err(anyhow::Error::msg)
+        Ok(parse_start_response(status, &body)?)
     }
 
     /// Remove every sandbox and snapshot this client made (and, with

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use http::{header, StatusCode};
 
 use crate::sandboxes::SandboxError;
+use crate::templates::TemplateError;
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -43,24 +44,78 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The status for a VM driver error of kind `kind`.
+fn vm_status(kind: tine_vmm::ErrorKind) -> StatusCode {
+    use tine_vmm::ErrorKind;
+    match kind {
+        ErrorKind::NotFound => StatusCode::NOT_FOUND,
+        ErrorKind::InvalidState => StatusCode::CONFLICT,
+        ErrorKind::Damaged | ErrorKind::Guest | ErrorKind::Host => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+fn template_status(e: &TemplateError) -> StatusCode {
+    match e {
+        TemplateError::NotFound(_) => StatusCode::NOT_FOUND,
+        TemplateError::Invalid(_) => StatusCode::BAD_REQUEST,
+        TemplateError::Vm { source, .. } => vm_status(source.kind()),
+        TemplateError::Build { .. } | TemplateError::Agent { .. } | TemplateError::Db(_) => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+/// Every sandbox error's status, in this one place.
 impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> Self {
         let status = match &e {
             SandboxError::NotFound(_) => StatusCode::NOT_FOUND,
-            SandboxError::Template(crate::templates::TemplateError::NotFound(_)) => {
-                StatusCode::NOT_FOUND
-            }
-            SandboxError::Template(crate::templates::TemplateError::Invalid(_)) => {
-                StatusCode::BAD_REQUEST
-            }
+            SandboxError::Template(t) => template_status(t),
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
             SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,
-            SandboxError::Template(_) | SandboxError::Vm { .. } | SandboxError::Db(_) => {
-                tracing::error!("{e}");
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            SandboxError::Vm { source, .. } => vm_status(source.kind()),
+            SandboxError::Agent { .. }
+            | SandboxError::Inconsistent { .. }
+            | SandboxError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        if status.is_server_error() {
+            tracing::error!("{e}");
+        }
         Self::new(status, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_keep_their_kind() {
+        let vm = |source| SandboxError::Vm {
+            id: "s".into(),
+            context: "restore",
+            source,
+        };
+        let missing = tine_vmm::Error::NotFound {
+            what: "snapshot",
+            id: "x".into(),
+        };
+        assert_eq!(ApiError::from(vm(missing)).status, StatusCode::NOT_FOUND);
+        let busy = tine_vmm::Error::InvalidState {
+            vm: "s".into(),
+            state: "stopped",
+            op: "pause",
+        };
+        assert_eq!(ApiError::from(vm(busy)).status, StatusCode::CONFLICT);
+        let damaged = tine_vmm::Error::Snapshot {
+            path: "/x".into(),
+            detail: "RAM layer: short".into(),
+        };
+        let e = ApiError::from(vm(damaged));
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(e.message.contains("RAM layer: short"), "{}", e.message);
     }
 }

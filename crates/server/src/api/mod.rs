@@ -1,6 +1,6 @@
-//! The HTTP surface: E2B-compatible REST routes (`sandboxes.rs`), the
-//! server's own routes (`system.rs`), API-key auth, and the proxy in front
-//! of them all (`crate::proxy`).
+//! The REST surface: E2B-compatible routes (`sandboxes.rs`), the server's
+//! own routes (`system.rs`), API-key auth and latency metrics. The proxy in
+//! front of it is composed in `crate::app`.
 
 mod error;
 mod sandboxes;
@@ -20,20 +20,12 @@ use serde::de::DeserializeOwned;
 pub use error::ApiError;
 
 use crate::db::ApiKey;
-use crate::metrics::{Metrics, RouteLabels};
-use crate::sandboxes::Manager;
+use crate::metrics::RouteLabels;
+use crate::state::AppState;
 
-pub struct AppState {
-    pub manager: Arc<Manager>,
-    pub metrics: Arc<Metrics>,
-    pub domain: String,
-    /// Pooled connections into sandboxes, for the proxy.
-    pub client: crate::proxy::GuestClient,
-}
-
-/// The router with every route, the proxy in front.
+/// Every REST route.
 pub fn router(state: Arc<AppState>) -> Router {
-    let api = Router::new()
+    Router::new()
         .route("/health", get(system::health))
         .route("/metrics", get(system::metrics))
         .route("/openapi.yaml", get(system::openapi))
@@ -72,12 +64,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(system::not_found)
         .method_not_allowed_fallback(system::method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), observe))
-        .with_state(state.clone());
-    // An outer router with no routes of its own: its middleware sees every
-    // request before routing, so sandbox traffic never meets a REST route.
-    Router::new()
-        .fallback_service(api)
-        .layer(middleware::from_fn_with_state(state, crate::proxy::route))
+        .with_state(state)
 }
 
 /// Records the latency of every REST call by route.

@@ -11,10 +11,11 @@ use base64::Engine as _;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::{json_body, ApiError, AppState, Authed};
+use super::{json_body, ApiError, Authed};
 use crate::db::ListFilter;
-use crate::sandboxes::model::{SandboxRecord, SandboxState};
+use crate::model::{SandboxRecord, SandboxState};
 use crate::sandboxes::CreateRequest;
+use crate::state::AppState;
 
 fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
@@ -108,21 +109,13 @@ pub async fn create(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
-    let timeout = match req.timeout {
-        Some(t) if t < 0 => {
-            return Err(ApiError::bad_request(format!(
-                "timeout must not be negative, got {t}"
-            )))
-        }
-        t => t.map(|t| t as u64),
-    };
     let rec = s
         .manager
         .create(CreateRequest {
             template_id: req
                 .template_id
                 .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
-            timeout_secs: timeout,
+            timeout_secs: req.timeout,
             metadata: req.metadata.unwrap_or_default(),
             env_vars: req.env_vars.unwrap_or_default(),
             auto_pause: req.auto_pause.unwrap_or(false),
@@ -176,10 +169,7 @@ pub async fn set_timeout(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: TimeoutBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    if b.timeout < 0 {
-        return Err(ApiError::bad_request("timeout must not be negative"));
-    }
-    s.manager.set_timeout(&id, b.timeout as u64)?;
+    s.manager.set_timeout(&id, b.timeout)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -202,7 +192,7 @@ pub async fn refresh(
             "duration must be between 0 and 3600 seconds",
         ));
     }
-    s.manager.set_timeout(&id, d as u64)?;
+    s.manager.set_timeout(&id, d)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -418,7 +408,7 @@ mod tests {
             cpu_count: 1,
             memory_mb: 256,
             disk_size_mb: 0,
-            envd_version: "0.6.4".into(),
+            envd_version: crate::sandboxes::ENVD_VERSION.into(),
             envd_access_token: "t".into(),
             started_at_ms: 0,
             end_at_ms: 0,
@@ -453,11 +443,7 @@ pub async fn connect(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let timeout = match b.timeout {
-        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
-        t => t.map(|t| t as u64),
-    };
-    let (rec, resumed) = s.manager.connect(&id, timeout).await?;
+    let (rec, resumed) = s.manager.connect(&id, b.timeout).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {
@@ -549,17 +535,7 @@ pub async fn fork(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let count = b.count.unwrap_or(1);
-    if count < 1 {
-        return Err(ApiError::bad_request(format!(
-            "count must be at least 1, got {count}"
-        )));
-    }
-    let timeout = match b.timeout {
-        Some(t) if t < 0 => return Err(ApiError::bad_request("timeout must not be negative")),
-        t => t.map(|t| t as u64),
-    };
-    let results = s.manager.fork(&id, count as usize, timeout).await?;
+    let results = s.manager.fork(&id, b.count.unwrap_or(1), b.timeout).await?;
     let out: Vec<serde_json::Value> = results
         .into_iter()
         .map(|r| match r {

@@ -7,8 +7,9 @@ use axum::extract::{Request, State};
 use axum::response::IntoResponse;
 use http::{header, StatusCode};
 
-use super::{ApiError, AppState};
+use super::ApiError;
 use crate::metrics::StateLabel;
+use crate::state::AppState;
 
 pub async fn health() -> impl IntoResponse {
     (

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use rusqlite::{params, OptionalExtension, Row};
 
 use super::{Db, DbError, Result};
-use crate::sandboxes::model::{SandboxRecord, SandboxState};
+use crate::model::{SandboxRecord, SandboxState};
 
 const COLUMNS: &str =
     "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \

@@ -1,18 +1,20 @@
 //! Captures of running sandboxes: pause / resume, snapshots, fork.
 //!
 //! A capture stops the VM, saves its device state and seals its disk
-//! overlay into a snapshot (see `tine_vmm::Vm::snapshot`). A pause then
-//! frees the VM; a snapshot or fork lets the source continue as a clone of
-//! the capture, re-`/init`ed with the current clock and fresh entropy
-//! because its RNG state now also lives in the capture.
+//! overlay into a snapshot (`tine_vmm::VmHandle::capture`). A pause then
+//! frees the VM; a snapshot or fork lets the source continue, re-`/init`ed
+//! with the current clock and fresh entropy because its RNG state now
+//! also lives in the capture.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
+use tine_vmm::SnapshotRef;
 
-use super::{guest, guest_env, CreateRequest, Manager, SandboxError, Source};
+use super::{agent, guest_env, limits, CreateRequest, Live, Manager, SandboxError, Source};
 use crate::db::{now_ms, SnapshotKind, SnapshotRow};
-use crate::sandboxes::model::{SandboxRecord, SandboxState};
+use crate::model::{SandboxRecord, SandboxState};
 
 /// Outcome of one fork child.
 pub type ForkResult = Result<SandboxRecord, SandboxError>;
@@ -39,11 +41,7 @@ impl Manager {
         })
     }
 
-    fn running(
-        &self,
-        id: &str,
-        op: &str,
-    ) -> Result<(SandboxRecord, std::sync::Arc<super::Live>), SandboxError> {
+    fn running(&self, id: &str, op: &str) -> Result<(SandboxRecord, Arc<Live>), SandboxError> {
         let rec = self.get(id)?;
         if rec.state == SandboxState::Paused {
             return Err(SandboxError::Conflict(format!(
@@ -81,7 +79,8 @@ impl Manager {
         let snapshot = match captured {
             Ok(snapshot) => snapshot,
             Err(e) => {
-                let why = format!("pause failed, the VM is gone: {e}");
+                let e = SandboxError::vm(id, "pause failed, the VM is gone")(e);
+                let why = e.to_string();
                 self.db.set_state(
                     id,
                     &[SandboxState::Running],
@@ -89,10 +88,7 @@ impl Manager {
                     Some(&why),
                 )?;
                 self.event(id, "killed", &why);
-                return Err(SandboxError::Vm {
-                    id: id.to_string(),
-                    detail: why,
-                });
+                return Err(e);
             }
         };
         self.db.insert_snapshot(&row)?;
@@ -115,18 +111,11 @@ impl Manager {
     pub async fn connect(
         &self,
         id: &str,
-        timeout_secs: Option<u64>,
+        timeout_secs: Option<i64>,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
+        let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
         let _op = self.lock(id).await;
         let mut rec = self.get(id)?;
-        if let Some(t) = timeout_secs {
-            if t > self.config.max_timeout_secs {
-                return Err(SandboxError::InvalidArgument(format!(
-                    "timeout must be at most {} seconds",
-                    self.config.max_timeout_secs
-                )));
-            }
-        }
         let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs) as i64;
         if rec.state == SandboxState::Running {
             if timeout_secs.is_some() {
@@ -138,16 +127,15 @@ impl Manager {
         let snap_id = self
             .db
             .sandbox_snapshot(id)?
-            .ok_or_else(|| SandboxError::Vm {
+            .ok_or_else(|| SandboxError::Inconsistent {
                 id: id.to_string(),
                 detail: "paused without a capture".into(),
             })?;
         self.check_capacity(1)?;
-        let snapshot =
-            tine_vmm::Snapshot::open(&self.paths, &snap_id).map_err(|e| SandboxError::Vm {
-                id: id.to_string(),
-                detail: format!("cannot resume: {e}"),
-            })?;
+        let snapshot = self
+            .driver
+            .open_snapshot(&snap_id)
+            .map_err(SandboxError::vm(id, "cannot resume"))?;
         let source = Source {
             snapshot,
             snapshot_id: Some(snap_id),
@@ -155,30 +143,35 @@ impl Manager {
             template: false,
         };
         let t = Instant::now();
-        let (vm, netns) =
-            self.start_vm(&rec, &source, None)
-                .await
-                .map_err(|detail| SandboxError::Vm {
-                    id: id.to_string(),
-                    detail: format!("resume failed (still paused): {detail}"),
-                })?;
+        let vm = self
+            .start_vm(&rec, &source, None)
+            .await
+            .map_err(|e| match e {
+                SandboxError::Vm { id, source, .. } => SandboxError::Vm {
+                    id,
+                    context: "resume failed (still paused)",
+                    source,
+                },
+                other => other,
+            })?;
         rec.end_at_ms = now_ms() + timeout * 1000;
         self.db.set_end_at(id, rec.end_at_ms)?;
         self.db
             .set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
-        self.add_live(&rec, vm, netns);
+        self.add_live(&rec, vm);
         self.event(id, "resumed", &format!("in {} ms", t.elapsed().as_millis()));
         Ok((rec, true))
     }
 
-    /// Capture a running sandbox (it keeps running) as a snapshot of `kind`.
+    /// Capture a running sandbox (it keeps running) as a snapshot of
+    /// `kind`; returns its row and the opened snapshot.
     async fn capture_running(
         &self,
         id: &str,
         kind: SnapshotKind,
         names: Vec<String>,
-    ) -> Result<SnapshotRow, SandboxError> {
+    ) -> Result<(SnapshotRow, SnapshotRef), SandboxError> {
         let (rec, live) = self.running(id, "capture it")?;
         let prefix = if kind == SnapshotKind::Fork {
             "f"
@@ -196,32 +189,30 @@ impl Manager {
             .as_mut()
             .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
         let t = Instant::now();
-        let vm_err = |detail: String| SandboxError::Vm {
-            id: id.to_string(),
-            detail,
-        };
-        let pid = vm.pid();
-        let snapshot = {
+        let pid = vm.process_id();
+        let capture = {
             let _chains = self.chains.read().await;
-            vm.snapshot(&row.id).await
+            vm.capture(&row.id).await
         }
-        .map_err(|e| vm_err(e.to_string()))?;
-        if vm.pid() != pid {
-            // A new QEMU: connections to the old one are gone.
+        .map_err(SandboxError::vm(id, "capture"))?;
+        if vm.process_id() != pid {
+            // A new process: connections to the old one are gone.
             live.renew();
         }
-        let stopped = vm.last_capture_stop().unwrap_or_default();
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
-        guest::init(
-            &live.netns,
+        agent::init(
+            &live.guest,
             &rec.id,
-            &guest_env(&rec),
+            guest_env(&rec),
             &rec.envd_access_token,
             Some(&rec.envd_access_token),
         )
         .await
-        .map_err(vm_err)?;
+        .map_err(SandboxError::agent(
+            id,
+            "reseeding the source after its capture",
+        ))?;
         drop(guard);
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
@@ -232,11 +223,11 @@ impl Manager {
                 "{} in {} ms (vCPUs stopped {} ms)",
                 row.id,
                 t.elapsed().as_millis(),
-                stopped.as_millis()
+                capture.vcpus_stopped.as_millis()
             ),
         );
-        self.maybe_compact(&snapshot);
-        Ok(row)
+        self.maybe_compact(&capture.snapshot);
+        Ok((row, capture.snapshot))
     }
 
     /// A user snapshot of a running sandbox, restorable by its id.
@@ -246,8 +237,10 @@ impl Manager {
         name: Option<String>,
     ) -> Result<SnapshotRow, SandboxError> {
         let _op = self.lock(id).await;
-        self.capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect())
-            .await
+        let (row, _) = self
+            .capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect())
+            .await?;
+        Ok(row)
     }
 
     pub fn list_snapshots(
@@ -257,71 +250,26 @@ impl Manager {
         Ok(self.db.list_snapshots(sandbox_id)?)
     }
 
-    /// `DELETE /templates/{id}`: a user snapshot, or a template by name.
-    pub fn delete_snapshot(&self, id: &str) -> Result<(), SandboxError> {
-        if id == crate::templates::DEFAULT_TEMPLATE {
-            return Err(SandboxError::InvalidArgument(format!(
-                "template '{id}' is built in"
-            )));
-        }
-        if !self.db.delete_snapshot(id)? {
-            return Err(SandboxError::NotFound(format!("snapshot or template {id}")));
-        }
-        self.gc();
-        Ok(())
-    }
-
     /// Capture the sandbox once and start `count` sandboxes from it, all at
     /// once. Each child succeeds or fails on its own.
     pub async fn fork(
         &self,
         id: &str,
-        count: usize,
-        timeout_secs: Option<u64>,
+        count: i64,
+        timeout_secs: Option<i64>,
     ) -> Result<Vec<ForkResult>, SandboxError> {
-        let cap = self.config.max_fork_count;
-        if count == 0 || count > cap {
-            return Err(SandboxError::InvalidArgument(format!(
-                "count must be between 1 and {cap}, got {count}"
-            )));
-        }
-        if let Some(t) = timeout_secs {
-            if t > self.config.max_timeout_secs {
-                return Err(SandboxError::InvalidArgument(format!(
-                    "timeout must be at most {} seconds",
-                    self.config.max_timeout_secs
-                )));
-            }
-        }
+        let count = limits::fork_count(&self.config, count)?;
+        let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
         self.check_capacity(count)?;
         let source_rec = self.get(id)?;
-        let row = {
+        let (row, mut snapshot) = {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
         };
         let shared_from = self.config.fork_shared_ram_from;
         if shared_from > 0 && count >= shared_from {
-            // The source runs on meanwhile; the children wait for the file.
-            let t = Instant::now();
-            let materialized = {
-                let _chains = self.chains.read().await;
-                tine_vmm::compact::materialize(&self.paths, &row.id).await
-            };
-            materialized.map_err(|e| SandboxError::Vm {
-                id: id.to_string(),
-                detail: format!("preparing the fork's RAM file: {e}"),
-            })?;
-            tracing::debug!(
-                snapshot = %row.id,
-                ms = t.elapsed().as_secs_f64() * 1e3,
-                "fork capture has its own RAM file"
-            );
+            snapshot = self.materialize(id, &row.id).await?;
         }
-        let snapshot =
-            tine_vmm::Snapshot::open(&self.paths, &row.id).map_err(|e| SandboxError::Vm {
-                id: id.to_string(),
-                detail: e.to_string(),
-            })?;
         let source = Source {
             snapshot,
             snapshot_id: Some(row.id.clone()),
@@ -330,16 +278,14 @@ impl Manager {
         };
         let req = CreateRequest {
             template_id: source_rec.template_id.clone(),
-            timeout_secs,
             metadata: source_rec.metadata.clone(),
             env_vars: source_rec.env_vars.clone(),
             auto_pause: source_rec.auto_pause,
-            cpu_count: Some(source_rec.cpu_count),
-            memory_mb: Some(source_rec.memory_mb),
+            ..Default::default()
         };
-        let machine = source.snapshot.meta.machine;
+        let machine = source.snapshot.info().machine;
         let children = (0..count).map(|_| {
-            let rec = self.new_record(&source_rec.template_id, machine, &req);
+            let rec = self.new_record(&source_rec.template_id, machine, &req, timeout_secs);
             self.launch(rec, &source, timeout_secs, None)
         });
         let results = join_all(children).await;
@@ -347,5 +293,25 @@ impl Manager {
         // A fork capture nobody started from is deleted now.
         self.gc();
         Ok(results)
+    }
+
+    /// Give fork capture `snapshot_id` of sandbox `id` its own RAM file
+    /// (the source runs on meanwhile; the children wait for it), and open
+    /// it again so the children map that file.
+    async fn materialize(&self, id: &str, snapshot_id: &str) -> Result<SnapshotRef, SandboxError> {
+        let t = Instant::now();
+        {
+            let _chains = self.chains.read().await;
+            self.driver.materialize(snapshot_id).await
+        }
+        .map_err(SandboxError::vm(id, "preparing the fork's RAM file"))?;
+        tracing::debug!(
+            snapshot = %snapshot_id,
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "fork capture has its own RAM file"
+        );
+        self.driver
+            .open_snapshot(snapshot_id)
+            .map_err(SandboxError::vm(id, "opening the fork capture"))
     }
 }

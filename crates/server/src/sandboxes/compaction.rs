@@ -4,7 +4,7 @@
 //! it ran on, so pausing and resuming (or forking forks) builds chains, and
 //! restores read through all of them. Once a capture has more layers than
 //! `compact_after_layers`, it is queued here and folded onto its template
-//! by [`tine_vmm::compact::compact`]; its row then names the template as
+//! by the driver (`tine_vmm::Driver::compact`); its row then names the template as
 //! parent, and captures only it used become garbage for [`Manager::gc`].
 
 use std::collections::VecDeque;
@@ -20,12 +20,12 @@ pub(super) struct Compactions {
 
 impl Manager {
     /// Queue `snapshot` for compaction if its chain is longer than allowed.
-    pub(super) fn maybe_compact(&self, snapshot: &tine_vmm::Snapshot) {
+    pub(super) fn maybe_compact(&self, snapshot: &tine_vmm::SnapshotRef) {
         let limit = self.config.compact_after_layers;
-        if limit == 0 || snapshot.layers.len() <= limit {
+        if limit == 0 || snapshot.info().layers <= limit {
             return;
         }
-        let id = snapshot.meta.id.clone();
+        let id = snapshot.id().to_string();
         let mut queue = self
             .compactions
             .queue
@@ -51,7 +51,7 @@ impl Manager {
                 self.compactions.wake.notified().await;
                 continue;
             };
-            match tine_vmm::compact::compact(&self.paths, &id).await {
+            match self.driver.compact(&id).await {
                 Ok(Some(root)) => {
                     if let Err(e) = self.db.set_snapshot_parent(&id, &root) {
                         tracing::warn!(snapshot = %id, "recording the compaction: {e}");

@@ -13,27 +13,27 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use tine_vmm::{Paths, Snapshot, Vm};
+use tine_vmm::{Driver, SnapshotRef, VmHandle};
 
 /// A pooled VM and the access token its warm-up `/init` gave it (needed to
 /// replace it).
 pub struct Pooled {
-    pub vm: Vm,
+    pub vm: Box<dyn VmHandle>,
     pub token: String,
 }
 
 pub struct WarmPool {
     size: usize,
-    paths: Paths,
+    driver: Arc<dyn Driver>,
     ready: Mutex<HashMap<String, Vec<Pooled>>>,
     filling: Mutex<HashSet<String>>,
 }
 
 impl WarmPool {
-    pub fn new(size: usize, paths: Paths) -> Self {
+    pub fn new(size: usize, driver: Arc<dyn Driver>) -> Self {
         Self {
             size,
-            paths,
+            driver,
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
         }
@@ -62,11 +62,11 @@ impl WarmPool {
     }
 
     /// Top the pool of `snapshot` up to its size, in the background.
-    pub fn refill(self: &Arc<Self>, snapshot: Snapshot) {
+    pub fn refill(self: &Arc<Self>, snapshot: SnapshotRef) {
         if self.size == 0 {
             return;
         }
-        let key = snapshot.meta.id.clone();
+        let key = snapshot.id().to_string();
         if !self
             .filling
             .lock()
@@ -79,7 +79,7 @@ impl WarmPool {
         tokio::spawn(async move {
             while pool.count(&key) < pool.size {
                 let id = crate::ids::sandbox_id();
-                match warm(&pool.paths, &id, &snapshot).await {
+                match warm(pool.driver.as_ref(), &id, &snapshot).await {
                     Ok(vm) => pool
                         .ready
                         .lock()
@@ -129,14 +129,17 @@ impl WarmPool {
 }
 
 /// Restore, run until the agent answered a `/init`, pause.
-async fn warm(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Pooled, String> {
-    let mut vm = Vm::restore_paused(paths, id, snapshot)
+async fn warm(driver: &dyn Driver, id: &str, snapshot: &SnapshotRef) -> Result<Pooled, String> {
+    let mut vm = driver
+        .restore_paused(id, snapshot)
         .await
         .map_err(|e| e.to_string())?;
     let token = crate::ids::random_hex(24);
     let warmed = async {
-        vm.start_restored(None).await.map_err(|e| e.to_string())?;
-        super::guest::init(vm.netns(), id, &Default::default(), &token, None).await?;
+        vm.start().await.map_err(|e| e.to_string())?;
+        super::agent::init(&vm.guest(), id, Default::default(), &token, None)
+            .await
+            .map_err(|e| e.to_string())?;
         vm.pause().await.map_err(|e| e.to_string())
     }
     .await;

@@ -80,7 +80,8 @@ impl Vm {
         // same namespace.
         let netns = Netns::open(&self.record.netns)?;
         let id = self.id().to_string();
-        let clone = Vm::launch_clone(&self.paths, &id, netns, &snapshot).await?;
+        let clone =
+            Vm::launch_clone(&self.paths, &id, netns, &snapshot, self.probe.clone()).await?;
         *self = clone;
         if was_running {
             self.start_restored(None).await?;

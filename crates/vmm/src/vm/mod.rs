@@ -20,8 +20,8 @@ use serde_json::json;
 
 use crate::config::{Artifacts, Machine, Paths};
 use crate::disk::{self, BackingFormat};
+use crate::driver::{Guest, Probe};
 use crate::error::{Error, IoContext, Result};
-use crate::guest;
 use crate::netns::Netns;
 use crate::process::QemuProcess;
 use crate::qemu::{self, Launch};
@@ -76,13 +76,25 @@ pub struct VmRecord {
 }
 
 /// Options for boot and restore.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone)]
 pub struct StartOptions {
+    /// Tells when the guest is ready (tried until it passes).
+    pub probe: Probe,
     /// Extra kernel command-line words (boot only; a restore reuses the
     /// snapshot's).
     pub extra_cmdline: Vec<String>,
     /// Overrides [`BOOT_TIMEOUT`] / [`RESTORE_TIMEOUT`].
     pub ready_timeout: Option<Duration>,
+}
+
+impl StartOptions {
+    pub fn new(probe: Probe) -> Self {
+        Self {
+            probe,
+            extra_cmdline: Vec::new(),
+            ready_timeout: None,
+        }
+    }
 }
 
 pub struct Vm {
@@ -94,6 +106,8 @@ pub struct Vm {
     state: VmState,
     /// How long the last capture kept the vCPUs stopped.
     last_stop: Option<Duration>,
+    /// Tells when the guest is ready after a (re)start.
+    probe: Probe,
 }
 
 fn unix_ms() -> u128 {
@@ -183,6 +197,9 @@ impl VmFiles {
 }
 
 mod capture;
+mod driver;
+
+pub use driver::QemuDriver;
 
 impl Vm {
     fn files(&self) -> VmFiles {
@@ -218,6 +235,10 @@ impl Vm {
     }
     pub fn netns(&self) -> &Netns {
         &self.netns
+    }
+    /// The guest's ports, reachable without holding the VM.
+    pub fn guest(&self) -> std::io::Result<Guest> {
+        Ok(std::sync::Arc::new(self.netns.try_clone()?))
     }
     pub fn console_log(&self) -> PathBuf {
         self.files().console()
@@ -257,7 +278,8 @@ impl Vm {
                 parent: None,
                 disk_generation: 0,
             };
-            let mut vm = Vm::launch(paths, record, netns, "during boot").await?;
+            let mut vm =
+                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot").await?;
             vm.state = VmState::Running;
             vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
                 .await?;
@@ -279,7 +301,7 @@ impl Vm {
         opts: StartOptions,
     ) -> Result<Vm> {
         let t = Instant::now();
-        let mut vm = Vm::restore_paused(paths, id, snapshot).await?;
+        let mut vm = Vm::restore_paused(paths, id, snapshot, opts.probe.clone()).await?;
         let loaded = t.elapsed();
         let started = vm.start_restored(opts.ready_timeout).await;
         if started.is_err() {
@@ -298,7 +320,12 @@ impl Vm {
     /// The first half of [`Vm::restore`]: namespace, overlay, QEMU and the
     /// device state loaded, vCPUs not yet running (state `Paused`). A warm
     /// pool keeps VMs in this state; [`Vm::start_restored`] finishes.
-    pub async fn restore_paused(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<Vm> {
+    pub async fn restore_paused(
+        paths: &Paths,
+        id: &str,
+        snapshot: &Snapshot,
+        probe: Probe,
+    ) -> Result<Vm> {
         let files = VmFiles {
             dir: paths.vm_dir(id),
         };
@@ -311,7 +338,7 @@ impl Vm {
                 netns_ms = t.elapsed().as_secs_f64() * 1e3,
                 "namespace ready"
             );
-            Vm::launch_clone(paths, id, netns, snapshot).await
+            Vm::launch_clone(paths, id, netns, snapshot, probe).await
         }
         .await;
         if result.is_err() {
@@ -334,6 +361,7 @@ impl Vm {
         id: &str,
         netns: Netns,
         snapshot: &Snapshot,
+        probe: Probe,
     ) -> Result<Vm> {
         let files = VmFiles {
             dir: paths.vm_dir(id),
@@ -355,7 +383,7 @@ impl Vm {
             parent: Some(meta.id.clone()),
             disk_generation: 0,
         };
-        let mut vm = Vm::launch(paths, record, netns, "while restoring").await?;
+        let mut vm = Vm::launch(paths, record, netns, probe, "while restoring").await?;
         let t_qmp = t.elapsed();
         if let Err(e) = vm.write_layers(snapshot).await {
             vm.process.kill().await;
@@ -423,6 +451,7 @@ impl Vm {
         paths: &Paths,
         mut record: VmRecord,
         netns: Netns,
+        probe: Probe,
         during: &'static str,
     ) -> Result<Vm> {
         let files = VmFiles {
@@ -458,25 +487,42 @@ impl Vm {
             qmp,
             state: VmState::Paused,
             last_stop: None,
+            probe,
         })
     }
 
     async fn wait_ready(&mut self, timeout: Duration, during: &'static str) -> Result<()> {
-        let process = &self.process;
-        let ok =
-            guest::wait_healthy(&self.netns, timeout, || process.exit_status().is_some()).await;
-        if ok {
+        if self.poll_ready(timeout).await? {
             return Ok(());
         }
         let files = self.files();
         if let Some(status) = self.process.exit_status() {
             return Err(exited(self.id(), &files, status, during));
         }
-        Err(Error::AgentTimeout {
+        Err(Error::NotReady {
             vm: self.id().to_string(),
             secs: timeout.as_secs(),
             console: log_tail(&files.console(), 1500),
         })
+    }
+
+    /// Try the probe until it passes (true), QEMU exits or `timeout`
+    /// passes (false).
+    async fn poll_ready(&self, timeout: Duration) -> Result<bool> {
+        let guest = self.guest().ctx(|| "opening the VM's namespace".into())?;
+        let deadline = Instant::now() + timeout;
+        let mut delay = Duration::from_millis(1);
+        while Instant::now() < deadline {
+            if (self.probe)(guest.clone()).await {
+                return Ok(true);
+            }
+            if self.process.exit_status().is_some() {
+                return Ok(false);
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(25));
+        }
+        Ok(false)
     }
 
     /// Stop the vCPUs (the VM keeps its memory and process).
@@ -525,7 +571,7 @@ impl Vm {
     }
 
     /// Take over a VM that another process started (its `vm.json`).
-    pub async fn adopt(paths: &Paths, id: &str) -> Result<Vm> {
+    pub async fn adopt(paths: &Paths, id: &str, probe: Probe) -> Result<Vm> {
         let files = VmFiles {
             dir: paths.vm_dir(id),
         };
@@ -563,6 +609,7 @@ impl Vm {
             qmp,
             state,
             last_stop: None,
+            probe,
         })
     }
 }
@@ -597,7 +644,7 @@ fn exited(id: &str, files: &VmFiles, status: String, during: &'static str) -> Er
 
 /// Remove whatever VM `id` left behind (process, namespace, files), for
 /// failed starts and for cleaning up after a crash.
-pub async fn cleanup(paths: &Paths, id: &str) {
+pub(crate) async fn cleanup(paths: &Paths, id: &str) {
     let dir = paths.vm_dir(id);
     if let Ok(pid) = std::fs::read_to_string(dir.join("qemu.pid")) {
         if let Ok(pid) = pid.trim().parse::<i32>() {
@@ -615,7 +662,7 @@ pub async fn cleanup(paths: &Paths, id: &str) {
 }
 
 /// IDs of all VMs that have a directory.
-pub fn list(paths: &Paths) -> Vec<String> {
+pub(crate) fn list(paths: &Paths) -> Vec<String> {
     let mut ids: Vec<String> = std::fs::read_dir(paths.vms_dir())
         .map(|rd| {
             rd.filter_map(|e| e.ok())
@@ -625,21 +672,4 @@ pub fn list(paths: &Paths) -> Vec<String> {
         .unwrap_or_default();
     ids.sort();
     ids
-}
-
-impl Vm {
-    /// Run a shell command in the guest as `user` (see [`guest::exec`]).
-    pub async fn exec(
-        &self,
-        user: &str,
-        cmd: &str,
-        timeout: Duration,
-    ) -> Result<guest::ExecOutput> {
-        guest::exec(&self.netns, user, cmd, timeout)
-            .await
-            .map_err(|detail| Error::Agent {
-                vm: self.id().to_string(),
-                detail,
-            })
-    }
 }

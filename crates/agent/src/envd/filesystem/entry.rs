@@ -1,4 +1,5 @@
-//! `EntryInfo`: everything the SDKs show about a file, from `lstat`.
+//! `EntryInfo`: everything the SDKs show about a file, from `lstat`, and
+//! its binary protobuf schema ([`ENTRY_INFO`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::Metadata;
@@ -8,6 +9,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::envd::error::{EnvdError, Result};
+use crate::envd::protobin::{f, Schema, Ty};
 use crate::envd::user::{group_name, user_name};
 
 pub const FILE_TYPE_FILE: &str = "FILE_TYPE_FILE";
@@ -35,6 +37,32 @@ pub struct EntryInfo {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub is_symlink: bool,
 }
+
+/// `enum FileType`: the values of [`EntryInfo::file_type`].
+const FILE_TYPE: &[(&str, i64)] = &[
+    ("FILE_TYPE_UNSPECIFIED", 0),
+    (FILE_TYPE_FILE, 1),
+    (FILE_TYPE_DIRECTORY, 2),
+    (FILE_TYPE_SYMLINK, 3),
+];
+
+/// Mirrors [`EntryInfo`].
+pub static ENTRY_INFO: Schema = Schema {
+    fields: &[
+        f(1, "name", Ty::Str),
+        f(2, "type", Ty::Enum(FILE_TYPE)),
+        f(3, "path", Ty::Str),
+        f(4, "size", Ty::I64),
+        f(5, "mode", Ty::U32),
+        f(6, "permissions", Ty::Str),
+        f(7, "owner", Ty::Str),
+        f(8, "group", Ty::Str),
+        f(9, "modifiedTime", Ty::Timestamp),
+        f(10, "symlinkTarget", Ty::Str),
+        f(11, "metadata", Ty::StrMap),
+        f(12, "isSymlink", Ty::Bool),
+    ],
+};
 
 /// Caches uid/gid → name lookups during one listing.
 #[derive(Default)]

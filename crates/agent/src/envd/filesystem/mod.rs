@@ -1,6 +1,9 @@
 //! `filesystem.Filesystem`: stat, list, make, move and remove entries, and
 //! watch directories. Every operation runs with the caller's filesystem
 //! credentials ([`crate::envd::user::run_as`]).
+//!
+//! Each message's binary protobuf schema sits next to its struct, here and
+//! in [`entry`] and `watch`; [`schemas`] maps a method to its pair.
 
 pub mod entry;
 mod watch;
@@ -11,9 +14,11 @@ use axum::body::Body;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
 
-use self::entry::{entry_info, EntryInfo, Names};
+use self::entry::{entry_info, EntryInfo, Names, ENTRY_INFO};
 pub use self::watch::Watchers;
+use self::watch::{WATCHER_EVENTS, WATCHER_ID, WATCH_DIR_RESPONSE, WATCH_REQUEST};
 use super::error::{EnvdError, Result};
+use super::protobin::{f, rep, Schema, Ty, EMPTY};
 use super::rpc::{unary, Ctx, Wire};
 use super::user::run_as;
 
@@ -23,6 +28,11 @@ struct PathRequest {
     path: String,
 }
 
+/// Mirrors [`PathRequest`] (`StatRequest`, `MakeDirRequest`, `RemoveRequest`).
+pub static PATH_REQUEST: Schema = Schema {
+    fields: &[f(1, "path", Ty::Str)],
+};
+
 #[derive(Debug, Default, Deserialize)]
 struct ListDirRequest {
     #[serde(default)]
@@ -30,6 +40,11 @@ struct ListDirRequest {
     #[serde(default, deserialize_with = "crate::envd::proto::de_u32")]
     depth: u32,
 }
+
+/// Mirrors [`ListDirRequest`].
+pub static LIST_DIR_REQUEST: Schema = Schema {
+    fields: &[f(1, "path", Ty::Str), f(2, "depth", Ty::U32)],
+};
 
 #[derive(Debug, Default, Deserialize)]
 struct MoveRequest {
@@ -39,18 +54,50 @@ struct MoveRequest {
     destination: String,
 }
 
+/// Mirrors [`MoveRequest`].
+pub static MOVE_REQUEST: Schema = Schema {
+    fields: &[f(1, "source", Ty::Str), f(2, "destination", Ty::Str)],
+};
+
 #[derive(Debug, Serialize)]
 struct EntryResponse {
     entry: EntryInfo,
 }
+
+/// Mirrors [`EntryResponse`] (`StatResponse`, `MakeDirResponse`,
+/// `MoveResponse`).
+pub static ENTRY_RESPONSE: Schema = Schema {
+    fields: &[f(1, "entry", Ty::Msg(&ENTRY_INFO))],
+};
 
 #[derive(Debug, Serialize)]
 struct ListDirResponse {
     entries: Vec<EntryInfo>,
 }
 
+/// Mirrors [`ListDirResponse`].
+pub static LIST_DIR_RESPONSE: Schema = Schema {
+    fields: &[rep(1, "entries", Ty::Msg(&ENTRY_INFO))],
+};
+
 #[derive(Debug, Serialize)]
 struct Empty {}
+
+/// Request and response schemas of `filesystem.Filesystem/<method>` (the
+/// `Empty` structs' schema is [`EMPTY`]).
+pub fn schemas(method: &str) -> Option<(&'static Schema, &'static Schema)> {
+    Some(match method {
+        "Stat" | "MakeDir" => (&PATH_REQUEST, &ENTRY_RESPONSE),
+        "Remove" => (&PATH_REQUEST, &EMPTY),
+        "Move" => (&MOVE_REQUEST, &ENTRY_RESPONSE),
+        "ListDir" => (&LIST_DIR_REQUEST, &LIST_DIR_RESPONSE),
+        "WatchDir" => (&WATCH_REQUEST, &WATCH_DIR_RESPONSE),
+        "CreateWatcher" => (&WATCH_REQUEST, &WATCHER_ID),
+        "GetWatcherEvents" => (&WATCHER_ID, &WATCHER_EVENTS),
+        "RemoveWatcher" => (&WATCHER_ID, &EMPTY),
+        _ => return None,
+    })
+}
 
 /// Dispatches one `filesystem.Filesystem` call.
 pub async fn handle(method: &str, ctx: Result<Ctx>, wire: &Wire, body: Body) -> Option<Response> {

@@ -18,8 +18,9 @@ use futures::StreamExt;
 use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask, Watches};
 use serde::{Deserialize, Serialize};
 
-use super::entry::{entry_info, EntryInfo, Names};
+use super::entry::{entry_info, EntryInfo, Names, ENTRY_INFO};
 use crate::envd::error::{EnvdError, Result};
+use crate::envd::protobin::{f, rep, Schema, Ty, EMPTY};
 use crate::envd::rpc::{Ctx, Wire};
 use crate::envd::user::run_as;
 
@@ -43,6 +44,16 @@ pub struct WatchRequest {
     allow_network_mounts: bool,
 }
 
+/// Mirrors [`WatchRequest`] (`WatchDirRequest` and `CreateWatcherRequest`).
+pub static WATCH_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "path", Ty::Str),
+        f(2, "recursive", Ty::Bool),
+        f(3, "includeEntry", Ty::Bool),
+        f(4, "allowNetworkMounts", Ty::Bool),
+    ],
+};
+
 #[derive(Debug, Clone, Serialize)]
 pub struct FilesystemEvent {
     name: String,
@@ -52,6 +63,26 @@ pub struct FilesystemEvent {
     entry: Option<EntryInfo>,
 }
 
+/// `enum EventType`: the values of [`FilesystemEvent`]'s `type` (see
+/// `event_type`).
+const EVENT_TYPE: &[(&str, i64)] = &[
+    ("EVENT_TYPE_UNSPECIFIED", 0),
+    ("EVENT_TYPE_CREATE", 1),
+    ("EVENT_TYPE_WRITE", 2),
+    ("EVENT_TYPE_REMOVE", 3),
+    ("EVENT_TYPE_RENAME", 4),
+    ("EVENT_TYPE_CHMOD", 5),
+];
+
+/// Mirrors [`FilesystemEvent`].
+pub static FS_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "name", Ty::Str),
+        f(2, "type", Ty::Enum(EVENT_TYPE)),
+        f(3, "entry", Ty::Msg(&ENTRY_INFO)),
+    ],
+};
+
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 #[allow(clippy::large_enum_variant)] // built one at a time, never stored
@@ -60,6 +91,15 @@ enum WatchDirResponse {
     Filesystem(FilesystemEvent),
     Keepalive {},
 }
+
+/// Mirrors [`WatchDirResponse`] (a oneof).
+pub static WATCH_DIR_RESPONSE: Schema = Schema {
+    fields: &[
+        f(1, "start", Ty::Msg(&EMPTY)),
+        f(2, "filesystem", Ty::Msg(&FS_EVENT)),
+        f(3, "keepalive", Ty::Msg(&EMPTY)),
+    ],
+};
 
 #[derive(Debug, Serialize)]
 struct EventWrapper<'a> {
@@ -337,10 +377,21 @@ pub struct WatcherRequest {
     watcher_id: String,
 }
 
+/// Mirrors [`CreateWatcherResponse`] and [`WatcherRequest`]
+/// (`GetWatcherEventsRequest` and `RemoveWatcherRequest`).
+pub static WATCHER_ID: Schema = Schema {
+    fields: &[f(1, "watcherId", Ty::Str)],
+};
+
 #[derive(Debug, Serialize)]
 pub struct GetWatcherEventsResponse {
     events: Vec<FilesystemEvent>,
 }
+
+/// Mirrors [`GetWatcherEventsResponse`].
+pub static WATCHER_EVENTS: Schema = Schema {
+    fields: &[rep(1, "events", Ty::Msg(&FS_EVENT))],
+};
 
 #[derive(Debug, Serialize)]
 pub struct Empty {}

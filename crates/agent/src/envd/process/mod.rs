@@ -194,13 +194,7 @@ async fn send_signal(ctx: Ctx, req: SendSignalRequest) -> Result<Empty> {
     let num = req
         .signal
         .as_ref()
-        .and_then(|s| {
-            s.resolve(&[
-                ("SIGNAL_UNSPECIFIED", 0),
-                ("SIGNAL_SIGTERM", 15),
-                ("SIGNAL_SIGKILL", 9),
-            ])
-        })
+        .and_then(|s| s.resolve(SIGNAL))
         .ok_or_else(|| EnvdError::InvalidArgument("unknown or missing signal".into()))?;
     let sig = i32::try_from(num)
         .ok()

@@ -1,10 +1,13 @@
-//! `package process` messages in proto3 JSON.
+//! `package process` messages in proto3 JSON, each with the binary
+//! protobuf schema that mirrors it (see [`crate::envd::protobin`]);
+//! [`schemas`] maps a method to its request and response.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::envd::proto::{de_bytes, de_opt_u32, de_u32, ser_bytes, EnumValue};
+use crate::envd::protobin::{f, rep, Schema, Ty, EMPTY};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -19,6 +22,16 @@ pub struct ProcessConfig {
     pub cwd: Option<String>,
 }
 
+/// Mirrors [`ProcessConfig`].
+pub static PROCESS_CONFIG: Schema = Schema {
+    fields: &[
+        f(1, "cmd", Ty::Str),
+        rep(2, "args", Ty::Str),
+        f(3, "envs", Ty::StrMap),
+        f(4, "cwd", Ty::Str),
+    ],
+};
+
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
 pub struct PtySize {
     #[serde(default, deserialize_with = "de_u32")]
@@ -27,11 +40,21 @@ pub struct PtySize {
     pub rows: u32,
 }
 
+/// Mirrors [`PtySize`].
+pub static PTY_SIZE: Schema = Schema {
+    fields: &[f(1, "cols", Ty::U32), f(2, "rows", Ty::U32)],
+};
+
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Pty {
     #[serde(default)]
     pub size: Option<PtySize>,
 }
+
+/// Mirrors [`Pty`].
+pub static PTY: Schema = Schema {
+    fields: &[f(1, "size", Ty::Msg(&PTY_SIZE))],
+};
 
 #[derive(Debug, Default, Deserialize)]
 pub struct StartRequest {
@@ -45,6 +68,16 @@ pub struct StartRequest {
     pub stdin: Option<bool>,
 }
 
+/// Mirrors [`StartRequest`].
+pub static START_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&PROCESS_CONFIG)),
+        f(2, "pty", Ty::Msg(&PTY)),
+        f(3, "tag", Ty::Str),
+        f(4, "stdin", Ty::Bool),
+    ],
+};
+
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ProcessSelector {
     #[serde(default, deserialize_with = "de_opt_u32")]
@@ -53,11 +86,22 @@ pub struct ProcessSelector {
     pub tag: Option<String>,
 }
 
+/// Mirrors [`ProcessSelector`].
+pub static SELECTOR: Schema = Schema {
+    fields: &[f(1, "pid", Ty::U32), f(2, "tag", Ty::Str)],
+};
+
 #[derive(Debug, Default, Deserialize)]
 pub struct SelectorRequest {
     #[serde(default)]
     pub process: Option<ProcessSelector>,
 }
+
+/// Mirrors [`SelectorRequest`] (`ConnectRequest`, `CloseStdinRequest`, and
+/// `StreamInputRequest.start`).
+pub static SELECTOR_REQUEST: Schema = Schema {
+    fields: &[f(1, "process", Ty::Msg(&SELECTOR))],
+};
 
 #[derive(Debug, Serialize)]
 pub struct ProcessInfo {
@@ -67,10 +111,24 @@ pub struct ProcessInfo {
     pub tag: Option<String>,
 }
 
+/// Mirrors [`ProcessInfo`].
+pub static PROCESS_INFO: Schema = Schema {
+    fields: &[
+        f(1, "config", Ty::Msg(&PROCESS_CONFIG)),
+        f(2, "pid", Ty::U32),
+        f(3, "tag", Ty::Str),
+    ],
+};
+
 #[derive(Debug, Serialize)]
 pub struct ListResponse {
     pub processes: Vec<ProcessInfo>,
 }
+
+/// Mirrors [`ListResponse`].
+pub static LIST_RESPONSE: Schema = Schema {
+    fields: &[rep(1, "processes", Ty::Msg(&PROCESS_INFO))],
+};
 
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -81,11 +139,31 @@ pub enum ProcessEvent {
     Keepalive {},
 }
 
+/// Mirrors [`ProcessEvent`] (a oneof).
+pub static PROCESS_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "start", Ty::Msg(&START_EVENT)),
+        f(2, "data", Ty::Msg(&DATA_EVENT)),
+        f(3, "end", Ty::Msg(&END_EVENT)),
+        f(4, "keepalive", Ty::Msg(&EMPTY)),
+    ],
+};
+
+/// Mirrors [`ProcessEvent::Start`].
+pub static START_EVENT: Schema = Schema {
+    fields: &[f(1, "pid", Ty::U32)],
+};
+
 /// `StartResponse` and `ConnectResponse` both wrap one event.
 #[derive(Debug, Serialize)]
 pub struct EventResponse<'a> {
     pub event: &'a ProcessEvent,
 }
+
+/// Mirrors [`EventResponse`].
+pub static EVENT_RESPONSE: Schema = Schema {
+    fields: &[f(1, "event", Ty::Msg(&PROCESS_EVENT))],
+};
 
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -94,6 +172,15 @@ pub enum DataEvent {
     Stderr(#[serde(serialize_with = "ser_bytes")] bytes::Bytes),
     Pty(#[serde(serialize_with = "ser_bytes")] bytes::Bytes),
 }
+
+/// Mirrors [`DataEvent`] (a oneof).
+pub static DATA_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "stdout", Ty::Bytes),
+        f(2, "stderr", Ty::Bytes),
+        f(3, "pty", Ty::Bytes),
+    ],
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -105,6 +192,16 @@ pub struct EndEvent {
     pub error: Option<String>,
 }
 
+/// Mirrors [`EndEvent`].
+pub static END_EVENT: Schema = Schema {
+    fields: &[
+        f(1, "exitCode", Ty::S32),
+        f(2, "exited", Ty::Bool),
+        f(3, "status", Ty::Str),
+        f(4, "error", Ty::Str),
+    ],
+};
+
 #[derive(Debug, Default, Deserialize)]
 pub struct ProcessInput {
     #[serde(default, deserialize_with = "de_opt_bytes")]
@@ -112,6 +209,11 @@ pub struct ProcessInput {
     #[serde(default, deserialize_with = "de_opt_bytes")]
     pub pty: Option<Vec<u8>>,
 }
+
+/// Mirrors [`ProcessInput`].
+pub static PROCESS_INPUT: Schema = Schema {
+    fields: &[f(1, "stdin", Ty::Bytes), f(2, "pty", Ty::Bytes)],
+};
 
 fn de_opt_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
     de_bytes(d).map(Some)
@@ -125,6 +227,14 @@ pub struct SendInputRequest {
     pub input: Option<ProcessInput>,
 }
 
+/// Mirrors [`SendInputRequest`].
+pub static SEND_INPUT_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "input", Ty::Msg(&PROCESS_INPUT)),
+    ],
+};
+
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamInputRequest {
     #[serde(default)]
@@ -133,11 +243,26 @@ pub struct StreamInputRequest {
     pub data: Option<StreamInputData>,
 }
 
+/// Mirrors [`StreamInputRequest`] (a oneof; `keepalive` has no struct
+/// member, serde ignores it).
+pub static STREAM_INPUT_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "start", Ty::Msg(&SELECTOR_REQUEST)),
+        f(2, "data", Ty::Msg(&STREAM_INPUT_DATA)),
+        f(3, "keepalive", Ty::Msg(&EMPTY)),
+    ],
+};
+
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamInputData {
     #[serde(default)]
     pub input: Option<ProcessInput>,
 }
+
+/// Mirrors [`StreamInputData`].
+pub static STREAM_INPUT_DATA: Schema = Schema {
+    fields: &[f(2, "input", Ty::Msg(&PROCESS_INPUT))],
+};
 
 #[derive(Debug, Default, Deserialize)]
 pub struct SendSignalRequest {
@@ -147,6 +272,21 @@ pub struct SendSignalRequest {
     pub signal: Option<EnumValue>,
 }
 
+/// `enum Signal`: the values of [`SendSignalRequest::signal`].
+pub const SIGNAL: &[(&str, i64)] = &[
+    ("SIGNAL_UNSPECIFIED", 0),
+    ("SIGNAL_SIGTERM", 15),
+    ("SIGNAL_SIGKILL", 9),
+];
+
+/// Mirrors [`SendSignalRequest`].
+pub static SEND_SIGNAL_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "signal", Ty::Enum(SIGNAL)),
+    ],
+};
+
 #[derive(Debug, Default, Deserialize)]
 pub struct UpdateRequest {
     #[serde(default)]
@@ -155,9 +295,33 @@ pub struct UpdateRequest {
     pub pty: Option<Pty>,
 }
 
+/// Mirrors [`UpdateRequest`].
+pub static UPDATE_REQUEST: Schema = Schema {
+    fields: &[
+        f(1, "process", Ty::Msg(&SELECTOR)),
+        f(2, "pty", Ty::Msg(&PTY)),
+    ],
+};
+
 /// The empty responses (`SendInputResponse {}` and friends).
 #[derive(Debug, Serialize)]
 pub struct Empty {}
+
+/// Request and response schemas of `process.Process/<method>` (the
+/// [`Empty`] struct's schema is [`EMPTY`]).
+pub fn schemas(method: &str) -> Option<(&'static Schema, &'static Schema)> {
+    Some(match method {
+        "List" => (&EMPTY, &LIST_RESPONSE),
+        "Start" => (&START_REQUEST, &EVENT_RESPONSE),
+        "Connect" => (&SELECTOR_REQUEST, &EVENT_RESPONSE),
+        "Update" => (&UPDATE_REQUEST, &EMPTY),
+        "StreamInput" => (&STREAM_INPUT_REQUEST, &EMPTY),
+        "SendInput" => (&SEND_INPUT_REQUEST, &EMPTY),
+        "SendSignal" => (&SEND_SIGNAL_REQUEST, &EMPTY),
+        "CloseStdin" => (&SELECTOR_REQUEST, &EMPTY),
+        _ => return None,
+    })
+}
 
 #[cfg(test)]
 mod tests {

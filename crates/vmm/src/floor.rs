@@ -1,7 +1,8 @@
 //! The floor of every restore: `qemu-system-x86_64` spawned by hand with a
 //! snapshot's own files, `migrate-incoming` of its device state, `cont`,
 //! until the agent answers `GET /health`. Nothing of tine's lifecycle
-//! code runs here; only the same QEMU command line (`tine_vmm::qemu::args`).
+//! code runs here; only the same QEMU command line (`qemu::args`). Built
+//! for `tine bench` only (feature `bench`).
 //!
 //! The namespace and the qcow2 overlay are made before the clock starts
 //! (they are timed too, as their own stages): the floor is what QEMU and
@@ -10,14 +11,23 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
 use serde_json::json;
-use tine_vmm::disk::{self, BackingFormat};
-use tine_vmm::netns::Netns;
-use tine_vmm::process::QemuProcess;
-use tine_vmm::qemu::{self, Launch};
-use tine_vmm::qmp::Qmp;
-use tine_vmm::{Paths, Snapshot};
+
+use crate::disk::{self, BackingFormat};
+use crate::driver::{Guest, Probe};
+use crate::error::{Error, IoContext, Result};
+use crate::netns::Netns;
+use crate::process::QemuProcess;
+use crate::qemu::{self, Launch};
+use crate::qmp::Qmp;
+use crate::{Paths, Snapshot};
+
+fn failed(detail: impl Into<String>) -> Error {
+    Error::Io {
+        context: "restore by hand".into(),
+        source: std::io::Error::other(detail.into()),
+    }
+}
 
 /// Stages of one restore by hand, in ms.
 #[derive(Debug, Clone, Default)]
@@ -53,39 +63,45 @@ impl FloorStages {
 
 /// A VM started by hand; [`HandVm::kill`] removes all of it.
 pub struct HandVm {
-    pub netns: Netns,
+    netns: Netns,
     process: Option<QemuProcess>,
     dir: PathBuf,
 }
 
 impl HandVm {
+    /// Its guest's ports.
+    pub fn guest(&self) -> std::io::Result<Guest> {
+        Ok(std::sync::Arc::new(self.netns.try_clone()?))
+    }
+
     pub async fn kill(mut self) {
         if let Some(p) = self.process.take() {
             p.kill().await;
         }
         let name = self.netns.name().to_string();
         drop(self.netns);
-        let _ = tine_vmm::netns::delete_by_name(&name).await;
+        let _ = crate::netns::delete_by_name(&name).await;
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
 /// Restore `snapshot` by hand as VM `id` under `paths` (a data dir no
-/// server owns), timing each stage.
+/// server owns), timing each stage; `probe` tells when the guest answers.
 pub async fn restore(
     paths: &Paths,
     id: &str,
     snapshot: &Snapshot,
-) -> anyhow::Result<(HandVm, FloorStages)> {
+    probe: Probe,
+) -> Result<(HandVm, FloorStages)> {
     let dir = paths.vm_dir(id);
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
     let mut st = FloorStages::default();
     let t = Instant::now();
     let netns = match Netns::create(id).await {
         Ok(n) => n,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(e.into());
+            return Err(e);
         }
     };
     st.netns = ms(t);
@@ -94,12 +110,12 @@ pub async fn restore(
         process: None,
         dir: dir.clone(),
     };
-    match run(&mut vm, snapshot, &mut st).await {
+    match run(&mut vm, snapshot, probe, &mut st).await {
         Ok(()) => Ok((vm, st)),
         Err(e) => {
-            let log = tine_vmm::vm::log_tail(&dir.join("qemu.log"), 400);
+            let log = crate::log_tail(&dir.join("qemu.log"), 400);
             vm.kill().await;
-            Err(e.context(format!("restore by hand (QEMU said: {log:?})")))
+            Err(failed(format!("{e} (QEMU said: {log:?})")))
         }
     }
 }
@@ -108,7 +124,12 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyhow::Result<()> {
+async fn run(
+    vm: &mut HandVm,
+    snapshot: &Snapshot,
+    probe: Probe,
+    st: &mut FloorStages,
+) -> Result<()> {
     let dir = vm.dir.clone();
     let t = Instant::now();
     disk::create_overlay(
@@ -144,7 +165,7 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     let mut qmp = loop {
         if let Some(status) = process.exit_status() {
             vm.process = Some(process);
-            bail!("QEMU exited before QMP answered: {status}");
+            return Err(failed(format!("QEMU exited before QMP answered: {status}")));
         }
         match Qmp::connect(&launch.qmp_socket).await {
             Ok(q) => break q,
@@ -165,7 +186,7 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
     // real restore.
     let pid = vm.process.as_ref().expect("set above").pid();
     let layered = snapshot.clone();
-    tokio::task::spawn_blocking(move || layered.write_ram_layers(pid)).await??;
+    crate::blocking(move || layered.write_ram_layers(pid)).await?;
     let uri = format!("file:{}", snapshot.state_path().display());
     qmp.run("migrate-incoming", Some(json!({ "uri": uri })))
         .await?;
@@ -178,12 +199,15 @@ async fn run(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> anyh
 
     let t = Instant::now();
     let process = vm.process.as_ref().expect("set above");
-    if !tine_vmm::guest::wait_healthy(&vm.netns, Duration::from_secs(60), || {
-        process.exit_status().is_some()
-    })
-    .await
-    {
-        bail!("the agent did not answer /health within 60 s");
+    let guest = vm.guest().ctx(|| "opening the namespace".into())?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut delay = Duration::from_millis(1);
+    while !probe(guest.clone()).await {
+        if process.exit_status().is_some() || Instant::now() > deadline {
+            return Err(failed("the guest was not ready within 60 s"));
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(25));
     }
     st.first_reply = ms(t);
     Ok(())

@@ -1,0 +1,34 @@
+//! One HTTP/1.1 exchange on a fresh connection.
+
+use std::future::Future;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
+
+/// Send `req` on the connection `conn` opens; returns status and body.
+pub async fn request(
+    conn: impl Future<Output = std::io::Result<tokio::net::TcpStream>>,
+    req: Request<Full<Bytes>>,
+) -> std::io::Result<(StatusCode, Bytes)> {
+    let stream = conn.await?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(std::io::Error::other)?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(std::io::Error::other)?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(std::io::Error::other)?
+        .to_bytes();
+    Ok((status, body))
+}

@@ -1,0 +1,108 @@
+//! The server put together: the database, the VM driver, the sandbox
+//! manager and its background jobs, and the HTTP app (the proxy in front
+//! of the REST router), served until SIGTERM.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::middleware;
+use axum::Router;
+
+use crate::state::AppState;
+use crate::{api, db, guest_client, metrics, proxy, sandboxes, templates, Config};
+
+/// The whole HTTP app: the proxy sees every request first, so sandbox
+/// traffic never meets a REST route; the rest goes to the REST router.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .fallback_service(api::router(state.clone()))
+        .layer(middleware::from_fn_with_state(state, proxy::route))
+}
+
+/// Open the database, re-adopt or clean up the sandboxes of a previous run,
+/// and serve until the process ends.
+pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
+    config.validate()?;
+    let _lock = lock_data_dir(&paths.data_dir)?;
+    let artifacts = paths
+        .current_artifacts()
+        .resolve()
+        .context("guest artifacts")?;
+    // RAM of captures used to live on tmpfs; it is on disk now.
+    let _ = std::fs::remove_dir_all(paths.shm_dir.join("snapshots"));
+    let db = Arc::new(db::Db::open(&paths.data_dir.join("tine.db"))?);
+    let driver: Arc<dyn tine_vmm::Driver> = Arc::new(tine_vmm::QemuDriver::new(
+        paths.clone(),
+        sandboxes::agent::probe(),
+    ));
+    let templates = templates::Templates::new(driver.clone(), artifacts, db.clone());
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.listen))?;
+    let domain = config.domain();
+    let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
+    manager
+        .recover()
+        .await
+        .context("recovering sandboxes of the previous run")?;
+    tokio::spawn(manager.clone().sweep_loop());
+    tokio::spawn(manager.clone().compaction_loop());
+    manager.warm_up();
+    let state = Arc::new(AppState {
+        client: guest_client::client(manager.clone()),
+        manager,
+        metrics: Arc::new(metrics::Metrics::default()),
+        domain,
+    });
+    tracing::info!(addr = %listener.local_addr()?, "tine server listening");
+    let shutdown_manager = state.manager.clone();
+    // On SIGTERM/SIGINT stop accepting and let requests in flight finish,
+    // but not for long: SDK streams (process output, watches) can stay
+    // open indefinitely, and sandboxes outlive the server anyway.
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let notify = stopping.clone();
+    let serve = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        notify.notify_one();
+    });
+    tokio::select! {
+        r = serve => r?,
+        _ = async {
+            stopping.notified().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; closing them"),
+    }
+    tracing::info!("shutting down: stopping the warm pool (sandboxes keep running)");
+    shutdown_manager.shutdown().await;
+    Ok(())
+}
+
+/// How long requests in flight may take to finish after SIGTERM.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// One server per data directory: a second one would adopt (and clean up
+/// after) the first one's sandboxes. The lock lasts as long as the returned
+/// handle, i.e. the process.
+fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("server.lock");
+    let file =
+        std::fs::File::create(&path).with_context(|| format!("opening {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
+        anyhow::anyhow!(
+            "another tine server is using {} (it holds {})",
+            dir.display(),
+            path.display()
+        )
+    })
+}

@@ -1,0 +1,66 @@
+//! What the server asks of the agent in a sandbox, through the VM driver's
+//! guest network: `/init` after every restore (identity, clock, entropy),
+//! `/metrics`, and the readiness probe the driver runs after every start.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tine_agent_client::{AgentError, InitRequest, AGENT_PORT};
+use tine_vmm::{Guest, Probe};
+
+/// The readiness probe for every VM the server starts: the agent answers
+/// `GET /health`.
+pub fn probe() -> Probe {
+    std::sync::Arc::new(|guest: Guest| {
+        Box::pin(async move { tine_agent_client::healthy(guest.connect(AGENT_PORT)).await })
+    })
+}
+
+/// `/init` with the identity of sandbox `sandbox_id` (host name,
+/// machine-id, env vars, access token, clock, fresh entropy).
+/// `previous_token` is the token the guest has now (none for a fresh
+/// template), needed to be allowed to replace it.
+pub async fn init(
+    guest: &Guest,
+    sandbox_id: &str,
+    env_vars: BTreeMap<String, String>,
+    access_token: &str,
+    previous_token: Option<&str>,
+) -> Result<(), AgentError> {
+    let body = InitRequest::identity(sandbox_id, env_vars, access_token)?;
+    tine_agent_client::init(guest.connect(AGENT_PORT), &body, previous_token).await
+}
+
+/// One usage sample, in the shape of E2B's `SandboxMetric`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Metrics {
+    pub timestamp: String,
+    pub timestamp_unix: i64,
+    pub cpu_count: u64,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+pub async fn metrics(guest: &Guest, token: &str) -> Result<Metrics, AgentError> {
+    let m = tine_agent_client::metrics(guest.connect(AGENT_PORT), token).await?;
+    let ts =
+        time::OffsetDateTime::from_unix_timestamp(m.ts).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    Ok(Metrics {
+        timestamp: ts
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+        timestamp_unix: m.ts,
+        cpu_count: m.cpu_count,
+        cpu_used_pct: m.cpu_used_pct,
+        mem_used: m.mem_used,
+        mem_total: m.mem_total,
+        mem_cache: m.mem_cache,
+        disk_used: m.disk_used,
+        disk_total: m.disk_total,
+    })
+}

@@ -1,0 +1,290 @@
+//! Create, get, list, kill, timeouts and metrics of sandboxes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tine_vmm::{Machine, VmHandle};
+
+use super::{agent, guest_env, limits, pool, Manager, SandboxError, Source};
+use crate::db::{now_ms, ListFilter, SnapshotKind};
+use crate::model::{SandboxRecord, SandboxState};
+
+/// What `create` is asked for (parsed from the E2B request, not validated).
+#[derive(Debug, Clone, Default)]
+pub struct CreateRequest {
+    pub template_id: String,
+    pub timeout_secs: Option<i64>,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub auto_pause: bool,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u32>,
+}
+
+impl Manager {
+    /// Build the default template's snapshot and fill its warm pool (in
+    /// the background, so the server answers meanwhile).
+    pub fn warm_up(self: &Arc<Self>) {
+        if self.config.pool_size == 0 {
+            return;
+        }
+        let m = self.clone();
+        tokio::spawn(async move {
+            let machine = Machine {
+                vcpus: m.config.default_cpu_count,
+                memory_mib: m.config.default_memory_mb,
+                ..Machine::default()
+            };
+            match m
+                .templates
+                .snapshot(crate::templates::DEFAULT_TEMPLATE, machine)
+                .await
+            {
+                Ok((snap, _)) => m.pool.refill(snap),
+                Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
+            }
+        });
+    }
+
+    /// Kill the warm pool's VMs (sandboxes keep running and are adopted by
+    /// the next start).
+    pub async fn shutdown(&self) {
+        self.pool.drain().await;
+    }
+
+    /// Restore `source` as VM `rec.id` (or run `pooled`, already restored
+    /// under that id) and hand the guest its identity.
+    pub(super) async fn start_vm(
+        &self,
+        rec: &SandboxRecord,
+        source: &Source,
+        pooled: Option<pool::Pooled>,
+    ) -> Result<Box<dyn VmHandle>, SandboxError> {
+        let _slot = self.starts.acquire().await;
+        // A pooled guest holds the token of its warm-up `/init`.
+        let previous_token = match &pooled {
+            Some(p) => Some(p.token.clone()),
+            None => source.previous_token.clone(),
+        };
+        let vm = match pooled.map(|p| p.vm) {
+            Some(mut vm) => match vm.start().await {
+                Ok(()) => vm,
+                Err(e) => {
+                    let _ = vm.kill().await;
+                    return Err(SandboxError::vm(&rec.id, "starting a pooled VM")(e));
+                }
+            },
+            None => {
+                let _chains = self.chains.read().await;
+                self.driver
+                    .restore(&rec.id, &source.snapshot)
+                    .await
+                    .map_err(SandboxError::vm(&rec.id, "restore"))?
+            }
+        };
+        let guest = vm.guest();
+        let init = agent::init(
+            &guest,
+            &rec.id,
+            guest_env(rec),
+            &rec.envd_access_token,
+            previous_token.as_deref(),
+        )
+        .await;
+        if let Err(e) = init {
+            let _ = vm.kill().await;
+            return Err(SandboxError::agent(
+                &rec.id,
+                "handing the guest its identity",
+            )(e));
+        }
+        Ok(vm)
+    }
+
+    /// A template name, or the id of a user snapshot (E2B's
+    /// `Sandbox.create(snapshot_id)`), with the machine shape to use.
+    async fn resolve(
+        &self,
+        template_id: &str,
+        machine: Machine,
+    ) -> Result<(Source, Machine), SandboxError> {
+        if let Some(row) = self.db.get_snapshot(template_id)? {
+            if row.kind == SnapshotKind::Snapshot {
+                let snapshot = self
+                    .driver
+                    .open_snapshot(&row.id)
+                    .map_err(SandboxError::vm(template_id, "opening the snapshot"))?;
+                let m = snapshot.info().machine;
+                let source = Source {
+                    snapshot,
+                    snapshot_id: Some(row.id),
+                    previous_token: Some(row.source_token),
+                    template: false,
+                };
+                return Ok((source, m));
+            }
+        }
+        let (snapshot, row) = self.templates.snapshot(template_id, machine).await?;
+        let m = snapshot.info().machine;
+        let source = Source {
+            snapshot,
+            snapshot_id: Some(row.id),
+            previous_token: None,
+            template: true,
+        };
+        Ok((source, m))
+    }
+
+    pub(super) fn new_record(
+        &self,
+        template_id: &str,
+        machine: Machine,
+        req: &CreateRequest,
+        timeout_secs: Option<u64>,
+    ) -> SandboxRecord {
+        let now = now_ms();
+        let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs);
+        SandboxRecord {
+            id: crate::ids::sandbox_id(),
+            template_id: template_id.to_string(),
+            alias: Some(template_id.to_string()),
+            client_id: "tine".into(),
+            state: SandboxState::Starting,
+            metadata: req.metadata.clone(),
+            env_vars: req.env_vars.clone(),
+            cpu_count: machine.vcpus,
+            memory_mb: machine.memory_mib,
+            disk_size_mb: 0,
+            envd_version: super::ENVD_VERSION.into(),
+            envd_access_token: crate::ids::random_hex(24),
+            started_at_ms: now,
+            end_at_ms: now + (timeout as i64) * 1000,
+            auto_pause: req.auto_pause,
+            error: None,
+        }
+    }
+
+    /// Create a sandbox: restore the template (or snapshot), give the guest
+    /// its env vars, access token, clock and fresh entropy, and start its
+    /// timeout.
+    pub async fn create(&self, req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
+        let machine = limits::machine(&self.config, req.cpu_count, req.memory_mb)?;
+        let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
+        self.check_capacity(1)?;
+        let (source, machine) = self.resolve(&req.template_id, machine).await?;
+        let mut rec = self.new_record(&req.template_id, machine, &req, timeout);
+        // Template creates take a pre-restored VM when one is ready.
+        let pooled = if source.template {
+            self.pool.take(source.snapshot.id())
+        } else {
+            None
+        };
+        if source.template {
+            self.pool.refill(source.snapshot.clone());
+        }
+        if let Some(p) = &pooled {
+            rec.id = p.vm.id().to_string();
+        }
+        self.launch(rec, &source, timeout, pooled).await
+    }
+
+    /// Insert `rec`, start its VM from `source`, make it live.
+    pub(super) async fn launch(
+        &self,
+        mut rec: SandboxRecord,
+        source: &Source,
+        timeout_secs: Option<u64>,
+        pooled: Option<pool::Pooled>,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let id = rec.id.clone();
+        rec.disk_size_mb = source.snapshot.info().disk_size_mb;
+        self.db.insert_sandbox(&rec)?;
+        self.db
+            .set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
+        self.event(&id, "create", &format!("from {}", source.snapshot.id()));
+        let vm = match self.start_vm(&rec, source, pooled).await {
+            Ok(v) => v,
+            Err(e) => {
+                let detail = e.to_string();
+                self.db.set_state(
+                    &id,
+                    &[SandboxState::Starting],
+                    SandboxState::Failed,
+                    Some(&detail),
+                )?;
+                self.event(&id, "failed", &detail);
+                self.gc();
+                return Err(e);
+            }
+        };
+        // The timeout runs from the moment the sandbox is ready.
+        let timeout = timeout_secs.unwrap_or(self.config.default_timeout_secs) as i64;
+        rec.started_at_ms = now_ms();
+        rec.end_at_ms = rec.started_at_ms + timeout * 1000;
+        self.db.set_times(&id, rec.started_at_ms, rec.end_at_ms)?;
+        self.db
+            .set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
+        rec.state = SandboxState::Running;
+        self.add_live(&rec, vm);
+        self.event(&id, "running", "");
+        Ok(rec)
+    }
+
+    /// A sandbox the E2B API may show (running or paused).
+    pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        match self.db.get_sandbox(id)? {
+            Some(r) if r.state.e2b().is_some() => Ok(r),
+            _ => Err(SandboxError::NotFound(id.to_string())),
+        }
+    }
+
+    pub fn list(&self, filter: &ListFilter) -> Result<Vec<SandboxRecord>, SandboxError> {
+        Ok(self.db.list_sandboxes(filter)?)
+    }
+
+    /// Kill a sandbox and free everything it held. `reason` is recorded.
+    pub async fn kill(&self, id: &str, reason: &str) -> Result<(), SandboxError> {
+        let _op = self.lock(id).await;
+        let rec = self.get(id)?;
+        if let Some(live) = self.remove_live(id) {
+            let vm = live.vm.lock().await.take();
+            if let Some(vm) = vm {
+                if let Err(e) = vm.kill().await {
+                    tracing::warn!(sandbox = id, "cleanup after kill: {e}");
+                    self.driver.cleanup(id).await;
+                }
+            }
+        }
+        self.db
+            .set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
+        self.event(id, "killed", reason);
+        self.gc();
+        Ok(())
+    }
+
+    /// Let the sandbox live `secs` more seconds from now.
+    pub fn set_timeout(&self, id: &str, secs: i64) -> Result<(), SandboxError> {
+        let secs = limits::timeout(&self.config, secs)?;
+        let rec = self.get(id)?;
+        self.db.set_end_at(&rec.id, now_ms() + secs as i64 * 1000)?;
+        self.event(id, "timeout", &format!("{secs} s from now"));
+        Ok(())
+    }
+
+    /// The serial console (kernel and agent) of a live sandbox.
+    pub fn console_log(&self, id: &str) -> Result<String, SandboxError> {
+        self.get(id)?;
+        Ok(self.driver.console_log(id))
+    }
+
+    /// Usage of a live sandbox, from its agent.
+    pub async fn metrics(&self, id: &str) -> Result<agent::Metrics, SandboxError> {
+        let rec = self.get(id)?;
+        let live = self
+            .live(id)
+            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
+        agent::metrics(&live.guest, &rec.envd_access_token)
+            .await
+            .map_err(SandboxError::agent(id, "reading metrics"))
+    }
+}

@@ -1,0 +1,106 @@
+//! Validation of what callers ask for, in one place: timeouts, machine
+//! shapes, fork counts, and the capacity left.
+
+use tine_vmm::Machine;
+
+use super::{Manager, SandboxError};
+use crate::config::Config;
+
+fn invalid<T>(message: String) -> Result<T, SandboxError> {
+    Err(SandboxError::InvalidArgument(message))
+}
+
+/// A timeout in seconds as the API sends it: not negative, at most
+/// `max_timeout_secs`.
+pub fn timeout(config: &Config, secs: i64) -> Result<u64, SandboxError> {
+    if secs < 0 {
+        return invalid(format!("timeout must not be negative, got {secs}"));
+    }
+    let secs = secs as u64;
+    if secs > config.max_timeout_secs {
+        return invalid(format!(
+            "timeout must be at most {} seconds, got {secs}",
+            config.max_timeout_secs
+        ));
+    }
+    Ok(secs)
+}
+
+/// An optional timeout (absent: the caller's default applies).
+pub fn optional_timeout(config: &Config, secs: Option<i64>) -> Result<Option<u64>, SandboxError> {
+    secs.map(|s| timeout(config, s)).transpose()
+}
+
+/// The machine shape of a new sandbox: the config's defaults for what is
+/// not given, each within the config's bounds.
+pub fn machine(
+    config: &Config,
+    cpu_count: Option<u32>,
+    memory_mb: Option<u32>,
+) -> Result<Machine, SandboxError> {
+    let cpus = cpu_count.unwrap_or(config.default_cpu_count);
+    if cpus == 0 || cpus > config.max_cpu_count {
+        return invalid(format!(
+            "cpuCount must be between 1 and {}, got {cpus}",
+            config.max_cpu_count
+        ));
+    }
+    let mem = memory_mb.unwrap_or(config.default_memory_mb);
+    if mem < config.min_memory_mb || mem > config.max_memory_mb {
+        return invalid(format!(
+            "memoryMB must be between {} and {}, got {mem}",
+            config.min_memory_mb, config.max_memory_mb
+        ));
+    }
+    Ok(Machine {
+        vcpus: cpus,
+        memory_mib: mem,
+        ..Machine::default()
+    })
+}
+
+/// How many children a fork may make: 1 to `max_fork_count`.
+pub fn fork_count(config: &Config, count: i64) -> Result<usize, SandboxError> {
+    let cap = config.max_fork_count;
+    match usize::try_from(count) {
+        Ok(n) if (1..=cap).contains(&n) => Ok(n),
+        _ => invalid(format!("count must be between 1 and {cap}, got {count}")),
+    }
+}
+
+impl Manager {
+    /// Room for `more` running sandboxes under `max_sandboxes`.
+    pub(super) fn check_capacity(&self, more: usize) -> Result<(), SandboxError> {
+        let n = self.live_count();
+        if n + more > self.config.max_sandboxes {
+            return Err(SandboxError::Capacity(n));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_are_checked_with_clear_messages() {
+        let c = Config::default();
+        assert_eq!(timeout(&c, 0).unwrap(), 0);
+        let err = timeout(&c, -1).unwrap_err().to_string();
+        assert!(err.contains("must not be negative"), "{err}");
+        let err = timeout(&c, c.max_timeout_secs as i64 + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at most"), "{err}");
+        assert_eq!(optional_timeout(&c, None).unwrap(), None);
+        assert!(fork_count(&c, 0).is_err());
+        assert!(fork_count(&c, -1).is_err());
+        assert!(fork_count(&c, c.max_fork_count as i64 + 1).is_err());
+        assert_eq!(fork_count(&c, 2).unwrap(), 2);
+        assert!(machine(&c, Some(0), None).is_err());
+        assert!(machine(&c, None, Some(c.max_memory_mb + 1)).is_err());
+        let m = machine(&c, None, None).unwrap();
+        assert_eq!(m.vcpus, c.default_cpu_count);
+    }
+}

@@ -1,0 +1,65 @@
+//! After a (re)start of the server: the VMs of sandboxes the database says
+//! are running are adopted; the others are marked killed and cleaned up,
+//! and so is every VM no sandbox owns.
+
+use std::collections::HashSet;
+
+use super::{Manager, SandboxError};
+use crate::db::ListFilter;
+use crate::model::SandboxState;
+
+impl Manager {
+    /// Adopt the VMs of sandboxes the database says are alive; mark the
+    /// others dead and clean up after them.
+    pub async fn recover(&self) -> Result<(), SandboxError> {
+        let filter = ListFilter {
+            states: vec![SandboxState::Starting, SandboxState::Running],
+            limit: usize::MAX >> 1,
+            ..Default::default()
+        };
+        for rec in self.db.list_sandboxes(&filter)? {
+            let adopted = if rec.state == SandboxState::Running {
+                self.driver.adopt(&rec.id).await.map_err(|e| e.to_string())
+            } else {
+                Err("the server stopped while it was starting".to_string())
+            };
+            match adopted {
+                // (VM directories that belong to no sandbox are removed below.)
+                Ok(vm) => {
+                    self.add_live(&rec, vm);
+                    self.event(&rec.id, "adopted", "after a server restart");
+                    tracing::info!(sandbox = %rec.id, "adopted after restart");
+                }
+                Err(detail) => {
+                    self.driver.cleanup(&rec.id).await;
+                    let why = format!("lost across a server restart: {detail}");
+                    self.db
+                        .set_state(&rec.id, &[rec.state], SandboxState::Killed, Some(&why))?;
+                    self.event(&rec.id, "killed", &why);
+                    tracing::warn!(sandbox = %rec.id, "{why}");
+                }
+            }
+        }
+        self.remove_unowned_vms().await;
+        Ok(())
+    }
+
+    /// VMs no sandbox owns: a previous run's warm pool, template builds or
+    /// creates that were cut short.
+    async fn remove_unowned_vms(&self) {
+        let mut owned: HashSet<String> = self
+            .live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        owned.extend(self.pool.ids());
+        for id in self.driver.vm_ids() {
+            if !owned.contains(&id) {
+                tracing::info!(vm = %id, "removing a VM no sandbox owns");
+                self.driver.cleanup(&id).await;
+            }
+        }
+    }
+}

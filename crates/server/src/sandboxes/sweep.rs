@@ -1,0 +1,58 @@
+//! The sweep, every half second: sandboxes whose time is up are killed (or
+//! paused, with `autoPause`), sandboxes whose VM died are killed, and a
+//! skipped garbage collection runs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Live, Manager};
+use crate::db::now_ms;
+
+/// How often the sweep runs.
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
+
+impl Manager {
+    /// Kill sandboxes whose time is up and forget those whose VM died.
+    pub async fn sweep(&self) {
+        self.gc_if_pending();
+        let now = now_ms();
+        let live: Vec<(String, Arc<Live>)> = self
+            .live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (id, live) in live {
+            let rec = self.db.get_sandbox(&id).ok().flatten();
+            let expired = rec.as_ref().is_some_and(|r| r.end_at_ms <= now);
+            let auto_pause = rec.as_ref().is_some_and(|r| r.auto_pause);
+            let died = match live.vm.try_lock() {
+                Ok(guard) => guard.as_ref().and_then(|vm| vm.exit_status()),
+                Err(_) => None, // busy: someone is working on it
+            };
+            if expired && auto_pause {
+                if let Err(e) = self.pause(&id).await {
+                    tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
+                    let _ = self
+                        .kill(&id, &format!("timeout (auto-pause failed: {e})"))
+                        .await;
+                }
+            } else if expired {
+                let _ = self.kill(&id, "timeout").await;
+            } else if let Some(status) = died {
+                let _ = self
+                    .kill(&id, &format!("VM exited unexpectedly ({status})"))
+                    .await;
+            }
+        }
+    }
+
+    /// Run [`Manager::sweep`] forever.
+    pub async fn sweep_loop(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            self.sweep().await;
+        }
+    }
+}

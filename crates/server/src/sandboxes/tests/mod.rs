@@ -1,0 +1,226 @@
+//! The manager's lifecycle, fork fan-out, garbage collection of capture
+//! chains and recovery, against the in-memory fake driver (`fake.rs`) and a
+//! real SQLite file. The real-QEMU paths are tested in `crates/vmm/tests`
+//! and end to end with the SDKs.
+
+mod fake;
+
+use std::sync::Arc;
+
+use fake::FakeDriver;
+use tine_vmm::Artifacts;
+
+use super::{CreateRequest, Manager, SandboxError};
+use crate::config::Config;
+use crate::db::Db;
+use crate::model::SandboxState;
+use crate::templates::Templates;
+
+struct Setup {
+    manager: Manager,
+    driver: FakeDriver,
+    db: Arc<Db>,
+    _dir: tempfile::TempDir,
+}
+
+fn config() -> Config {
+    Config {
+        pool_size: 0,
+        default_cpu_count: 1,
+        default_memory_mb: 256,
+        ..Config::default()
+    }
+}
+
+fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
+    let artifacts = Artifacts {
+        kernel: "/fake/kernel".into(),
+        initramfs: "/fake/initramfs".into(),
+        rootfs: "/fake/rootfs".into(),
+    };
+    let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
+    let templates = Templates::new(driver.clone(), artifacts, db.clone());
+    Manager::new(config(), db.clone(), driver, templates)
+}
+
+async fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
+    let driver = FakeDriver::start().await;
+    Setup {
+        manager: manager_over(&driver, &db),
+        driver,
+        db,
+        _dir: dir,
+    }
+}
+
+fn base() -> CreateRequest {
+    CreateRequest {
+        template_id: "base".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn create_builds_the_template_once_and_hands_each_guest_its_identity() {
+    let s = setup().await;
+    let a = s.manager.create(base()).await.unwrap();
+    let b = s.manager.create(base()).await.unwrap();
+    assert_eq!(
+        s.driver.calls("boot").len(),
+        1,
+        "one cold boot for the template"
+    );
+    assert_eq!(s.driver.calls("capture_and_kill").len(), 1);
+    assert_eq!(s.driver.calls("restore ").len(), 2);
+    let inits = s.driver.inits();
+    assert_eq!(inits.len(), 2);
+    for (rec, init) in [(&a, &inits[0]), (&b, &inits[1])] {
+        assert_eq!(init.body["hostname"], rec.id.as_str());
+        assert_eq!(init.body["accessToken"], rec.envd_access_token.as_str());
+        assert_eq!(init.body["envVars"]["E2B_SANDBOX_ID"], rec.id.as_str());
+        assert_eq!(init.token, None, "a template's guest has no token yet");
+    }
+    assert_ne!(inits[0].body["entropy"], inits[1].body["entropy"]);
+    assert_eq!(s.manager.live_count(), 2);
+    assert_eq!(a.state, SandboxState::Running);
+}
+
+#[tokio::test]
+async fn a_failed_restore_keeps_its_kind_and_leaves_a_failed_row() {
+    let s = setup().await;
+    s.manager.create(base()).await.unwrap(); // builds the template
+    s.driver.fail("restore", 1);
+    let err = s.manager.create(base()).await.unwrap_err();
+    let SandboxError::Vm { ref id, source, .. } = err else {
+        panic!("expected a driver error, got {err}");
+    };
+    assert!(source.to_string().contains("failed on demand"), "{source}");
+    let row = s.db.get_sandbox(id).unwrap().unwrap();
+    assert_eq!(row.state, SandboxState::Failed);
+    assert_eq!(s.manager.live_count(), 1);
+    // Bad input never reaches the driver.
+    let calls = s.driver.calls("").len();
+    let bad = CreateRequest {
+        timeout_secs: Some(-5),
+        ..base()
+    };
+    assert!(matches!(
+        s.manager.create(bad).await,
+        Err(SandboxError::InvalidArgument(_))
+    ));
+    assert_eq!(s.driver.calls("").len(), calls);
+}
+
+#[tokio::test]
+async fn fork_captures_once_and_each_child_fails_alone() {
+    let s = setup().await;
+    let src = s.manager.create(base()).await.unwrap();
+    s.driver.fail("restore", 1);
+    let results = s.manager.fork(&src.id, 3, None).await.unwrap();
+    assert_eq!(results.len(), 3);
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2);
+    let captures = s.driver.calls("capture ");
+    assert_eq!(captures.len(), 1, "{captures:?}");
+    let fork_id = captures[0].rsplit(' ').next().unwrap().to_string();
+    // Three children and more share a materialized RAM file; the capture is
+    // opened again once, after that, and not before.
+    assert_eq!(s.driver.calls("materialize").len(), 1);
+    assert_eq!(s.driver.calls(&format!("open_snapshot {fork_id}")).len(), 1);
+    // The source was reseeded with its own token after the capture.
+    let reseed = s
+        .driver
+        .inits()
+        .into_iter()
+        .find(|i| i.body["hostname"] == src.id.as_str() && i.token.is_some())
+        .expect("the source's reseed");
+    assert_eq!(
+        reseed.token.as_deref(),
+        Some(src.envd_access_token.as_str())
+    );
+    assert_eq!(s.manager.live_count(), 3, "the source and two children");
+    // Bad counts are refused before anything is captured.
+    for bad in [0, -1, 10_000] {
+        assert!(matches!(
+            s.manager.fork(&src.id, bad, None).await,
+            Err(SandboxError::InvalidArgument(_))
+        ));
+    }
+    assert_eq!(s.driver.calls("capture ").len(), 1);
+}
+
+#[tokio::test]
+async fn captures_nothing_uses_are_collected() {
+    let s = setup().await;
+    let src = s.manager.create(base()).await.unwrap();
+    let children: Vec<_> = s
+        .manager
+        .fork(&src.id, 2, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    let fork_capture = s
+        .driver
+        .snapshot_ids()
+        .into_iter()
+        .find(|id| id.starts_with("f-"))
+        .unwrap();
+    s.manager.kill(&children[0].id, "test").await.unwrap();
+    assert!(
+        s.driver.has_snapshot(&fork_capture),
+        "a child still uses it"
+    );
+    s.manager.kill(&children[1].id, "test").await.unwrap();
+    s.manager.kill(&src.id, "test").await.unwrap();
+    assert!(!s.driver.has_snapshot(&fork_capture), "nothing uses it now");
+    let template: Vec<_> = s.driver.snapshot_ids();
+    assert_eq!(template.len(), 1, "the template stays: {template:?}");
+}
+
+#[tokio::test]
+async fn pause_then_connect_restores_from_the_pause_capture() {
+    let s = setup().await;
+    let sb = s.manager.create(base()).await.unwrap();
+    s.manager.pause(&sb.id).await.unwrap();
+    assert_eq!(s.manager.get(&sb.id).unwrap().state, SandboxState::Paused);
+    assert_eq!(s.manager.live_count(), 0);
+    assert!(matches!(
+        s.manager.pause(&sb.id).await,
+        Err(SandboxError::Conflict(_))
+    ));
+    let (rec, resumed) = s.manager.connect(&sb.id, Some(60)).await.unwrap();
+    assert!(resumed);
+    assert_eq!(rec.state, SandboxState::Running);
+    let restore = s.driver.calls(&format!("restore {}", sb.id));
+    assert_eq!(restore.len(), 2, "{restore:?}");
+    assert!(
+        restore[1].contains(&format!(" p-{}-", sb.id)),
+        "{restore:?}"
+    );
+    let last = s.driver.inits().pop().unwrap();
+    assert_eq!(last.token.as_deref(), Some(sb.envd_access_token.as_str()));
+    let (_, again) = s.manager.connect(&sb.id, None).await.unwrap();
+    assert!(!again, "a running sandbox is not resumed twice");
+}
+
+#[tokio::test]
+async fn recovery_adopts_what_runs_and_cleans_up_the_rest() {
+    let s = setup().await;
+    let kept = s.manager.create(base()).await.unwrap();
+    let lost = s.manager.create(base()).await.unwrap();
+    // The second VM died while no server ran; a stray VM is left over.
+    s.driver.state.lock().unwrap().vms.remove(&lost.id);
+    s.driver.state.lock().unwrap().vms.insert("stray".into());
+    let next = manager_over(&s.driver, &s.db);
+    next.recover().await.unwrap();
+    assert_eq!(next.live_count(), 1);
+    assert!(next.live(&kept.id).is_some());
+    let row = s.db.get_sandbox(&lost.id).unwrap().unwrap();
+    assert_eq!(row.state, SandboxState::Killed);
+    assert!(row.error.unwrap().contains("lost across a server restart"));
+    assert_eq!(s.driver.calls("cleanup stray").len(), 1);
+    assert!(s.driver.calls(&format!("cleanup {}", kept.id)).is_empty());
+}

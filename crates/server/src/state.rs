@@ -1,0 +1,17 @@
+//! What every request handler shares: the sandbox manager, metrics, the
+//! domain sandboxes are addressed under, and the proxy's pooled client.
+//! Below both `api` and `proxy`, so neither imports the other.
+
+use std::sync::Arc;
+
+use crate::guest_client::GuestClient;
+use crate::metrics::Metrics;
+use crate::sandboxes::Manager;
+
+pub struct AppState {
+    pub manager: Arc<Manager>,
+    pub metrics: Arc<Metrics>,
+    pub domain: String,
+    /// Pooled connections into sandboxes, for the proxy.
+    pub client: GuestClient,
+}

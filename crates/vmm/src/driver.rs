@@ -1,0 +1,146 @@
+//! The seam between the sandbox manager and a VMM: [`Driver`] starts, adopts
+//! and cleans up VMs and manages their snapshots; [`VmHandle`] is one VM.
+//! QEMU ([`crate::QemuDriver`]) is the one implementation; tests of the
+//! server use an in-memory fake. Everything the manager needs to know of a
+//! snapshot is data ([`SnapshotInfo`]); what a driver needs to restore one
+//! stays inside its [`SnapshotRef`].
+//!
+//! The driver knows nothing of the agent in the guest: readiness is a
+//! [`Probe`] its caller gives, and the caller talks to guest ports
+//! through [`GuestNet`].
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Artifacts, Machine};
+use crate::error::Result;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Connects to TCP ports of one VM's guest.
+pub trait GuestNet: Send + Sync {
+    fn connect(&self, port: u16) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>>;
+}
+
+/// A VM's guest network, shared with whoever talks to the guest.
+pub type Guest = Arc<dyn GuestNet>;
+
+/// One readiness check of a guest (the driver retries it until it passes,
+/// the VM dies, or the start's deadline passes).
+pub type Probe = Arc<dyn Fn(Guest) -> BoxFuture<'static, bool> + Send + Sync>;
+
+/// What the manager knows of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub id: String,
+    /// The machine shape every VM restored from it has.
+    pub machine: Machine,
+    /// RAM layers over its root (0 for a root snapshot such as a template).
+    pub layers: usize,
+    /// Size of the root filesystem image it runs on.
+    pub disk_size_mb: u32,
+}
+
+/// An opened snapshot: its [`SnapshotInfo`] and whatever the driver that
+/// opened it needs to restore it (held open, so it still restores after
+/// garbage collection removed its ancestors' files).
+#[derive(Clone)]
+pub struct SnapshotRef {
+    info: SnapshotInfo,
+    inner: Arc<dyn Any + Send + Sync>,
+}
+
+impl SnapshotRef {
+    pub fn new(info: SnapshotInfo, inner: impl Any + Send + Sync) -> Self {
+        Self {
+            info,
+            inner: Arc::new(inner),
+        }
+    }
+    pub fn info(&self) -> &SnapshotInfo {
+        &self.info
+    }
+    pub fn id(&self) -> &str {
+        &self.info.id
+    }
+    /// The driver's own handle, if this snapshot is of type `T`.
+    pub fn inner<T: Any>(&self) -> Option<&T> {
+        self.inner.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for SnapshotRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.info.fmt(f)
+    }
+}
+
+/// A capture of a VM that goes on running.
+#[derive(Debug, Clone)]
+pub struct Capture {
+    pub snapshot: SnapshotRef,
+    /// How long the vCPUs stood still.
+    pub vcpus_stopped: Duration,
+}
+
+/// One VM.
+#[async_trait::async_trait]
+pub trait VmHandle: Send + Sync {
+    fn id(&self) -> &str;
+    /// The host process the VM runs in; it changes when a capture moves
+    /// the VM into a new one (connections to the old one are gone).
+    fn process_id(&self) -> i32;
+    /// How the VM's process ended, or `None` while it runs.
+    fn exit_status(&self) -> Option<String>;
+    /// Its guest's ports.
+    fn guest(&self) -> Guest;
+    /// Run a VM that was restored paused, until its guest is ready.
+    async fn start(&mut self) -> Result<()>;
+    /// Stop its vCPUs (it keeps its memory and process).
+    async fn pause(&mut self) -> Result<()>;
+    /// Capture it as snapshot `snapshot_id`; it goes on (running if it was).
+    async fn capture(&mut self, snapshot_id: &str) -> Result<Capture>;
+    /// Capture it as snapshot `snapshot_id`, then remove it.
+    async fn capture_and_kill(self: Box<Self>, snapshot_id: &str) -> Result<SnapshotRef>;
+    /// Stop it and remove everything it held (its snapshots stay).
+    async fn kill(self: Box<Self>) -> Result<()>;
+}
+
+/// Starts VMs and keeps their snapshots.
+#[async_trait::async_trait]
+pub trait Driver: Send + Sync {
+    /// Cold-boot VM `id` from `artifacts`; it runs and its guest is ready.
+    async fn boot(
+        &self,
+        id: &str,
+        machine: Machine,
+        artifacts: &Artifacts,
+    ) -> Result<Box<dyn VmHandle>>;
+    /// Restore VM `id` from `snapshot` with its vCPUs stopped (a warm pool
+    /// keeps VMs so); [`VmHandle::start`] runs it.
+    async fn restore_paused(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>>;
+    /// Restore VM `id` from `snapshot` and run it until its guest is ready;
+    /// nothing of it is left when this fails.
+    async fn restore(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>>;
+    /// Take over VM `id`, started by an earlier process.
+    async fn adopt(&self, id: &str) -> Result<Box<dyn VmHandle>>;
+    /// Remove whatever VM `id` left behind (after a crash or a failed start).
+    async fn cleanup(&self, id: &str);
+    /// Ids of every VM that has files here.
+    fn vm_ids(&self) -> Vec<String>;
+    /// The serial console (kernel and agent) of VM `id`.
+    fn console_log(&self, id: &str) -> String;
+    /// Open snapshot `id`, checking that its files are whole.
+    fn open_snapshot(&self, id: &str) -> Result<SnapshotRef>;
+    /// Delete every file of snapshot `id` (gone already is fine).
+    fn delete_snapshot(&self, id: &str) -> Result<()>;
+    /// Fold snapshot `id`'s chain onto its root; returns the root, or `None`
+    /// when there was nothing to fold.
+    async fn compact(&self, id: &str) -> Result<Option<String>>;
+    /// Give snapshot `id` its whole RAM as its own file, so the many VMs
+    /// restored from it share its pages; false when it already had it.
+    async fn materialize(&self, id: &str) -> Result<bool>;
+}

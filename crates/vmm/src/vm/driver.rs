@@ -1,0 +1,193 @@
+//! QEMU as the [`Driver`]: [`QemuDriver`] over the data directory, and
+//! [`Vm`] as a [`VmHandle`].
+
+use std::time::Duration;
+
+use super::{cleanup, list, Vm};
+use crate::config::{Artifacts, Machine, Paths};
+use crate::driver::{Capture, Driver, Guest, Probe, SnapshotInfo, SnapshotRef, VmHandle};
+use crate::error::{Error, Result};
+use crate::snapshot::Snapshot;
+use crate::StartOptions;
+
+/// VMs and snapshots under one data directory, run by QEMU.
+#[derive(Clone)]
+pub struct QemuDriver {
+    paths: Paths,
+    probe: Probe,
+}
+
+impl QemuDriver {
+    /// `probe` tells when a started guest is ready.
+    pub fn new(paths: Paths, probe: Probe) -> Self {
+        Self { paths, probe }
+    }
+
+    pub fn paths(&self) -> &Paths {
+        &self.paths
+    }
+
+    fn options(&self) -> StartOptions {
+        StartOptions::new(self.probe.clone())
+    }
+
+    /// The guest ports of VM `id`, through its namespace, without taking
+    /// the VM over (for clients that talk straight to a guest).
+    pub fn guest_of(&self, id: &str) -> Result<Guest> {
+        let name = format!("{}{id}", crate::netns::NAME_PREFIX);
+        Ok(std::sync::Arc::new(crate::netns::Netns::open(&name)?))
+    }
+}
+
+/// The QEMU snapshot inside `snapshot`, if it is one.
+fn qemu_snapshot(snapshot: &SnapshotRef) -> Result<&Snapshot> {
+    snapshot.inner::<Snapshot>().ok_or_else(|| Error::Snapshot {
+        path: snapshot.id().into(),
+        detail: "not a snapshot of the QEMU driver".into(),
+    })
+}
+
+/// A QEMU snapshot as the manager sees it.
+fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
+    let disk_size_mb = std::fs::metadata(&snapshot.meta.artifacts.rootfs)
+        .map(|m| u32::try_from(m.len() >> 20).unwrap_or(u32::MAX))
+        .unwrap_or(0);
+    let info = SnapshotInfo {
+        id: snapshot.meta.id.clone(),
+        machine: snapshot.meta.machine,
+        layers: snapshot.layers.len(),
+        disk_size_mb,
+    };
+    SnapshotRef::new(info, snapshot)
+}
+
+#[async_trait::async_trait]
+impl Driver for QemuDriver {
+    async fn boot(
+        &self,
+        id: &str,
+        machine: Machine,
+        artifacts: &Artifacts,
+    ) -> Result<Box<dyn VmHandle>> {
+        let vm = Vm::boot(&self.paths, id, machine, artifacts, self.options()).await?;
+        Ok(Box::new(vm))
+    }
+
+    async fn restore_paused(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>> {
+        let snapshot = qemu_snapshot(snapshot)?;
+        let vm = Vm::restore_paused(&self.paths, id, snapshot, self.probe.clone()).await?;
+        Ok(Box::new(vm))
+    }
+
+    async fn restore(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>> {
+        let snapshot = qemu_snapshot(snapshot)?;
+        let vm = Vm::restore(&self.paths, id, snapshot, self.options()).await?;
+        Ok(Box::new(vm))
+    }
+
+    async fn adopt(&self, id: &str) -> Result<Box<dyn VmHandle>> {
+        Ok(Box::new(
+            Vm::adopt(&self.paths, id, self.probe.clone()).await?,
+        ))
+    }
+
+    async fn cleanup(&self, id: &str) {
+        cleanup(&self.paths, id).await
+    }
+
+    fn vm_ids(&self) -> Vec<String> {
+        list(&self.paths)
+    }
+
+    fn console_log(&self, id: &str) -> String {
+        let path = self.paths.vm_dir(id).join("console.log");
+        String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
+    }
+
+    fn open_snapshot(&self, id: &str) -> Result<SnapshotRef> {
+        Snapshot::open(&self.paths, id).map(snapshot_ref)
+    }
+
+    fn delete_snapshot(&self, id: &str) -> Result<()> {
+        Snapshot::delete(&self.paths, id)
+    }
+
+    async fn compact(&self, id: &str) -> Result<Option<String>> {
+        crate::compact::compact(&self.paths, id).await
+    }
+
+    async fn materialize(&self, id: &str) -> Result<bool> {
+        crate::compact::materialize(&self.paths, id).await
+    }
+}
+
+#[async_trait::async_trait]
+impl VmHandle for Vm {
+    fn id(&self) -> &str {
+        Vm::id(self)
+    }
+
+    fn process_id(&self) -> i32 {
+        self.pid()
+    }
+
+    fn exit_status(&self) -> Option<String> {
+        Vm::exit_status(self)
+    }
+
+    fn guest(&self) -> Guest {
+        // A second handle on the namespace; should the descriptor table be
+        // full, connections go through the namespace's path instead.
+        match Vm::guest(self) {
+            Ok(g) => g,
+            Err(_) => std::sync::Arc::new(NamedGuest(self.record.netns.clone())),
+        }
+    }
+
+    async fn start(&mut self) -> Result<()> {
+        self.start_restored(None).await
+    }
+
+    async fn pause(&mut self) -> Result<()> {
+        Vm::pause(self).await
+    }
+
+    async fn capture(&mut self, snapshot_id: &str) -> Result<Capture> {
+        let snapshot = self.snapshot(snapshot_id).await?;
+        Ok(Capture {
+            snapshot: snapshot_ref(snapshot),
+            vcpus_stopped: self.last_capture_stop().unwrap_or(Duration::ZERO),
+        })
+    }
+
+    async fn capture_and_kill(self: Box<Self>, snapshot_id: &str) -> Result<SnapshotRef> {
+        Vm::capture_and_kill(*self, snapshot_id)
+            .await
+            .map(snapshot_ref)
+    }
+
+    async fn kill(self: Box<Self>) -> Result<()> {
+        Vm::kill(*self).await
+    }
+}
+
+/// A namespace opened by name at each connect.
+struct NamedGuest(String);
+
+impl crate::driver::GuestNet for NamedGuest {
+    fn connect(
+        &self,
+        port: u16,
+    ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
+        Box::pin(async move {
+            let netns = crate::netns::Netns::open(&self.0).map_err(std::io::Error::other)?;
+            netns.connect(port).await
+        })
+    }
+}
+
+impl From<Snapshot> for SnapshotRef {
+    fn from(snapshot: Snapshot) -> Self {
+        snapshot_ref(snapshot)
+    }
+}
