@@ -137,6 +137,12 @@ else
     log "rustup target add $MUSL_TARGET"
     rustup target add "$MUSL_TARGET" >&2 || die "rustup target add $MUSL_TARGET failed"
 fi
+if cargo clippy --version >/dev/null 2>&1; then
+    log "clippy: present"
+else
+    log "rustup component add clippy (the lint CI runs)"
+    rustup component add clippy >&2 || die "rustup component add clippy failed"
+fi
 
 # ---- 3. guest kernel and base rootfs ----
 

@@ -4,7 +4,7 @@
 //! Only what the E2B SDKs use is here: the JSON codec, the streaming
 //! envelope (flag byte + 4-byte big-endian length), the end-of-stream
 //! message and the error codes with their HTTP statuses. See
-//! <https://connectrpc.com/docs/protocol> and `E2B-COMPAT.md` section C2.
+//! <https://connectrpc.com/docs/protocol>.
 //!
 //! Client side in three calls: [`encode_message`] builds a request envelope,
 //! [`Decoder`] splits a response body into [`Frame`]s, and [`Frame::End`]

@@ -36,13 +36,13 @@ pub enum TemplateError {
     Vm {
         template: String,
         #[source]
-        source: tine_vmm::Error,
+        source: Box<tine_vmm::Error>,
     },
     #[error("building template '{template}': {source}")]
     Agent {
         template: String,
         #[source]
-        source: AgentError,
+        source: Box<AgentError>,
     },
     #[error(transparent)]
     Db(#[from] DbError),
@@ -111,7 +111,7 @@ impl Templates {
                 .open_snapshot(&row.id)
                 .map_err(|source| TemplateError::Vm {
                     template: template.into(),
-                    source,
+                    source: Box::new(source),
                 })?;
             return Ok((snap, row));
         }
@@ -199,7 +199,7 @@ async fn capture(
 ) -> Result<SnapshotRef, TemplateError> {
     let vm_err = |source| TemplateError::Vm {
         template: spec.name.clone(),
-        source,
+        source: Box::new(source),
     };
     let vm_id = format!("build-{}", crate::ids::random_hex(4));
     progress("booting base");
@@ -279,7 +279,7 @@ async fn exec_root(
         .await
         .map_err(|source| TemplateError::Agent {
             template: spec.name.clone(),
-            source,
+            source: Box::new(source),
         })
 }
 
@@ -307,7 +307,7 @@ pub async fn build(
     let id = format!("tpl-{}-{}", spec.name, crate::ids::random_hex(4));
     let artifacts = artifacts.resolve().map_err(|source| TemplateError::Vm {
         template: spec.name.clone(),
-        source,
+        source: Box::new(source),
     })?;
     capture(driver, &artifacts, spec, &id, progress).await?;
     let row = SnapshotRow {

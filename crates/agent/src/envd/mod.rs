@@ -1,4 +1,4 @@
-//! The envd-compatible API (see shared/design/E2B-COMPAT.md section C).
+//! The envd-compatible API (what E2B's envd serves; see docs/api.md).
 //!
 //! Connect RPC services `process.Process` ([`process`]) and
 //! `filesystem.Filesystem` ([`filesystem`]) on `POST /<pkg.Service>/<Method>`,

@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P7 of TARGETS.md, each with
+//! `tine bench`: the performance scenarios P1–P7 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!

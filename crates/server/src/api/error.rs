@@ -97,7 +97,7 @@ mod tests {
         let vm = |source| SandboxError::Vm {
             id: "s".into(),
             context: "restore",
-            source,
+            source: Box::new(source),
         };
         let missing = tine_vmm::Error::NotFound {
             what: "snapshot",

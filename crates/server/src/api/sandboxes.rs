@@ -1,4 +1,4 @@
-//! E2B REST routes for sandboxes (E2B-COMPAT.md section B). Handlers parse
+//! E2B REST routes for sandboxes (the E2B REST API; see docs/api.md). Handlers parse
 //! and shape JSON; the work is in [`crate::sandboxes::Manager`].
 
 use std::collections::BTreeMap;

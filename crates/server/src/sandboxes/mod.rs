@@ -59,7 +59,7 @@ pub enum SandboxError {
         id: String,
         context: &'static str,
         #[source]
-        source: tine_vmm::Error,
+        source: Box<tine_vmm::Error>,
     },
     /// The agent in the guest failed or did not answer.
     #[error("sandbox {id}: {context}: {source}")]
@@ -67,7 +67,7 @@ pub enum SandboxError {
         id: String,
         context: &'static str,
         #[source]
-        source: tine_agent_client::AgentError,
+        source: Box<tine_agent_client::AgentError>,
     },
     /// The database and the files disagree.
     #[error("sandbox {id}: {detail}")]
@@ -82,7 +82,7 @@ impl SandboxError {
         move |source| SandboxError::Vm {
             id: id.to_string(),
             context,
-            source,
+            source: Box::new(source),
         }
     }
     /// An agent error of sandbox `id` while doing `context`.
@@ -93,7 +93,7 @@ impl SandboxError {
         move |source| SandboxError::Agent {
             id: id.to_string(),
             context,
-            source,
+            source: Box::new(source),
         }
     }
 }

@@ -43,7 +43,8 @@ impl GuestRam {
             else {
                 continue;
             };
-            if inode.parse::<u64>().ok() != Some(meta.ino()) || offset.trim_start_matches('0') != ""
+            if inode.parse::<u64>().ok() != Some(meta.ino())
+                || !offset.trim_start_matches('0').is_empty()
             {
                 continue;
             }

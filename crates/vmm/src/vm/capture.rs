@@ -146,7 +146,46 @@ impl Vm {
         };
         let was_running = self.state == VmState::Running;
         let t = Instant::now();
-        if was_running {
+        self.stop_and_save_state(dir).await?;
+        let t_state = t.elapsed();
+        let ram = if self.record.ram_shared {
+            None
+        } else {
+            Some(self.capture_ram(dir, after).await?)
+        };
+        let t_ram = t.elapsed();
+        match next {
+            Some(next) => {
+                self.seal_disk_in_place(dir, &next).await?;
+                if was_running {
+                    self.resume().await?;
+                }
+            }
+            None => self.exit_into(dir).await?,
+        }
+        let t_stopped = t.elapsed();
+        self.last_stop = Some(t_stopped);
+        let parent = match ram {
+            Some(ram) => Some(self.finish_layer(ram, dir).await?),
+            None => None,
+        };
+        let snapshot = self.write_meta(snap_id, dir, parent, after)?;
+        tracing::debug!(
+            vm = self.id(),
+            snapshot = snap_id,
+            state_ms = t_state.as_secs_f64() * 1e3,
+            ram_ms = (t_ram - t_state).as_secs_f64() * 1e3,
+            disk_ms = (t_stopped - t_ram).as_secs_f64() * 1e3,
+            stopped_ms = t_stopped.as_secs_f64() * 1e3,
+            layer_ms = (t.elapsed() - t_stopped).as_secs_f64() * 1e3,
+            "captured"
+        );
+        Ok(snapshot)
+    }
+
+    /// Stop the vCPUs (if they run) and save the device state into `dir`.
+    async fn stop_and_save_state(&mut self, dir: &Path) -> Result<()> {
+        if self.state == VmState::Running {
             self.qmp.run("stop", None).await?;
             self.state = VmState::Paused;
         }
@@ -156,37 +195,31 @@ impl Vm {
                 Some(json!({ "filename": dir.join("state"), "live": false })),
             )
             .await?;
-        let t_state = t.elapsed();
-        let ram = if self.record.ram_shared {
-            None
-        } else {
-            Some(self.capture_ram(dir, after).await?)
-        };
-        let t_ram = t.elapsed();
+        Ok(())
+    }
 
-        match next {
-            Some(next) => {
-                self.seal_disk_in_place(dir, &next).await?;
-                if was_running {
-                    self.resume().await?;
-                }
-            }
-            None => {
-                self.quit().await;
-                std::fs::rename(self.active_disk(), dir.join("disk.qcow2"))
-                    .ctx(|| "sealing the disk overlay".into())?;
-                if self.record.ram_shared {
-                    crate::snapshot::move_sparse(&self.record.ram, &dir.join("ram"))
-                        .ctx(|| "freezing the RAM file".into())?;
-                }
-            }
+    /// End QEMU and move its disk overlay (and a booted VM's RAM file)
+    /// into the snapshot directory `dir`.
+    async fn exit_into(&mut self, dir: &Path) -> Result<()> {
+        self.quit().await;
+        std::fs::rename(self.active_disk(), dir.join("disk.qcow2"))
+            .ctx(|| "sealing the disk overlay".into())?;
+        if self.record.ram_shared {
+            crate::snapshot::move_sparse(&self.record.ram, &dir.join("ram"))
+                .ctx(|| "freezing the RAM file".into())?;
         }
-        let t_stopped = t.elapsed();
-        self.last_stop = Some(t_stopped);
-        let parent = match ram {
-            Some(ram) => Some(self.finish_layer(ram, dir).await?),
-            None => None,
-        };
+        Ok(())
+    }
+
+    /// Write the snapshot's `meta.json` (its parent: the RAM layer's base)
+    /// and open it; a VM that continues captures over it next.
+    fn write_meta(
+        &mut self,
+        snap_id: &str,
+        dir: &Path,
+        parent: Option<String>,
+        after: After,
+    ) -> Result<Snapshot> {
         let meta = SnapshotMeta {
             version: META_VERSION,
             id: snap_id.to_string(),
@@ -203,20 +236,9 @@ impl Vm {
         )?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
         if after == After::Continue {
-            // Its next capture is a layer over this one.
             self.record.parent = Some(snap_id.to_string());
             self.save_record()?;
         }
-        tracing::debug!(
-            vm = self.id(),
-            snapshot = snap_id,
-            state_ms = t_state.as_secs_f64() * 1e3,
-            ram_ms = (t_ram - t_state).as_secs_f64() * 1e3,
-            disk_ms = (t_stopped - t_ram).as_secs_f64() * 1e3,
-            stopped_ms = t_stopped.as_secs_f64() * 1e3,
-            layer_ms = (t.elapsed() - t_stopped).as_secs_f64() * 1e3,
-            "captured"
-        );
         Ok(snapshot)
     }
 
