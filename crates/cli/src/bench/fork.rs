@@ -142,7 +142,10 @@ pub async fn p2(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     out.rows.push(
         Row::new("P2", format!("fork x{k}, all answering"), "ms")
             .samples(fork_ms)
-            .floor(format!("{k} sequential restores (Driver::restore)"), floor_ms)
+            .floor(
+                format!("{k} sequential restores (Driver::restore)"),
+                floor_ms,
+            )
             .ratio_target(0.5, "total ≤ 0.5× floor")
             .param("iterations", n)
             .param("children", k)
