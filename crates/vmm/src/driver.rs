@@ -13,7 +13,7 @@ use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::{Artifacts, Machine};
 use crate::error::Result;
@@ -31,6 +31,28 @@ pub type Guest = Arc<dyn GuestNet>;
 /// One readiness check of a guest (the driver retries it until it passes,
 /// the VM dies, or the start's deadline passes).
 pub type Probe = Arc<dyn Fn(Guest) -> BoxFuture<'static, bool> + Send + Sync>;
+
+/// Try `probe` on `guest` until it passes (true), or `gone` says the VM
+/// died or `timeout` passes (false). Retries back off from 1 to 25 ms.
+pub(crate) async fn wait_ready(
+    probe: &Probe,
+    guest: &Guest,
+    timeout: Duration,
+    gone: impl Fn() -> bool,
+) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut delay = Duration::from_millis(1);
+    loop {
+        if probe(guest.clone()).await {
+            return true;
+        }
+        if gone() || Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(25));
+    }
+}
 
 /// What the manager knows of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -200,14 +200,9 @@ async fn run(
     let t = Instant::now();
     let process = vm.process.as_ref().expect("set above");
     let guest = vm.guest().ctx(|| "opening the namespace".into())?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut delay = Duration::from_millis(1);
-    while !probe(guest.clone()).await {
-        if process.exit_status().is_some() || Instant::now() > deadline {
-            return Err(failed("the guest was not ready within 60 s"));
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(25));
+    let gone = || process.exit_status().is_some();
+    if !crate::driver::wait_ready(&probe, &guest, Duration::from_secs(60), gone).await {
+        return Err(failed("the guest was not ready within 60 s"));
     }
     st.first_reply = ms(t);
     Ok(())

@@ -150,13 +150,6 @@ impl Netns {
         let socket = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(socket));
         socket.connect(SocketAddr::from((GUEST_IP, port))).await
     }
-
-    /// Delete the namespace (the tap goes with it once QEMU has exited).
-    pub async fn delete(self) -> Result<()> {
-        let name = self.name.clone();
-        drop(self.file);
-        delete_by_name(&name).await
-    }
 }
 
 /// Delete namespace `name`; a namespace that is already gone is fine.

@@ -89,7 +89,7 @@ fn uniq(prefix: &str) -> String {
 }
 
 async fn sh(vm: &Vm, cmd: &str) -> (String, i32) {
-    let guest = vm.guest().unwrap();
+    let guest = vm.guest();
     let conn = guest.connect(tine_agent_client::AGENT_PORT);
     let out = tine_agent_client::process::exec(conn, "root", cmd, None, T)
         .await
@@ -143,7 +143,7 @@ async fn boot_snapshot_clone_kill() {
     let (uname, code) = sh(&src, "uname -r").await;
     assert_eq!((uname.as_str(), code), (release.trim(), 0));
     // stdout, stderr and exit codes come back.
-    let guest = src.guest().unwrap();
+    let guest = src.guest();
     let conn = guest.connect(tine_agent_client::AGENT_PORT);
     let out =
         tine_agent_client::process::exec(conn, "root", "echo out; echo err >&2; exit 3", None, T)

@@ -136,12 +136,7 @@ impl VmHandle for Vm {
     }
 
     fn guest(&self) -> Guest {
-        // A second handle on the namespace; should the descriptor table be
-        // full, connections go through the namespace's path instead.
-        match Vm::guest(self) {
-            Ok(g) => g,
-            Err(_) => std::sync::Arc::new(NamedGuest(self.record.netns.clone())),
-        }
+        Vm::guest(self)
     }
 
     async fn start(&mut self) -> Result<()> {
@@ -168,21 +163,6 @@ impl VmHandle for Vm {
 
     async fn kill(self: Box<Self>) -> Result<()> {
         Vm::kill(*self).await
-    }
-}
-
-/// A namespace opened by name at each connect.
-struct NamedGuest(String);
-
-impl crate::driver::GuestNet for NamedGuest {
-    fn connect(
-        &self,
-        port: u16,
-    ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
-        Box::pin(async move {
-            let netns = crate::netns::Netns::open(&self.0).map_err(std::io::Error::other)?;
-            netns.connect(port).await
-        })
     }
 }
 

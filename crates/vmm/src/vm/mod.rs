@@ -100,7 +100,8 @@ impl StartOptions {
 pub struct Vm {
     paths: Paths,
     record: VmRecord,
-    netns: Netns,
+    /// Shared with whoever talks to the guest ([`Vm::guest`]).
+    netns: std::sync::Arc<Netns>,
     process: QemuProcess,
     qmp: Qmp,
     state: VmState,
@@ -237,8 +238,8 @@ impl Vm {
         &self.netns
     }
     /// The guest's ports, reachable without holding the VM.
-    pub fn guest(&self) -> std::io::Result<Guest> {
-        Ok(std::sync::Arc::new(self.netns.try_clone()?))
+    pub fn guest(&self) -> Guest {
+        self.netns.clone()
     }
     pub fn console_log(&self) -> PathBuf {
         self.files().console()
@@ -482,7 +483,7 @@ impl Vm {
         Ok(Vm {
             paths: paths.clone(),
             record,
-            netns,
+            netns: std::sync::Arc::new(netns),
             process,
             qmp,
             state: VmState::Paused,
@@ -492,7 +493,7 @@ impl Vm {
     }
 
     async fn wait_ready(&mut self, timeout: Duration, during: &'static str) -> Result<()> {
-        if self.poll_ready(timeout).await? {
+        if self.poll_ready(timeout).await {
             return Ok(());
         }
         let files = self.files();
@@ -508,21 +509,10 @@ impl Vm {
 
     /// Try the probe until it passes (true), QEMU exits or `timeout`
     /// passes (false).
-    async fn poll_ready(&self, timeout: Duration) -> Result<bool> {
-        let guest = self.guest().ctx(|| "opening the VM's namespace".into())?;
-        let deadline = Instant::now() + timeout;
-        let mut delay = Duration::from_millis(1);
-        while Instant::now() < deadline {
-            if (self.probe)(guest.clone()).await {
-                return Ok(true);
-            }
-            if self.process.exit_status().is_some() {
-                return Ok(false);
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(25));
-        }
-        Ok(false)
+    async fn poll_ready(&self, timeout: Duration) -> bool {
+        let process = &self.process;
+        let gone = || process.exit_status().is_some();
+        crate::driver::wait_ready(&self.probe, &self.guest(), timeout, gone).await
     }
 
     /// Stop the vCPUs (the VM keeps its memory and process).
@@ -564,7 +554,9 @@ impl Vm {
         drop(self.qmp);
         let id = self.record.id.clone();
         let paths = self.paths.clone();
-        self.netns.delete().await?;
+        let netns = self.netns.name().to_string();
+        drop(self.netns);
+        crate::netns::delete_by_name(&netns).await?;
         remove_dir(&paths.vm_dir(&id))?;
         remove_dir(&paths.vm_ram_dir(&id))?;
         Ok(())
@@ -604,7 +596,7 @@ impl Vm {
         Ok(Vm {
             paths: paths.clone(),
             record,
-            netns,
+            netns: std::sync::Arc::new(netns),
             process,
             qmp,
             state,
