@@ -1,0 +1,240 @@
+//! Pulling an image from a registry into the blob store: the manifest (an
+//! index resolves to linux/amd64), the config, and every layer not stored
+//! yet, each checked against its digest.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
+use oci_client::Client;
+use sha2::{Digest, Sha256};
+
+use crate::reference::{is_loopback, ImageRef};
+use crate::{io, ImageError, Result};
+
+/// A user name and password (or token) for one registry.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Credentials({}, <redacted>)", self.username)
+    }
+}
+
+/// How registries are reached.
+#[derive(Debug, Clone, Default)]
+pub struct RegistryOptions {
+    /// Registries (`host:port`) spoken to over plain HTTP besides loopback
+    /// ones.
+    pub insecure: Vec<String>,
+    /// Credentials per registry (`host:port`); a request's own win.
+    pub credentials: HashMap<String, Credentials>,
+}
+
+/// One layer of a pulled image.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayerRef {
+    pub digest: String,
+    pub media_type: String,
+    pub size: u64,
+}
+
+/// What a pull left in the blob store.
+#[derive(Debug, Clone)]
+pub struct Pulled {
+    pub manifest_digest: String,
+    pub config: serde_json::Value,
+    pub layers: Vec<LayerRef>,
+    /// Bytes fetched from the registry (layers already stored are not).
+    pub fetched: u64,
+}
+
+/// What a pull reports as it goes.
+#[derive(Debug, Clone)]
+pub enum Progress {
+    Manifest {
+        layers: usize,
+        bytes: u64,
+    },
+    Layer {
+        index: usize,
+        digest: String,
+        size: u64,
+        cached: bool,
+    },
+}
+
+fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
+    let mut plain: Vec<String> = opts.insecure.clone();
+    for r in [reference.registry(), reference.resolved_registry()] {
+        if is_loopback(r) {
+            plain.push(r.to_string());
+        }
+    }
+    Client::new(ClientConfig {
+        protocol: ClientProtocol::HttpsExcept(plain),
+        ..Default::default()
+    })
+}
+
+fn auth(reference: &ImageRef, opts: &RegistryOptions, creds: Option<&Credentials>) -> RegistryAuth {
+    let creds = creds.or_else(|| opts.credentials.get(reference.registry()));
+    match creds {
+        Some(c) => RegistryAuth::Basic(c.username.clone(), c.password.clone()),
+        None => RegistryAuth::Anonymous,
+    }
+}
+
+/// The path of blob `digest` (`sha256:<hex>`) under `blobs`.
+pub fn blob_path(blobs: &Path, digest: &str) -> Result<PathBuf> {
+    let hex = digest.strip_prefix("sha256:").unwrap_or_default();
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ImageError::Reference {
+            reference: digest.to_string(),
+            detail: "not a sha256 digest".into(),
+        });
+    }
+    Ok(blobs.join("sha256").join(hex.to_ascii_lowercase()))
+}
+
+/// sha256 of a file, as `sha256:<hex>`.
+pub fn file_digest(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("sha256:{:x}", h.finalize()))
+}
+
+/// Pull `reference` into `blobs`; `progress` hears each step.
+pub async fn pull(
+    reference: &ImageRef,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+    blobs: &Path,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<Pulled> {
+    let registry_err = |e: oci_client::errors::OciDistributionError| ImageError::Registry {
+        reference: reference.to_string(),
+        detail: e.to_string(),
+    };
+    let client = client(reference, opts);
+    let (manifest, manifest_digest, config) = client
+        .pull_manifest_and_config(reference.oci(), &auth(reference, opts, creds))
+        .await
+        .map_err(registry_err)?;
+    let config: serde_json::Value =
+        serde_json::from_str(&config).map_err(|e| ImageError::Registry {
+            reference: reference.to_string(),
+            detail: format!("the image config is not JSON: {e}"),
+        })?;
+    check_platform(reference, &config)?;
+    let layers: Vec<LayerRef> = manifest
+        .layers
+        .iter()
+        .map(|l| LayerRef {
+            digest: l.digest.clone(),
+            media_type: l.media_type.clone(),
+            size: u64::try_from(l.size).unwrap_or(0),
+        })
+        .collect();
+    progress(Progress::Manifest {
+        layers: layers.len(),
+        bytes: layers.iter().map(|l| l.size).sum(),
+    });
+    std::fs::create_dir_all(blobs.join("sha256"))
+        .map_err(io(format!("creating {}", blobs.display())))?;
+    let mut fetched = 0;
+    for (index, layer) in layers.iter().enumerate() {
+        let path = blob_path(blobs, &layer.digest)?;
+        let cached = path.exists();
+        if !cached {
+            fetch_blob(&client, reference, layer, &path).await?;
+            fetched += layer.size;
+        }
+        progress(Progress::Layer {
+            index,
+            digest: layer.digest.clone(),
+            size: layer.size,
+            cached,
+        });
+    }
+    Ok(Pulled {
+        manifest_digest,
+        config,
+        layers,
+        fetched,
+    })
+}
+
+/// Download one layer next to `path`, check its digest, move it in place.
+async fn fetch_blob(
+    client: &Client,
+    reference: &ImageRef,
+    layer: &LayerRef,
+    path: &Path,
+) -> Result<()> {
+    let partial = path.with_extension("partial");
+    let file = tokio::fs::File::create(&partial)
+        .await
+        .map_err(io(format!("creating {}", partial.display())))?;
+    let pulled = client
+        .pull_blob(reference.oci(), layer.digest.as_str(), file)
+        .await;
+    if let Err(e) = pulled {
+        let _ = std::fs::remove_file(&partial);
+        return Err(match e {
+            oci_client::errors::OciDistributionError::DigestError(d) => ImageError::Digest {
+                reference: reference.to_string(),
+                digest: layer.digest.clone(),
+                detail: d.to_string(),
+            },
+            other => ImageError::Registry {
+                reference: reference.to_string(),
+                detail: format!("fetching layer {}: {other}", layer.digest),
+            },
+        });
+    }
+    let check = partial.clone();
+    let actual = tokio::task::spawn_blocking(move || file_digest(&check))
+        .await
+        .map_err(|e| ImageError::Io {
+            context: "hashing a layer".into(),
+            source: std::io::Error::other(e),
+        })?
+        .map_err(io(format!("reading {}", partial.display())))?;
+    if actual != layer.digest {
+        let _ = std::fs::remove_file(&partial);
+        return Err(ImageError::Digest {
+            reference: reference.to_string(),
+            digest: layer.digest.clone(),
+            detail: format!("got {actual}"),
+        });
+    }
+    std::fs::rename(&partial, path).map_err(io(format!("storing {}", path.display())))
+}
+
+/// An image config for another platform than linux/amd64 is refused.
+fn check_platform(reference: &ImageRef, config: &serde_json::Value) -> Result<()> {
+    let os = config["os"].as_str().unwrap_or("linux");
+    let arch = config["architecture"].as_str().unwrap_or("amd64");
+    if os != "linux" || arch != "amd64" {
+        return Err(ImageError::Platform {
+            reference: reference.to_string(),
+            found: format!("{os}/{arch}"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! The local image store, `$TINE_DATA_DIR/images`:
+//!
+//! ```text
+//! blobs/sha256/<hex>        layers, content-addressed (shared by images)
+//! <manifest hex>/meta.json  what the image is: reference, config, layers
+//! <manifest hex>/rootfs.ext4  the converted root disk VMs mount
+//! refs.json                 reference → manifest digest
+//! ```
+//!
+//! A converted image appears at once (its directory is renamed into
+//! place), so a crash mid-pull leaves only a `.tmp-*` directory, removed
+//! at the next pull.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::layers;
+use crate::reference::ImageRef;
+use crate::registry::{self, Credentials, LayerRef, Progress, RegistryOptions};
+use crate::{io, ImageError, Result};
+
+/// The smallest root disk an image gets (sparse: unused space costs
+/// nothing); the guest writes into its overlay up to this size.
+const MIN_DISK: u64 = 4 << 30;
+
+/// What of the image config a sandbox uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageConfig {
+    /// `KEY=value` pairs.
+    pub env: Vec<String>,
+    pub working_dir: Option<String>,
+    pub user: Option<String>,
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+}
+
+impl ImageConfig {
+    fn from_json(config: &serde_json::Value) -> Self {
+        let c = &config["config"];
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|s| s.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let text = |v: &serde_json::Value| v.as_str().filter(|s| !s.is_empty()).map(String::from);
+        Self {
+            env: strings(&c["Env"]),
+            working_dir: text(&c["WorkingDir"]),
+            user: text(&c["User"]),
+            entrypoint: strings(&c["Entrypoint"]),
+            cmd: strings(&c["Cmd"]),
+        }
+    }
+
+    /// `Env` as a map (a later duplicate wins).
+    pub fn env_map(&self) -> BTreeMap<String, String> {
+        self.env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+}
+
+/// One image in the store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageMeta {
+    /// The reference it was first pulled as.
+    pub reference: String,
+    pub manifest_digest: String,
+    pub config: ImageConfig,
+    pub layers: Vec<LayerRef>,
+    pub rootfs: PathBuf,
+    /// Bytes of the layers (compressed, as in the registry).
+    pub size: u64,
+}
+
+pub struct ImageStore {
+    dir: PathBuf,
+}
+
+fn hex(digest: &str) -> &str {
+    digest.strip_prefix("sha256:").unwrap_or(digest)
+}
+
+impl ImageStore {
+    /// The store under `data_dir`.
+    pub fn new(data_dir: &Path) -> Self {
+        Self {
+            dir: data_dir.join("images"),
+        }
+    }
+
+    fn blobs(&self) -> PathBuf {
+        self.dir.join("blobs")
+    }
+
+    fn image_dir(&self, digest: &str) -> PathBuf {
+        self.dir.join(hex(digest))
+    }
+
+    fn refs_path(&self) -> PathBuf {
+        self.dir.join("refs.json")
+    }
+
+    fn refs(&self) -> BTreeMap<String, String> {
+        std::fs::read(self.refs_path())
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    fn save_refs(&self, refs: &BTreeMap<String, String>) -> Result<()> {
+        let path = self.refs_path();
+        let tmp = path.with_extension("tmp");
+        let json = serde_json::to_vec_pretty(refs).unwrap_or_default();
+        std::fs::write(&tmp, json).map_err(io(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, &path).map_err(io(format!("writing {}", path.display())))
+    }
+
+    fn read_meta(&self, digest: &str) -> Result<ImageMeta> {
+        let path = self.image_dir(digest).join("meta.json");
+        let bytes = std::fs::read(&path).map_err(io(format!("reading {}", path.display())))?;
+        serde_json::from_slice(&bytes).map_err(|e| ImageError::Io {
+            context: format!("{} is corrupt", path.display()),
+            source: e.into(),
+        })
+    }
+
+    /// An image by reference (as pulled) or manifest digest.
+    pub fn get(&self, reference: &str) -> Result<ImageMeta> {
+        let refs = self.refs();
+        let key = ImageRef::parse(reference).map(|r| r.canonical()).ok();
+        let digest = key
+            .and_then(|k| refs.get(&k).cloned())
+            .or_else(|| refs.values().find(|d| d.as_str() == reference).cloned())
+            .ok_or_else(|| ImageError::NotFound(reference.to_string()))?;
+        self.read_meta(&digest)
+    }
+
+    /// Every reference with its image.
+    pub fn list(&self) -> Vec<(String, ImageMeta)> {
+        self.refs()
+            .into_iter()
+            .filter_map(|(r, d)| Some((r, self.read_meta(&d).ok()?)))
+            .collect()
+    }
+
+    /// Pull and convert `reference` (layers already stored are not fetched
+    /// again; an image already converted is not converted again).
+    pub async fn pull(
+        &self,
+        reference: &str,
+        opts: &RegistryOptions,
+        creds: Option<&Credentials>,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<ImageMeta> {
+        let r = ImageRef::parse(reference)?;
+        let pulled = registry::pull(&r, opts, creds, &self.blobs(), progress).await?;
+        let digest = pulled.manifest_digest.clone();
+        let meta = match self.read_meta(&digest) {
+            Ok(meta) => meta,
+            Err(_) => {
+                let meta = ImageMeta {
+                    reference: r.canonical(),
+                    manifest_digest: digest.clone(),
+                    config: ImageConfig::from_json(&pulled.config),
+                    size: pulled.layers.iter().map(|l| l.size).sum(),
+                    layers: pulled.layers,
+                    rootfs: self.image_dir(&digest).join("rootfs.ext4"),
+                };
+                let (store, m) = (self.dir.clone(), meta.clone());
+                tokio::task::spawn_blocking(move || convert(&store, &m))
+                    .await
+                    .map_err(|e| ImageError::Io {
+                        context: "converting an image".into(),
+                        source: std::io::Error::other(e),
+                    })??;
+                meta
+            }
+        };
+        let mut refs = self.refs();
+        refs.insert(r.canonical(), digest);
+        self.save_refs(&refs)?;
+        Ok(meta)
+    }
+
+    /// Forget `reference`; the image's files go when no other reference
+    /// names it, unless a snapshot in `snapshots_dir` (a `meta.json` that
+    /// name its root disk) still runs on it.
+    pub fn remove(&self, reference: &str, snapshots_dir: &Path) -> Result<()> {
+        let meta = self.get(reference)?;
+        let mut refs = self.refs();
+        let digest = meta.manifest_digest.clone();
+        let named: Vec<String> = refs
+            .iter()
+            .filter(|(_, d)| **d == digest)
+            .map(|(r, _)| r.clone())
+            .collect();
+        let key = ImageRef::parse(reference)
+            .map(|r| r.canonical())
+            .ok()
+            .filter(|k| refs.contains_key(k));
+        let last = named.len() <= 1 || key.is_none();
+        if last {
+            let users = snapshots_using(snapshots_dir, &meta.rootfs);
+            if !users.is_empty() {
+                return Err(ImageError::InUse {
+                    reference: reference.to_string(),
+                    users: format!("snapshots {}", users.join(", ")),
+                });
+            }
+        }
+        match key {
+            Some(k) => {
+                refs.remove(&k);
+            }
+            None => refs.retain(|_, d| *d != digest),
+        }
+        self.save_refs(&refs)?;
+        if !refs.values().any(|d| *d == digest) {
+            let dir = self.image_dir(&digest);
+            std::fs::remove_dir_all(&dir).map_err(io(format!("removing {}", dir.display())))?;
+            self.remove_unused_blobs(&refs)?;
+        }
+        Ok(())
+    }
+
+    /// Delete layer blobs no remaining image lists.
+    fn remove_unused_blobs(&self, refs: &BTreeMap<String, String>) -> Result<()> {
+        let mut used = std::collections::HashSet::new();
+        for digest in refs.values() {
+            if let Ok(m) = self.read_meta(digest) {
+                used.extend(m.layers.into_iter().map(|l| hex(&l.digest).to_string()));
+            }
+        }
+        let dir = self.blobs().join("sha256");
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !used.contains(&name) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Snapshot ids under `snapshots_dir` whose `meta.json` names `rootfs`.
+fn snapshots_using(snapshots_dir: &Path, rootfs: &Path) -> Vec<String> {
+    let needle = rootfs.display().to_string();
+    std::fs::read_dir(snapshots_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("meta.json")).is_ok_and(|m| m.contains(&needle))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Apply the layers of `meta` into a tree and make its ext4 root disk; the
+/// image directory appears whole or not at all.
+fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
+    let final_dir = store.join(hex(&meta.manifest_digest));
+    let work = store.join(format!(".tmp-{}", &hex(&meta.manifest_digest)[..16]));
+    let _ = std::fs::remove_dir_all(&work);
+    let tree = work.join("tree");
+    std::fs::create_dir_all(&tree).map_err(io(format!("creating {}", tree.display())))?;
+    let result = (|| {
+        for layer in &meta.layers {
+            let blob = registry::blob_path(&store.join("blobs"), &layer.digest)?;
+            layers::apply(&blob, &tree).map_err(|e| ImageError::Layer {
+                reference: meta.reference.clone(),
+                digest: layer.digest.clone(),
+                detail: e.to_string(),
+            })?;
+        }
+        // Where the guest's init mounts its filesystems.
+        for d in ["proc", "sys", "dev", "run", "tmp", "etc"] {
+            let p = tree.join(d);
+            if std::fs::symlink_metadata(&p).is_err() {
+                std::fs::create_dir_all(&p).map_err(io(format!("creating {}", p.display())))?;
+            }
+        }
+        let image = work.join("rootfs.ext4");
+        mkfs(&tree, &image)?;
+        let json = serde_json::to_vec_pretty(meta).unwrap_or_default();
+        std::fs::write(work.join("meta.json"), json).map_err(io("writing meta.json"))?;
+        std::fs::remove_dir_all(&tree).map_err(io(format!("removing {}", tree.display())))?;
+        std::fs::rename(&work, &final_dir).map_err(io(format!("storing {}", final_dir.display())))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&work);
+    }
+    result
+}
+
+/// Bytes the files under `dir` take (apparent sizes).
+fn tree_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
+/// `mkfs.ext4 -d tree` into a sparse image at least [`MIN_DISK`] large.
+fn mkfs(tree: &Path, image: &Path) -> Result<()> {
+    let size = (tree_size(tree) * 2).max(MIN_DISK);
+    let out = std::process::Command::new("mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-L",
+            "tine-root",
+            "-m",
+            "0",
+            "-E",
+            "root_owner=0:0",
+            "-d",
+        ])
+        .arg(tree)
+        .arg(image)
+        .arg(format!("{}k", size >> 10))
+        .output()
+        .map_err(io("running mkfs.ext4"))?;
+    if !out.status.success() {
+        return Err(ImageError::Io {
+            context: "mkfs.ext4".into(),
+            source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()),
+        });
+    }
+    Ok(())
+}
