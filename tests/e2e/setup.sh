@@ -4,6 +4,7 @@
 #   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest
 #   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
 #   - the account `user` (E2B images have it; it is the SDKs' default user)
+#   - docker-registry, the OCI registry the image tests run on loopback
 #
 # Idempotent: each step is skipped when already done.
 set -euo pipefail
@@ -46,6 +47,19 @@ else
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q "${PY_PACKAGES[@]}"
     info "installed: ${PY_PACKAGES[*]}"
+fi
+
+# ---- an OCI registry for the image tests ----
+log "docker-registry (Debian's distribution 2.8, run on loopback by the image tests)"
+if command -v docker-registry >/dev/null 2>&1; then
+    info "already installed"
+else
+    apt_install docker-registry
+    # The package's service would listen on :5000 for every interface; the
+    # tests start their own on loopback.
+    if command -v systemctl >/dev/null 2>&1 && systemctl is-system-running >/dev/null 2>&1; then
+        systemctl disable --now docker-registry >/dev/null 2>&1 || true
+    fi
 fi
 
 # ---- JS SDK ----

@@ -7,6 +7,7 @@
 
 mod bench;
 mod client;
+mod image;
 mod sandbox;
 mod server;
 mod template;
@@ -45,6 +46,9 @@ enum Command {
     /// Build, list and delete templates.
     #[command(subcommand)]
     Template(template::TemplateCommand),
+    /// Pull, list and remove OCI images (root disks for templates).
+    #[command(subcommand)]
+    Image(image::ImageCommand),
     /// Run the performance scenarios P1–P7 against their floors (see
     /// docs/benchmarks.md).
     Bench(bench::BenchArgs),
@@ -77,6 +81,7 @@ fn main() -> anyhow::Result<()> {
             Command::Serve(args) => server::serve(args).await,
             Command::Keys(cmd) => server::keys(cmd),
             Command::Template(cmd) => template::run(cmd).await,
+            Command::Image(cmd) => image::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
         }
     })?;

@@ -10,7 +10,7 @@ use tine_vmm::{Machine, Paths};
 
 #[derive(Subcommand)]
 pub enum TemplateCommand {
-    /// Build a template: boot `base`, run commands, start a process, wait
+    /// Build a template: boot `base` (or an OCI image), run commands, start a process, wait
     /// until ready, capture. Sandboxes created from it restore that state.
     Build {
         /// Name (a-z, 0-9, '-', '_'); replaces an older template of that name.
@@ -31,6 +31,12 @@ pub enum TemplateCommand {
         vcpus: u32,
         #[arg(long, default_value_t = 512)]
         memory_mib: u32,
+        /// Run on this OCI image's root disk instead of `base` (pulled if
+        /// it is not in the local store).
+        #[arg(long)]
+        from_image: Option<String>,
+        #[command(flatten)]
+        registry: crate::image::RegistryArgs,
     },
     /// List templates (one line per template and machine shape).
     List,
@@ -50,7 +56,16 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
             ready_timeout_secs,
             vcpus,
             memory_mib,
+            from_image,
+            registry,
         } => {
+            let image = match from_image {
+                Some(r) => match tine_image::ImageStore::new(&paths.data_dir).get(&r) {
+                    Ok(meta) => Some(meta),
+                    Err(_) => Some(crate::image::pull(&paths, &r, &registry).await?),
+                },
+                None => None,
+            };
             let spec = BuildSpec {
                 name: name.clone(),
                 machine: Machine {
@@ -62,6 +77,7 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
                 start,
                 ready,
                 ready_timeout: Duration::from_secs(ready_timeout_secs),
+                image,
             };
             let bar = indicatif::ProgressBar::new_spinner();
             bar.enable_steady_tick(Duration::from_millis(120));

@@ -178,6 +178,8 @@ pub struct BuildSpec {
     /// Polled until it exits 0 before the capture.
     pub ready: Option<String>,
     pub ready_timeout: Duration,
+    /// The OCI image whose root disk the template runs on (else `base`'s).
+    pub image: Option<tine_image::ImageMeta>,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -202,17 +204,77 @@ async fn capture(
         source: Box::new(source),
     };
     let vm_id = format!("build-{}", crate::ids::random_hex(4));
-    progress("booting base");
+    let mut artifacts = artifacts.clone();
+    match &spec.image {
+        Some(image) => {
+            progress(&format!("booting image {}", image.reference));
+            artifacts.rootfs = image.rootfs.clone();
+        }
+        None => progress("booting base"),
+    }
     let vm = driver
-        .boot(&vm_id, spec.machine, artifacts)
+        .boot(&vm_id, spec.machine, &artifacts)
         .await
         .map_err(vm_err)?;
-    if let Err(e) = run_steps(vm.as_ref(), spec, progress).await {
+    let prepared = match &spec.image {
+        Some(image) => prepare_image(vm.as_ref(), spec, image).await,
+        None => Ok(()),
+    };
+    if let Err(e) = async {
+        prepared?;
+        run_steps(vm.as_ref(), spec, progress).await
+    }
+    .await
+    {
         let _ = vm.kill().await;
         return Err(e);
     }
     progress("capturing");
     vm.capture_and_kill(snap_id).await.map_err(vm_err)
+}
+
+/// The shell command that gives an image without a `user` account one
+/// (uid 1000, home `/home/user`), as E2B's sandboxes have: the SDKs run
+/// commands as `user` unless told otherwise. It goes into the template's
+/// writable layer, not the image.
+const ADD_USER: &str = "id user >/dev/null 2>&1 || { \
+    grep -q '^user:' /etc/group || echo 'user:x:1000:' >> /etc/group; \
+    echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd; \
+    mkdir -p /home/user && chown 1000:1000 /home/user; }";
+
+/// Give the guest of an image build the image's `Env` and `WorkingDir`
+/// (the agent keeps them, so every sandbox of the template has them), and
+/// a `user` account if the image has none.
+async fn prepare_image(
+    vm: &dyn VmHandle,
+    spec: &BuildSpec,
+    image: &tine_image::ImageMeta,
+) -> Result<(), TemplateError> {
+    let agent_err = |source| TemplateError::Agent {
+        template: spec.name.clone(),
+        source: Box::new(source),
+    };
+    let init = tine_agent_client::InitRequest {
+        env_vars: Some(image.config.env_map()),
+        default_workdir: image.config.working_dir.clone(),
+        ..Default::default()
+    };
+    let guest = vm.guest();
+    tine_agent_client::init(guest.connect(AGENT_PORT), &init, None)
+        .await
+        .map_err(agent_err)?;
+    let out = exec_root(vm, spec, ADD_USER, Duration::from_secs(60)).await?;
+    if out.exit_code != 0 {
+        return Err(TemplateError::Build {
+            template: spec.name.clone(),
+            detail: format!(
+                "adding the user account exited with {}: {}",
+                out.exit_code,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A build's commands, start command and ready check, in the booted VM.
