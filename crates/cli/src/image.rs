@@ -33,14 +33,17 @@ pub struct RegistryArgs {
     /// always are); repeatable.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
+    /// The server's TOML config, for its `[registries]` table (insecure
+    /// registries, mirrors, credentials).
+    #[arg(long, env = "TINE_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
 }
 
 impl RegistryArgs {
-    fn options(&self) -> RegistryOptions {
-        RegistryOptions {
-            insecure: self.insecure.clone(),
-            ..Default::default()
-        }
+    fn options(&self) -> anyhow::Result<RegistryOptions> {
+        let mut opts = tine_server::Config::load(self.config.as_deref())?.registries;
+        opts.insecure.extend(self.insecure.iter().cloned());
+        Ok(opts)
     }
 
     fn credentials(&self) -> Option<Credentials> {
@@ -88,7 +91,7 @@ pub async fn pull(
     let meta = store
         .pull(
             reference,
-            &registry.options(),
+            &registry.options()?,
             registry.credentials().as_ref(),
             &mut progress,
         )

@@ -8,6 +8,8 @@ use tine_server::db::Db;
 use tine_server::templates::{self, BuildSpec};
 use tine_vmm::{Machine, Paths};
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum TemplateCommand {
     /// Build a template: boot `base` (or an OCI image), run commands, start a process, wait

@@ -37,6 +37,18 @@ impl ImageRef {
         &self.inner
     }
 
+    /// The same repository, tag and digest at another registry (a mirror).
+    pub fn at_registry(&self, registry: &str) -> Result<Self> {
+        let mut s = format!("{registry}/{}", self.inner.repository());
+        if let Some(tag) = self.inner.tag() {
+            s.push_str(&format!(":{tag}"));
+        }
+        if let Some(digest) = self.inner.digest() {
+            s.push_str(&format!("@{digest}"));
+        }
+        Self::parse(&s)
+    }
+
     /// The canonical text: registry, repository and tag or digest.
     pub fn canonical(&self) -> String {
         self.inner.whole()
@@ -77,6 +89,11 @@ mod tests {
         assert!(ImageRef::parse("has space:tag").is_err());
         assert!(ImageRef::parse("app:bad!tag").is_err());
         assert!(ImageRef::parse("").is_err());
+        let m = ImageRef::parse("ubuntu:22.04")
+            .unwrap()
+            .at_registry("127.0.0.1:5000")
+            .unwrap();
+        assert_eq!(m.canonical(), "127.0.0.1:5000/library/ubuntu:22.04");
     }
 
     #[test]

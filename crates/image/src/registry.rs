@@ -15,7 +15,8 @@ use crate::reference::{is_loopback, ImageRef};
 use crate::{io, ImageError, Result};
 
 /// A user name and password (or token) for one registry.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Credentials {
     pub username: String,
     pub password: String,
@@ -27,12 +28,17 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
-/// How registries are reached.
-#[derive(Debug, Clone, Default)]
+/// How registries are reached (the `[registries]` table of the config).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RegistryOptions {
     /// Registries (`host:port`) spoken to over plain HTTP besides loopback
     /// ones.
     pub insecure: Vec<String>,
+    /// Mirrors to try, in order, before a registry (`docker.io` →
+    /// `["mirror.lan:5000"]`), so an air-gapped host resolves public
+    /// names from its own registry.
+    pub mirrors: HashMap<String, Vec<String>>,
     /// Credentials per registry (`host:port`); a request's own win.
     pub credentials: HashMap<String, Credentials>,
 }
@@ -118,8 +124,28 @@ pub fn file_digest(path: &Path) -> std::io::Result<String> {
     Ok(format!("sha256:{:x}", h.finalize()))
 }
 
-/// Pull `reference` into `blobs`; `progress` hears each step.
+/// Pull `reference` into `blobs`, from its registry's mirrors first (in
+/// order) and then from the registry itself; `progress` hears each step.
 pub async fn pull(
+    reference: &ImageRef,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+    blobs: &Path,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<Pulled> {
+    for mirror in opts.mirrors.get(reference.registry()).into_iter().flatten() {
+        let Ok(at_mirror) = reference.at_registry(mirror) else {
+            continue;
+        };
+        match pull_from(&at_mirror, opts, creds, blobs, progress).await {
+            Ok(pulled) => return Ok(pulled),
+            Err(e) => tracing::warn!(image = %reference, %mirror, "mirror failed: {e}"),
+        }
+    }
+    pull_from(reference, opts, creds, blobs, progress).await
+}
+
+async fn pull_from(
     reference: &ImageRef,
     opts: &RegistryOptions,
     creds: Option<&Credentials>,

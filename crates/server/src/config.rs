@@ -16,6 +16,11 @@
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
+//!
+//! [registries]                    # where OCI images come from
+//! insecure = ["registry.lan:5000"]            # plain HTTP (loopback always is)
+//! mirrors = { "docker.io" = ["registry.lan:5000"] }   # tried first, in order
+//! credentials = { "ghcr.io" = { username = "me", password = "token" } }
 //! ```
 
 use std::net::SocketAddr;
@@ -54,6 +59,8 @@ pub struct Config {
     /// whole RAM as a file, which the children then share instead of each
     /// holding private copies of the source's changed pages (0: never).
     pub fork_shared_ram_from: usize,
+    /// How OCI registries are reached.
+    pub registries: tine_image::RegistryOptions,
 }
 
 impl Default for Config {
@@ -75,6 +82,7 @@ impl Default for Config {
             max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
             compact_after_layers: 3,
             fork_shared_ram_from: 2,
+            registries: Default::default(),
         }
     }
 }
@@ -149,6 +157,17 @@ mod tests {
         assert_eq!(c.max_sandboxes, 3);
         assert_eq!(c.default_timeout_secs, 300);
         assert_eq!(c.domain(), "localhost:4000");
+
+        std::fs::write(
+            &p,
+            "[registries]\ninsecure = [\"r.lan:5000\"]\nmirrors = { \"docker.io\" = [\"127.0.0.1:5000\"] }\n\
+             credentials = { \"ghcr.io\" = { username = \"me\", password = \"pw\" } }\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&p)).unwrap();
+        assert_eq!(c.registries.insecure, ["r.lan:5000"]);
+        assert_eq!(c.registries.mirrors["docker.io"], ["127.0.0.1:5000"]);
+        assert_eq!(c.registries.credentials["ghcr.io"].username, "me");
 
         std::fs::write(&p, "listne = \"x\"\n").unwrap();
         assert!(Config::load(Some(&p))

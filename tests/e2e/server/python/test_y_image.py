@@ -158,9 +158,23 @@ def image(registry):
     base = os.path.realpath(os.path.join(os.environ["TINE_DATA_DIR"], "current", "rootfs-base.ext4"))
     with open(base[: -len(".ext4")] + ".tar", "rb") as f:
         debian = f.read()
+    # The image has no `user` account: the top layer drops it from
+    # /etc/passwd and /etc/group.
+    accounts = {}
+    with tarfile.open(fileobj=io.BytesIO(debian)) as t:
+        for name in ("etc/passwd", "etc/group"):
+            member = next(m for m in t.getmembers() if m.name.lstrip("./") == name)
+            lines = t.extractfile(member).read().decode().splitlines(keepends=True)
+            accounts[name] = "".join(l for l in lines if not l.startswith("user:")).encode()
+
+    def no_user(t):
+        layer_upper(t)
+        for name, data in accounts.items():
+            add(t, name, data)
+
     ref = f"{registry.host}/e2e/debian:v1"
     registry.push_image("e2e/debian", "v1",
-                        [(debian, TAR), (tar_layer(layer_lower), GZ), (tar_layer(layer_upper), GZ)], dict(CONFIG))
+                        [(debian, TAR), (tar_layer(layer_lower), GZ), (tar_layer(no_user), GZ)], dict(CONFIG))
     return ref
 
 
@@ -184,7 +198,9 @@ def test_pull_build_and_run_an_image(image, fresh):
     # user exists.
     assert s.commands.run("echo $TINE_IMG").stdout.strip() == "from-image"
     assert s.commands.run("pwd").stdout.strip() == "/opt/img"
+    # The image has no `user`; the template's writable layer added it.
     assert s.commands.run("whoami").stdout.strip() == "user"
+    assert run("grep '^user:' /etc/passwd") == "user:x:1000:1000::/home/user:/bin/sh"
     # The template's image can't be removed while the template runs on it.
     code, _, err = tine("image", "rm", image)
     assert code != 0 and "used by" in err
@@ -219,6 +235,17 @@ def test_bad_images(registry):
         f.write(bytes([b[0] ^ 0xFF]))
     code, _, err = tine("image", "pull", f"{registry.host}/e2e/bad:v1")
     assert code != 0 and digest in err, err
+    # Mirrors are tried first: a registry that is down, mirrored by ours.
+    mirrored = tar_layer(lambda t: add(t, "opt/mirrored", b"m"))
+    registry.push_image("e2e/mirrored", "v1", [(mirrored, GZ)], dict(CONFIG))
+    down = f"127.0.0.2:{free_port()}"
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as cfg:
+        cfg.write(f'[registries]\nmirrors = {{ "{down}" = ["{registry.host}"] }}\n')
+        cfg.flush()
+        code, _, err = tine("image", "pull", "--config", cfg.name, f"{down}/e2e/mirrored:v1")
+    assert code == 0, err
+    code, _, err = tine("image", "rm", f"{down}/e2e/mirrored:v1")
+    assert code == 0, err
     # A small image that nothing uses is removed, with its blobs.
     small = tar_layer(lambda t: add(t, "opt/small", b"small"))
     registry.push_image("e2e/small", "v1", [(small, GZ)], dict(CONFIG))
