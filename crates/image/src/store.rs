@@ -8,8 +8,10 @@
 //! ```
 //!
 //! A converted image appears at once (its directory is renamed into
-//! place), so a crash mid-pull leaves only a `.tmp-*` directory, removed
-//! at the next pull.
+//! place), so a crash mid-pull leaves only a `.tmp-…-<pid>` directory,
+//! removed by the next conversion once that process is gone. Two pulls of
+//! one image at once each convert in their own directory; the first to
+//! finish is kept.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -269,7 +271,14 @@ fn snapshots_using(snapshots_dir: &Path, rootfs: &Path) -> Vec<String> {
 /// image directory appears whole or not at all.
 fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
     let final_dir = store.join(hex(&meta.manifest_digest));
-    let work = store.join(format!(".tmp-{}", &hex(&meta.manifest_digest)[..16]));
+    remove_abandoned(store);
+    static CONVERSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CONVERSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let work = store.join(format!(
+        ".tmp-{}-{n}-{}",
+        &hex(&meta.manifest_digest)[..16],
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&work);
     let tree = work.join("tree");
     std::fs::create_dir_all(&tree).map_err(io(format!("creating {}", tree.display())))?;
@@ -279,7 +288,7 @@ fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
             layers::apply(&blob, &tree).map_err(|e| ImageError::Layer {
                 reference: meta.reference.clone(),
                 digest: layer.digest.clone(),
-                detail: e.to_string(),
+                detail: error_chain(&e),
             })?;
         }
         // Where the guest's init mounts its filesystems.
@@ -294,12 +303,45 @@ fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
         let json = serde_json::to_vec_pretty(meta).unwrap_or_default();
         std::fs::write(work.join("meta.json"), json).map_err(io("writing meta.json"))?;
         std::fs::remove_dir_all(&tree).map_err(io(format!("removing {}", tree.display())))?;
+        if final_dir.exists() {
+            // Another pull of the same image finished first.
+            return std::fs::remove_dir_all(&work).map_err(io("removing a duplicate conversion"));
+        }
         std::fs::rename(&work, &final_dir).map_err(io(format!("storing {}", final_dir.display())))
     })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&work);
     }
     result
+}
+
+/// An error with its causes (the `tar` crate wraps the cause it names).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    out
+}
+
+/// Remove conversion directories (`.tmp-<digest>-<n>-<pid>`) of processes that
+/// are gone (a pull that crashed).
+fn remove_abandoned(store: &Path) {
+    for e in std::fs::read_dir(store).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(".tmp-")
+            .and_then(|r| r.rsplit_once('-'))
+            .map(|(_, pid)| pid.to_string())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(&pid).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Bytes the files under `dir` take (apparent sizes).
@@ -347,4 +389,104 @@ fn mkfs(tree: &Path, image: &Path) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gzip layer with `files`, stored as a blob; its [`LayerRef`].
+    fn blob(store: &Path, files: &[(&str, &[u8])]) -> LayerRef {
+        let mut tar = tar::Builder::new(Vec::new());
+        for (name, data) in files {
+            let mut h = tar::Header::new_gnu();
+            h.set_path(name).unwrap();
+            h.set_mode(0o644);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            h.set_size(data.len() as u64);
+            h.set_cksum();
+            tar.append(&h, *data).unwrap();
+        }
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &tar.into_inner().unwrap()).unwrap();
+        let data = gz.finish().unwrap();
+        let digest = format!("sha256:{:x}", sha2::Sha256::digest(&data));
+        let path = registry::blob_path(&store.join("blobs"), &digest).unwrap();
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &data).unwrap();
+        LayerRef {
+            digest,
+            media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
+            size: data.len() as u64,
+        }
+    }
+
+    fn debugfs_cat(image: &Path, path: &str) -> String {
+        let out = std::process::Command::new("debugfs")
+            .args(["-R", &format!("cat {path}")])
+            .arg(image)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    use sha2::Digest as _;
+
+    #[test]
+    fn convert_makes_an_ext4_disk_and_rm_frees_unused_layers() {
+        let data = tempfile::tempdir().unwrap();
+        let store = ImageStore::new(data.path());
+        let dir = data.path().join("images");
+        let layers = vec![
+            blob(&dir, &[("etc/os", b"lower"), ("opt/a", b"a")]),
+            blob(&dir, &[("etc/os", b"upper")]),
+        ];
+        let digest = format!("sha256:{}", "ab".repeat(32));
+        let meta = ImageMeta {
+            reference: "127.0.0.1:5000/t:v1".into(),
+            manifest_digest: digest.clone(),
+            config: ImageConfig::from_json(&serde_json::json!({
+                "config": { "Env": ["A=1", "B=x=y"], "WorkingDir": "/opt" }
+            })),
+            size: 0,
+            rootfs: store.image_dir(&digest).join("rootfs.ext4"),
+            layers,
+        };
+        convert(&dir, &meta).unwrap();
+        assert_eq!(debugfs_cat(&meta.rootfs, "/etc/os"), "upper");
+        assert_eq!(debugfs_cat(&meta.rootfs, "/opt/a"), "a");
+        assert_eq!(meta.config.env_map()["B"], "x=y");
+        assert_eq!(meta.config.working_dir.as_deref(), Some("/opt"));
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+            .collect();
+        assert!(leftovers.is_empty(), "the work directory is gone");
+
+        let refs = BTreeMap::from([(meta.reference.clone(), digest.clone())]);
+        store.save_refs(&refs).unwrap();
+        assert_eq!(store.get("127.0.0.1:5000/t:v1").unwrap(), meta);
+        assert_eq!(store.get(&digest).unwrap(), meta);
+        // A snapshot that runs on it keeps it.
+        let snaps = data.path().join("snapshots");
+        std::fs::create_dir_all(snaps.join("s1")).unwrap();
+        let uses = format!("{{\"rootfs\": \"{}\"}}", meta.rootfs.display());
+        std::fs::write(snaps.join("s1/meta.json"), uses).unwrap();
+        let err = store.remove("127.0.0.1:5000/t:v1", &snaps).unwrap_err();
+        assert!(err.to_string().contains("s1"), "{err}");
+        std::fs::remove_dir_all(snaps.join("s1")).unwrap();
+        store.remove("127.0.0.1:5000/t:v1", &snaps).unwrap();
+        assert!(!store.image_dir(&digest).exists());
+        assert_eq!(
+            std::fs::read_dir(dir.join("blobs/sha256")).unwrap().count(),
+            0
+        );
+        assert!(matches!(
+            store.get("127.0.0.1:5000/t:v1"),
+            Err(ImageError::NotFound(_))
+        ));
+    }
 }
