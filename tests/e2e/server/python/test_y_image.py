@@ -201,6 +201,21 @@ def test_pull_build_and_run_an_image(image, fresh):
     # The image has no `user`; the template's writable layer added it.
     assert s.commands.run("whoami").stdout.strip() == "user"
     assert run("grep '^user:' /etc/passwd") == "user:x:1000:1000::/home/user:/bin/sh"
+    # Pause / resume and fork work on an image's sandboxes as on base.
+    run("echo state > /opt/img/state")
+    assert s.pause() is True
+    s = Sandbox.connect(s.sandbox_id, timeout=600)
+    assert s.files.read("/opt/img/state") == "state\n"
+    kids = s.fork(count=2, timeout=600)
+    try:
+        for k in kids:
+            assert not isinstance(k, Exception), k
+            assert k.commands.run("cat /opt/img/state /opt/img/keep").stdout == "state\nkept"
+            assert k.commands.run("echo $TINE_IMG").stdout.strip() == "from-image"
+    finally:
+        for k in kids:
+            if not isinstance(k, Exception):
+                k.kill()
     # The template's image can't be removed while the template runs on it.
     code, _, err = tine("image", "rm", image)
     assert code != 0 and "used by" in err
