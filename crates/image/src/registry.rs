@@ -137,7 +137,9 @@ pub async fn pull(
         let Ok(at_mirror) = reference.at_registry(mirror) else {
             continue;
         };
-        match pull_from(&at_mirror, opts, creds, blobs, progress).await {
+        // A request's credentials are for the registry it names, never
+        // sent to a mirror (which has its own in the config).
+        match pull_from(&at_mirror, opts, None, blobs, progress).await {
             Ok(pulled) => return Ok(pulled),
             Err(e) => tracing::warn!(image = %reference, %mirror, "mirror failed: {e}"),
         }
