@@ -21,7 +21,9 @@
 //! xattrs and owners from a tree without extra flags we would have to
 //! test separately; one format means one code path in the guest.
 
+pub mod chunks;
 pub mod layers;
+pub mod nbd;
 pub mod reference;
 pub mod registry;
 pub mod store;
@@ -47,6 +49,13 @@ pub enum ImageError {
     #[error("image {reference}: layer {digest}: {detail}")]
     Layer {
         reference: String,
+        digest: String,
+        detail: String,
+    },
+    #[error("image {image}: chunk {index} ({digest}): {detail}")]
+    Chunk {
+        image: String,
+        index: usize,
         digest: String,
         detail: String,
     },

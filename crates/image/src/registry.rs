@@ -15,7 +15,7 @@ use crate::reference::{is_loopback, ImageRef};
 use crate::{io, ImageError, Result};
 
 /// A user name and password (or token) for one registry.
-#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Credentials {
     pub username: String,
@@ -29,7 +29,7 @@ impl std::fmt::Debug for Credentials {
 }
 
 /// How registries are reached (the `[registries]` table of the config).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RegistryOptions {
     /// Registries (`host:port`) spoken to over plain HTTP besides loopback
@@ -51,14 +51,17 @@ pub struct LayerRef {
     pub size: u64,
 }
 
-/// What a pull left in the blob store.
+/// An image resolved in a registry: its manifest, config and layers.
 #[derive(Debug, Clone)]
-pub struct Pulled {
+pub struct Resolved {
+    /// Where it was found (a mirror, or the registry it names).
+    pub at: ImageRef,
+    /// Whether `at` is the registry the reference names (a request's
+    /// credentials are for that one only).
+    pub origin: bool,
     pub manifest_digest: String,
     pub config: serde_json::Value,
     pub layers: Vec<LayerRef>,
-    /// Bytes fetched from the registry (layers already stored are not).
-    pub fetched: u64,
 }
 
 /// What a pull reports as it goes.
@@ -74,9 +77,15 @@ pub enum Progress {
         size: u64,
         cached: bool,
     },
+    /// The registry has the converted image: only its index was fetched.
+    Lazy {
+        chunks: usize,
+        bytes: u64,
+    },
+    Converting,
 }
 
-fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
+pub(crate) fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
     let mut plain: Vec<String> = opts.insecure.clone();
     for r in [reference.registry(), reference.resolved_registry()] {
         if is_loopback(r) {
@@ -89,7 +98,11 @@ fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
     })
 }
 
-fn auth(reference: &ImageRef, opts: &RegistryOptions, creds: Option<&Credentials>) -> RegistryAuth {
+pub(crate) fn auth(
+    reference: &ImageRef,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+) -> RegistryAuth {
     let creds = creds.or_else(|| opts.credentials.get(reference.registry()));
     match creds {
         Some(c) => RegistryAuth::Basic(c.username.clone(), c.password.clone()),
@@ -124,36 +137,32 @@ pub fn file_digest(path: &Path) -> std::io::Result<String> {
     Ok(format!("sha256:{:x}", h.finalize()))
 }
 
-/// Pull `reference` into `blobs`, from its registry's mirrors first (in
-/// order) and then from the registry itself; `progress` hears each step.
-pub async fn pull(
+/// Resolve `reference`, at its registry's mirrors first (in order) and
+/// then at the registry itself.
+pub async fn resolve(
     reference: &ImageRef,
     opts: &RegistryOptions,
     creds: Option<&Credentials>,
-    blobs: &Path,
-    progress: &mut (dyn FnMut(Progress) + Send),
-) -> Result<Pulled> {
+) -> Result<Resolved> {
     for mirror in opts.mirrors.get(reference.registry()).into_iter().flatten() {
         let Ok(at_mirror) = reference.at_registry(mirror) else {
             continue;
         };
         // A request's credentials are for the registry it names, never
         // sent to a mirror (which has its own in the config).
-        match pull_from(&at_mirror, opts, None, blobs, progress).await {
-            Ok(pulled) => return Ok(pulled),
+        match resolve_at(&at_mirror, opts, None).await {
+            Ok(r) => return Ok(Resolved { origin: false, ..r }),
             Err(e) => tracing::warn!(image = %reference, %mirror, "mirror failed: {e}"),
         }
     }
-    pull_from(reference, opts, creds, blobs, progress).await
+    resolve_at(reference, opts, creds).await
 }
 
-async fn pull_from(
+async fn resolve_at(
     reference: &ImageRef,
     opts: &RegistryOptions,
     creds: Option<&Credentials>,
-    blobs: &Path,
-    progress: &mut (dyn FnMut(Progress) + Send),
-) -> Result<Pulled> {
+) -> Result<Resolved> {
     let registry_err = |e: oci_client::errors::OciDistributionError| ImageError::Registry {
         reference: reference.to_string(),
         detail: e.to_string(),
@@ -178,14 +187,41 @@ async fn pull_from(
             size: u64::try_from(l.size).unwrap_or(0),
         })
         .collect();
+    Ok(Resolved {
+        at: reference.clone(),
+        origin: true,
+        manifest_digest,
+        config,
+        layers,
+    })
+}
+
+/// Fetch the layers of `image` not in `blobs` yet; returns the bytes
+/// fetched.
+pub async fn fetch_layers(
+    image: &Resolved,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+    blobs: &Path,
+    progress: &mut (dyn FnMut(Progress) + Send),
+) -> Result<u64> {
+    let reference = &image.at;
+    let client = client(reference, opts);
+    let creds = creds.filter(|_| image.origin);
+    client
+        .store_auth_if_needed(
+            reference.oci().resolve_registry(),
+            &auth(reference, opts, creds),
+        )
+        .await;
     progress(Progress::Manifest {
-        layers: layers.len(),
-        bytes: layers.iter().map(|l| l.size).sum(),
+        layers: image.layers.len(),
+        bytes: image.layers.iter().map(|l| l.size).sum(),
     });
     std::fs::create_dir_all(blobs.join("sha256"))
         .map_err(io(format!("creating {}", blobs.display())))?;
     let mut fetched = 0;
-    for (index, layer) in layers.iter().enumerate() {
+    for (index, layer) in image.layers.iter().enumerate() {
         let path = blob_path(blobs, &layer.digest)?;
         let cached = path.exists();
         if !cached {
@@ -199,12 +235,7 @@ async fn pull_from(
             cached,
         });
     }
-    Ok(Pulled {
-        manifest_digest,
-        config,
-        layers,
-        fetched,
-    })
+    Ok(fetched)
 }
 
 /// Download one layer next to `path`, check its digest, move it in place.

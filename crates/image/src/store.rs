@@ -1,11 +1,20 @@
 //! The local image store, `$TINE_DATA_DIR/images`:
 //!
 //! ```text
-//! blobs/sha256/<hex>        layers, content-addressed (shared by images)
-//! <manifest hex>/meta.json  what the image is: reference, config, layers
-//! <manifest hex>/rootfs.ext4  the converted root disk VMs mount
-//! refs.json                 reference → manifest digest
+//! blobs/sha256/<hex>         layers, content-addressed (shared by images)
+//! chunks/sha256/<hex>        chunks of converted disks (shared by images)
+//! <manifest hex>/meta.json   what the image is: reference, config, layers
+//! <manifest hex>/index.json  its root disk as a list of chunks
+//! <manifest hex>/auth.json   credentials to fetch its chunks (0600; only
+//!                            when a request gave some)
+//! refs.json                  reference → manifest digest
 //! ```
+//!
+//! A pull looks for the converted image in the registry first (see
+//! [`crate::chunks::remote`]): if it is there, only the index is fetched
+//! and the chunks come on first read. Otherwise the layers are fetched,
+//! applied and converted here, and the image's chunks are pinned until it
+//! is pushed.
 //!
 //! A converted image appears at once (its directory is renamed into
 //! place), so a crash mid-pull leaves only a `.tmp-…-<pid>` directory,
@@ -18,9 +27,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::chunks::{self, remote, Index};
 use crate::layers;
 use crate::reference::ImageRef;
-use crate::registry::{self, Credentials, LayerRef, Progress, RegistryOptions};
+use crate::registry::{self, Credentials, LayerRef, Progress, RegistryOptions, Resolved};
 use crate::{io, ImageError, Result};
 
 /// The smallest root disk an image gets (sparse: unused space costs
@@ -78,9 +88,37 @@ pub struct ImageMeta {
     pub manifest_digest: String,
     pub config: ImageConfig,
     pub layers: Vec<LayerRef>,
+    /// The ext4 root disk of an image converted before chunking existed
+    /// (still booted from the file when `chunks` is None).
     pub rootfs: PathBuf,
     /// Bytes of the layers (compressed, as in the registry).
     pub size: u64,
+    /// The root disk as chunks (`index.json`), served by the image daemon.
+    #[serde(default)]
+    pub chunks: Option<Chunked>,
+}
+
+/// A chunked root disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Chunked {
+    pub disk_size: u64,
+    /// Distinct chunks and their compressed bytes.
+    pub count: usize,
+    pub stored_bytes: u64,
+    /// The artifact in a registry its chunks can be fetched from; None:
+    /// they exist only here (pinned in the local store).
+    pub remote: Option<String>,
+}
+
+impl Chunked {
+    fn of(index: &Index, remote: Option<String>) -> Self {
+        Self {
+            disk_size: index.disk_size,
+            count: index.unique().len(),
+            stored_bytes: index.stored_bytes(),
+            remote,
+        }
+    }
 }
 
 pub struct ImageStore {
@@ -154,43 +192,151 @@ impl ImageStore {
             .collect()
     }
 
-    /// Pull and convert `reference` (layers already stored are not fetched
-    /// again; an image already converted is not converted again).
+    /// Pull `reference`. An image already here is not fetched again;
+    /// with `lazy`, an image whose converted form the registry has is
+    /// taken as its index only; otherwise its layers are fetched (those
+    /// not stored yet) and converted here.
     pub async fn pull(
         &self,
         reference: &str,
         opts: &RegistryOptions,
         creds: Option<&Credentials>,
+        lazy: bool,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<ImageMeta> {
         let r = ImageRef::parse(reference)?;
-        let pulled = registry::pull(&r, opts, creds, &self.blobs(), progress).await?;
-        let digest = pulled.manifest_digest.clone();
+        let resolved = registry::resolve(&r, opts, creds).await?;
+        let digest = resolved.manifest_digest.clone();
         let meta = match self.read_meta(&digest) {
             Ok(meta) => meta,
             Err(_) => {
-                let meta = ImageMeta {
-                    reference: r.canonical(),
-                    manifest_digest: digest.clone(),
-                    config: ImageConfig::from_json(&pulled.config),
-                    size: pulled.layers.iter().map(|l| l.size).sum(),
-                    layers: pulled.layers,
-                    rootfs: self.image_dir(&digest).join("rootfs.ext4"),
+                let creds = creds.filter(|_| resolved.origin);
+                let found = match lazy {
+                    true => remote::find(&resolved.at, &digest, opts, creds).await?,
+                    false => None,
                 };
-                let (store, m) = (self.dir.clone(), meta.clone());
-                tokio::task::spawn_blocking(move || convert(&store, &m))
-                    .await
-                    .map_err(|e| ImageError::Io {
-                        context: "converting an image".into(),
-                        source: std::io::Error::other(e),
-                    })??;
-                meta
+                match found {
+                    Some((artifact, index)) => {
+                        progress(Progress::Lazy {
+                            chunks: index.unique().len(),
+                            bytes: index.stored_bytes(),
+                        });
+                        self.store_lazy(&r, &resolved, &artifact, &index, creds)?
+                    }
+                    None => self.pull_and_convert(&r, &resolved, opts, creds, progress).await?,
+                }
             }
         };
         let mut refs = self.refs();
         refs.insert(r.canonical(), digest);
         self.save_refs(&refs)?;
         Ok(meta)
+    }
+
+    fn new_meta(&self, r: &ImageRef, resolved: &Resolved) -> ImageMeta {
+        ImageMeta {
+            reference: r.canonical(),
+            manifest_digest: resolved.manifest_digest.clone(),
+            config: ImageConfig::from_json(&resolved.config),
+            size: resolved.layers.iter().map(|l| l.size).sum(),
+            layers: resolved.layers.clone(),
+            rootfs: self.image_dir(&resolved.manifest_digest).join("rootfs.ext4"),
+            chunks: None,
+        }
+    }
+
+    async fn pull_and_convert(
+        &self,
+        r: &ImageRef,
+        resolved: &Resolved,
+        opts: &RegistryOptions,
+        creds: Option<&Credentials>,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<ImageMeta> {
+        registry::fetch_layers(resolved, opts, creds, &self.blobs(), progress).await?;
+        progress(Progress::Converting);
+        let (store, m) = (self.dir.clone(), self.new_meta(r, resolved));
+        tokio::task::spawn_blocking(move || convert(&store, m))
+            .await
+            .map_err(|e| ImageError::Io {
+                context: "converting an image".into(),
+                source: std::io::Error::other(e),
+            })?
+    }
+
+    /// Record an image whose chunks are in `artifact`: its index (and the
+    /// request's credentials, private to root) and nothing else.
+    fn store_lazy(
+        &self,
+        r: &ImageRef,
+        resolved: &Resolved,
+        artifact: &ImageRef,
+        index: &Index,
+        creds: Option<&Credentials>,
+    ) -> Result<ImageMeta> {
+        let mut meta = self.new_meta(r, resolved);
+        meta.chunks = Some(Chunked::of(index, Some(artifact.to_string())));
+        let work = work_dir(&self.dir, &meta.manifest_digest);
+        std::fs::create_dir_all(&work).map_err(io(format!("creating {}", work.display())))?;
+        let result = (|| {
+            std::fs::write(work.join("index.json"), index.to_json())
+                .map_err(io("writing index.json"))?;
+            if let Some(c) = creds {
+                use std::os::unix::fs::OpenOptionsExt;
+                let mut f = std::fs::OpenOptions::new()
+                    .create_new(true)
+                    .write(true)
+                    .mode(0o600)
+                    .open(work.join("auth.json"))
+                    .map_err(io("writing auth.json"))?;
+                std::io::Write::write_all(&mut f, &serde_json::to_vec(c).unwrap_or_default())
+                    .map_err(io("writing auth.json"))?;
+            }
+            finish(&self.dir, &work, &meta)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        result.map(|()| meta)
+    }
+
+    /// The chunk index of a chunked image.
+    pub fn index(&self, meta: &ImageMeta) -> Result<Index> {
+        let path = self.image_dir(&meta.manifest_digest).join("index.json");
+        let bytes = std::fs::read(&path).map_err(io(format!("reading {}", path.display())))?;
+        Index::from_json(&bytes)
+    }
+
+    /// Push the converted image `reference` to its registry, next to the
+    /// image, so that other hosts start it lazily; its chunks then count
+    /// as cache here. Returns the artifact's reference.
+    pub async fn push(
+        &self,
+        reference: &str,
+        opts: &RegistryOptions,
+        creds: Option<&Credentials>,
+        progress: &mut (dyn FnMut(remote::PushProgress) + Send),
+    ) -> Result<String> {
+        let mut meta = self.get(reference)?;
+        let Some(chunked) = meta.chunks.clone() else {
+            return Err(ImageError::Registry {
+                reference: reference.to_string(),
+                detail: "converted before chunked images existed: tine image rm and pull it again".into(),
+            });
+        };
+        let source = ImageRef::parse(&meta.reference)?;
+        let target = remote::artifact_ref(&source, &meta.manifest_digest)?;
+        let index = self.index(&meta)?;
+        remote::push(&target, &index, &chunks::chunk_dir(&self.dir), opts, creds, progress).await?;
+        if chunked.remote.is_none() {
+            meta.chunks = Some(Chunked {
+                remote: Some(target.to_string()),
+                ..chunked
+            });
+            let path = self.image_dir(&meta.manifest_digest).join("meta.json");
+            chunks::write_atomic(&path, &serde_json::to_vec_pretty(&meta).unwrap_or_default())?;
+        }
+        Ok(target.to_string())
     }
 
     /// Forget `reference`; the image's files go when no other reference
@@ -211,7 +357,7 @@ impl ImageStore {
             .filter(|k| refs.contains_key(k));
         let last = named.len() <= 1 || key.is_none();
         if last {
-            let users = snapshots_using(snapshots_dir, &meta.rootfs);
+            let users = snapshots_using(snapshots_dir, hex(&digest));
             if !users.is_empty() {
                 return Err(ImageError::InUse {
                     reference: reference.to_string(),
@@ -234,52 +380,88 @@ impl ImageStore {
         Ok(())
     }
 
-    /// Delete layer blobs no remaining image lists.
+    /// Delete layer blobs and chunks no remaining image lists.
     fn remove_unused_blobs(&self, refs: &BTreeMap<String, String>) -> Result<()> {
         let mut used = std::collections::HashSet::new();
         for digest in refs.values() {
             if let Ok(m) = self.read_meta(digest) {
+                if m.chunks.is_some() {
+                    let index = self.index(&m)?;
+                    used.extend(index.unique().into_iter().map(|c| hex(&c.digest).to_string()));
+                }
                 used.extend(m.layers.into_iter().map(|l| hex(&l.digest).to_string()));
             }
         }
-        let dir = self.blobs().join("sha256");
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !used.contains(&name) {
-                let _ = std::fs::remove_file(entry.path());
+        for dir in [self.blobs().join("sha256"), chunks::chunk_dir(&self.dir)] {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if !used.contains(&name) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
             }
         }
         Ok(())
     }
+
+    /// Images no snapshot in `snapshots_dir` runs on, removed with every
+    /// reference to them; returns the references removed.
+    pub fn prune(&self, snapshots_dir: &Path) -> Result<Vec<String>> {
+        let mut removed = Vec::new();
+        for (reference, meta) in self.list() {
+            if snapshots_using(snapshots_dir, hex(&meta.manifest_digest)).is_empty()
+                && self.remove(&reference, snapshots_dir).is_ok()
+            {
+                removed.push(reference);
+            }
+        }
+        Ok(removed)
+    }
 }
 
-/// Snapshot ids under `snapshots_dir` whose `meta.json` names `rootfs`.
-fn snapshots_using(snapshots_dir: &Path, rootfs: &Path) -> Vec<String> {
-    let needle = rootfs.display().to_string();
+/// Snapshot ids under `snapshots_dir` whose `meta.json` names the image
+/// with manifest hex `needle` (its rootfs path or its NBD export).
+fn snapshots_using(snapshots_dir: &Path, needle: &str) -> Vec<String> {
     std::fs::read_dir(snapshots_dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter(|e| {
-            std::fs::read_to_string(e.path().join("meta.json")).is_ok_and(|m| m.contains(&needle))
+            std::fs::read_to_string(e.path().join("meta.json")).is_ok_and(|m| m.contains(needle))
         })
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
 }
 
-/// Apply the layers of `meta` into a tree and make its ext4 root disk; the
-/// image directory appears whole or not at all.
-fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
-    let final_dir = store.join(hex(&meta.manifest_digest));
+/// A fresh work directory for an image (`.tmp-<digest>-<n>-<pid>`).
+fn work_dir(store: &Path, digest: &str) -> PathBuf {
     remove_abandoned(store);
-    static CONVERSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = CONVERSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let work = store.join(format!(
         ".tmp-{}-{n}-{}",
-        &hex(&meta.manifest_digest)[..16],
+        &hex(digest)[..16],
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&work);
+    work
+}
+
+/// Write `meta` into `work` and move it into place as the image's
+/// directory, unless another pull of the same image finished first.
+fn finish(store: &Path, work: &Path, meta: &ImageMeta) -> Result<()> {
+    let json = serde_json::to_vec_pretty(meta).unwrap_or_default();
+    std::fs::write(work.join("meta.json"), json).map_err(io("writing meta.json"))?;
+    let final_dir = store.join(hex(&meta.manifest_digest));
+    if final_dir.exists() {
+        return std::fs::remove_dir_all(work).map_err(io("removing a duplicate conversion"));
+    }
+    std::fs::rename(work, &final_dir).map_err(io(format!("storing {}", final_dir.display())))
+}
+
+/// Apply the layers of `meta` into a tree, make its ext4 root disk and cut
+/// that into chunks; the image directory appears whole or not at all.
+fn convert(store: &Path, mut meta: ImageMeta) -> Result<ImageMeta> {
+    let work = work_dir(store, &meta.manifest_digest);
     let tree = work.join("tree");
     std::fs::create_dir_all(&tree).map_err(io(format!("creating {}", tree.display())))?;
     let result = (|| {
@@ -300,19 +482,31 @@ fn convert(store: &Path, meta: &ImageMeta) -> Result<()> {
         }
         let image = work.join("rootfs.ext4");
         mkfs(&tree, &image)?;
-        let json = serde_json::to_vec_pretty(meta).unwrap_or_default();
-        std::fs::write(work.join("meta.json"), json).map_err(io("writing meta.json"))?;
         std::fs::remove_dir_all(&tree).map_err(io(format!("removing {}", tree.display())))?;
-        if final_dir.exists() {
-            // Another pull of the same image finished first.
-            return std::fs::remove_dir_all(&work).map_err(io("removing a duplicate conversion"));
+        let dir = chunks::chunk_dir(store);
+        let index = chunks::build(&image, &dir)?;
+        std::fs::write(work.join("index.json"), index.to_json())
+            .map_err(io("writing index.json"))?;
+        meta.chunks = Some(Chunked::of(&index, None));
+        finish(store, &work, &meta)?;
+        // A chunk this image shares with a cached one may have been
+        // evicted before its pin was written: now pinned, write it again.
+        let image = store.join(hex(&meta.manifest_digest)).join("rootfs.ext4");
+        if image.exists() {
+            let missing = index.unique().iter().any(|c| {
+                chunks::chunk_hex(&c.digest).is_ok_and(|h| !dir.join(h).exists())
+            });
+            if missing {
+                chunks::build(&image, &dir)?;
+            }
+            std::fs::remove_file(&image).map_err(io("removing the converted ext4"))?;
         }
-        std::fs::rename(&work, &final_dir).map_err(io(format!("storing {}", final_dir.display())))
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&work);
     }
-    result
+    result.map(|()| meta)
 }
 
 /// An error with its causes (the `tar` crate wraps the cause it names).
@@ -453,10 +647,16 @@ mod tests {
             size: 0,
             rootfs: store.image_dir(&digest).join("rootfs.ext4"),
             layers,
+            chunks: None,
         };
-        convert(&dir, &meta).unwrap();
-        assert_eq!(debugfs_cat(&meta.rootfs, "/etc/os"), "upper");
-        assert_eq!(debugfs_cat(&meta.rootfs, "/opt/a"), "a");
+        let meta = convert(&dir, meta).unwrap();
+        assert!(!meta.rootfs.exists(), "only chunks are kept");
+        let index = store.index(&meta).unwrap();
+        assert_eq!(meta.chunks.as_ref().unwrap().remote, None);
+        let disk = data.path().join("disk");
+        chunks::assemble(&index, &chunks::chunk_dir(&dir), &disk).unwrap();
+        assert_eq!(debugfs_cat(&disk, "/etc/os"), "upper");
+        assert_eq!(debugfs_cat(&disk, "/opt/a"), "a");
         assert_eq!(meta.config.env_map()["B"], "x=y");
         assert_eq!(meta.config.working_dir.as_deref(), Some("/opt"));
         let leftovers: Vec<_> = std::fs::read_dir(&dir)
@@ -473,17 +673,16 @@ mod tests {
         // A snapshot that runs on it keeps it.
         let snaps = data.path().join("snapshots");
         std::fs::create_dir_all(snaps.join("s1")).unwrap();
-        let uses = format!("{{\"rootfs\": \"{}\"}}", meta.rootfs.display());
+        let uses = format!("{{\"export\": \"{}\"}}", hex(&digest));
         std::fs::write(snaps.join("s1/meta.json"), uses).unwrap();
         let err = store.remove("127.0.0.1:5000/t:v1", &snaps).unwrap_err();
         assert!(err.to_string().contains("s1"), "{err}");
         std::fs::remove_dir_all(snaps.join("s1")).unwrap();
         store.remove("127.0.0.1:5000/t:v1", &snaps).unwrap();
         assert!(!store.image_dir(&digest).exists());
-        assert_eq!(
-            std::fs::read_dir(dir.join("blobs/sha256")).unwrap().count(),
-            0
-        );
+        for d in ["blobs/sha256", "chunks/sha256"] {
+            assert_eq!(std::fs::read_dir(dir.join(d)).unwrap().count(), 0, "{d}");
+        }
         assert!(matches!(
             store.get("127.0.0.1:5000/t:v1"),
             Err(ImageError::NotFound(_))
