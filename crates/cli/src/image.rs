@@ -1,23 +1,49 @@
-//! `tine image pull | list | rm`: OCI images in the local store, which
-//! templates run on (`tine template build NAME --from-image REF`).
+//! `tine image pull | push | fetch | list | rm | prune`: OCI images in the
+//! local store, which templates run on (`tine template build NAME
+//! --from-image REF`), and the image daemon that serves their disks.
 
+use anyhow::Context;
 use clap::{Args, Subcommand};
+use tine_image::chunks::remote::PushProgress;
+use tine_image::nbd::daemon;
 use tine_image::registry::Progress;
 use tine_image::{Credentials, ImageMeta, ImageStore, RegistryOptions};
 use tine_vmm::Paths;
 
 #[derive(Subcommand)]
 pub enum ImageCommand {
-    /// Pull an image from its registry and convert it to a root disk.
+    /// Pull an image: only its chunk index when its registry has it
+    /// converted (`tine image push`), else its layers, converted here.
     Pull {
+        reference: String,
+        /// Fetch and convert the layers even if a converted form exists.
+        #[arg(long)]
+        no_lazy: bool,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Push a converted image next to it in its registry, so that other
+    /// hosts start it lazily; its chunks here become evictable cache.
+    Push {
         reference: String,
         #[command(flatten)]
         registry: RegistryArgs,
     },
-    /// List pulled images.
+    /// Read every chunk of an image through the image daemon (fetching
+    /// what is missing), as a guest would; reports chunks that fail.
+    Fetch { reference: String },
+    /// List pulled images and the chunk cache.
     List,
     /// Remove an image (refused while a template or snapshot runs on it).
     Rm { reference: String },
+    /// Remove every image no template or snapshot runs on.
+    Prune,
+    /// Serve the image store's disks over NBD (started on demand).
+    #[command(hide = true)]
+    NbdDaemon {
+        #[arg(long)]
+        data_dir: std::path::PathBuf,
+    },
 }
 
 /// How to reach a registry.
@@ -40,6 +66,18 @@ pub struct RegistryArgs {
 }
 
 impl RegistryArgs {
+    /// What the image daemon should be told: only when a config file was
+    /// given (else the server's settings stay).
+    pub fn daemon_settings(&self) -> anyhow::Result<Option<daemon::Settings>> {
+        if self.config.is_none() {
+            return Ok(None);
+        }
+        let cfg = tine_server::Config::load(self.config.as_deref())?;
+        let mut settings = cfg.image_daemon();
+        settings.registries = self.options()?;
+        Ok(Some(settings))
+    }
+
     fn options(&self) -> anyhow::Result<RegistryOptions> {
         let mut opts = tine_server::Config::load(self.config.as_deref())?.registries;
         opts.insecure.extend(self.insecure.iter().cloned());
@@ -54,11 +92,20 @@ impl RegistryArgs {
     }
 }
 
+/// Make sure the image daemon of `paths` runs; it stays while the result
+/// lives.
+pub async fn hold_daemon(paths: &Paths, registry: &RegistryArgs) -> anyhow::Result<daemon::Hold> {
+    let exe = std::env::current_exe().context("finding the tine binary")?;
+    let settings = registry.daemon_settings()?;
+    Ok(daemon::ensure(&paths.data_dir, &exe, settings.as_ref()).await?)
+}
+
 /// Pull `reference` with a progress bar; the image's metadata.
 pub async fn pull(
     paths: &Paths,
     reference: &str,
     registry: &RegistryArgs,
+    lazy: bool,
 ) -> anyhow::Result<ImageMeta> {
     let store = ImageStore::new(&paths.data_dir);
     let bar = indicatif::ProgressBar::new(0);
@@ -86,6 +133,17 @@ pub async fn pull(
                 eprintln!("layer {} {digest}: {size} bytes {how}", index + 1);
             }
         }
+        Progress::Lazy { chunks, bytes } => {
+            bar.println(format!(
+                "{reference}: converted in its registry ({chunks} chunks, {bytes} bytes): fetched on first read"
+            ));
+        }
+        Progress::Converting => {
+            bar.set_message(format!("converting {reference}"));
+            if bar.is_hidden() {
+                eprintln!("{reference}: converting");
+            }
+        }
     };
     let started = std::time::Instant::now();
     let meta = store
@@ -93,6 +151,7 @@ pub async fn pull(
             reference,
             &registry.options()?,
             registry.credentials().as_ref(),
+            lazy,
             &mut progress,
         )
         .await;
@@ -108,25 +167,123 @@ pub async fn pull(
     Ok(meta)
 }
 
+/// Push with a progress bar.
+async fn push(store: &ImageStore, reference: &str, registry: &RegistryArgs) -> anyhow::Result<()> {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} chunks")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(format!("pushing {reference}"));
+    let (mut sent, mut skipped) = (0u64, 0usize);
+    let mut progress = |p: PushProgress| {
+        bar.set_length(p.total as u64);
+        bar.set_position(p.done as u64);
+        match p.skipped {
+            true => skipped += 1,
+            false => sent += p.bytes,
+        }
+    };
+    let target = store
+        .push(
+            reference,
+            &registry.options()?,
+            registry.credentials().as_ref(),
+            &mut progress,
+        )
+        .await;
+    bar.finish_and_clear();
+    let target = target?;
+    eprintln!("pushed {target}: {sent} bytes sent, {skipped} chunks the registry had");
+    Ok(())
+}
+
+/// Read every stored chunk of `reference` through the daemon.
+async fn fetch(paths: &Paths, store: &ImageStore, reference: &str) -> anyhow::Result<i32> {
+    let meta = store.get(reference)?;
+    let index = store.index(&meta)?;
+    let _hold = hold_daemon(paths, &RegistryArgs::default()).await?;
+    let export = meta.manifest_digest.trim_start_matches("sha256:");
+    let socket = daemon::socket_path(&paths.data_dir);
+    let mut client = tine_image::nbd::client::Client::open(&socket, export).await?;
+    let bar = indicatif::ProgressBar::new(index.chunks.iter().flatten().count() as u64);
+    let mut failed = Vec::new();
+    for (i, c) in index.chunks.iter().enumerate() {
+        let Some(c) = c else { continue };
+        let off = i as u64 * index.chunk_size;
+        let len = index.chunk_size.min(index.disk_size - off) as u32;
+        if let Err(errno) = client.read(off, len).await? {
+            failed.push(format!("chunk {i} ({}): error {errno}", c.digest));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if failed.is_empty() {
+        eprintln!("{reference}: every chunk read");
+        return Ok(0);
+    }
+    // The daemon writes its statistics every second.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let why = daemon::read_stats(&paths.data_dir)
+        .and_then(|s| s.last_error)
+        .unwrap_or_default();
+    for f in &failed {
+        eprintln!("{reference}: {f}");
+    }
+    eprintln!("{} chunks could not be read; last error: {why}", failed.len());
+    Ok(1)
+}
+
 pub async fn run(cmd: ImageCommand) -> anyhow::Result<i32> {
     let paths = Paths::from_env();
     let store = ImageStore::new(&paths.data_dir);
     match cmd {
         ImageCommand::Pull {
             reference,
+            no_lazy,
             registry,
         } => {
-            pull(&paths, &reference, &registry).await?;
+            pull(&paths, &reference, &registry, !no_lazy).await?;
         }
+        ImageCommand::Push {
+            reference,
+            registry,
+        } => push(&store, &reference, &registry).await?,
+        ImageCommand::Fetch { reference } => return fetch(&paths, &store, &reference).await,
         ImageCommand::List => {
             for (reference, meta) in store.list() {
-                println!("{reference}\t{}\t{} bytes", meta.manifest_digest, meta.size);
+                let disk = match &meta.chunks {
+                    Some(c) => format!(
+                        "{} chunks, {} bytes, {}",
+                        c.count,
+                        c.stored_bytes,
+                        c.remote.as_deref().unwrap_or("local only")
+                    ),
+                    None => "ext4 file".into(),
+                };
+                println!(
+                    "{reference}\t{}\t{} bytes\t{disk}",
+                    meta.manifest_digest, meta.size
+                );
+            }
+            if let Some(s) = daemon::read_stats(&paths.data_dir) {
+                println!(
+                    "cache: {} of {} bytes, {} pinned; {} hits, {} misses, {} bytes fetched, {} evictions, {} errors",
+                    s.cached_bytes, s.max_bytes, s.pinned_bytes, s.hits, s.misses,
+                    s.fetched_bytes, s.evictions, s.errors
+                );
             }
         }
         ImageCommand::Rm { reference } => {
             store.remove(&reference, &paths.snapshots_dir())?;
             eprintln!("removed {reference}");
         }
+        ImageCommand::Prune => {
+            for r in store.prune(&paths.snapshots_dir())? {
+                eprintln!("removed {r}");
+            }
+        }
+        ImageCommand::NbdDaemon { data_dir } => daemon::run(&data_dir).await?,
     }
     Ok(0)
 }

@@ -64,10 +64,16 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
             let image = match from_image {
                 Some(r) => match tine_image::ImageStore::new(&paths.data_dir).get(&r) {
                     Ok(meta) => Some(meta),
-                    Err(_) => Some(crate::image::pull(&paths, &r, &registry).await?),
+                    Err(_) => Some(crate::image::pull(&paths, &r, &registry, true).await?),
                 },
                 None => None,
             };
+            // The build VM reads a chunked image through the daemon.
+            let _daemon = match image.as_ref().and_then(|m| m.chunks.as_ref()) {
+                Some(_) => Some(crate::image::hold_daemon(&paths, &registry).await?),
+                None => None,
+            };
+            let image = image.map(|m| templates::BuildImage::new(m, &paths.data_dir));
             let spec = BuildSpec {
                 name: name.clone(),
                 machine: Machine {

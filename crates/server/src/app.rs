@@ -40,6 +40,14 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
     let domain = config.domain();
+    // Image-based sandboxes read their root disks through the image
+    // daemon: keep it up as long as this server runs.
+    let exe = std::env::current_exe().context("finding the tine binary")?;
+    let settings = config.image_daemon();
+    let hold = tine_image::nbd::daemon::ensure(&paths.data_dir, &exe, Some(&settings))
+        .await
+        .context("starting the image daemon")?;
+    tokio::spawn(keep_image_daemon(paths.data_dir.clone(), exe, hold));
     let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
     manager
         .recover()
@@ -53,6 +61,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         manager,
         metrics: Arc::new(metrics::Metrics::default()),
         domain,
+        data_dir: paths.data_dir.clone(),
     });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();
@@ -75,6 +84,27 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     tracing::info!("shutting down: stopping the warm pool (sandboxes keep running)");
     shutdown_manager.shutdown().await;
     Ok(())
+}
+
+/// Start the image daemon again if it dies (QEMU's NBD clients reconnect
+/// within a minute), holding it for the server's lifetime.
+async fn keep_image_daemon(
+    data_dir: std::path::PathBuf,
+    exe: std::path::PathBuf,
+    mut hold: tine_image::nbd::daemon::Hold,
+) {
+    let socket = tine_image::nbd::daemon::socket_path(&data_dir);
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+            continue;
+        }
+        tracing::warn!("the image daemon is gone; starting it again");
+        match tine_image::nbd::daemon::ensure(&data_dir, &exe, None).await {
+            Ok(h) => drop(std::mem::replace(&mut hold, h)),
+            Err(e) => tracing::error!("restarting the image daemon: {e}"),
+        }
+    }
 }
 
 /// How long requests in flight may take to finish after SIGTERM.

@@ -61,6 +61,10 @@ pub struct Config {
     pub fork_shared_ram_from: usize,
     /// How OCI registries are reached.
     pub registries: tine_image::RegistryOptions,
+    /// Bound of the local cache of image chunks that can be fetched again
+    /// (chunks of images converted here and pushed nowhere are kept
+    /// outside it).
+    pub image_cache_max_bytes: u64,
 }
 
 impl Default for Config {
@@ -83,6 +87,7 @@ impl Default for Config {
             compact_after_layers: 3,
             fork_shared_ram_from: 2,
             registries: Default::default(),
+            image_cache_max_bytes: tine_image::nbd::daemon::DEFAULT_CACHE_MAX_BYTES,
         }
     }
 }
@@ -134,6 +139,14 @@ impl Config {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");
         }
         Ok(())
+    }
+
+    /// What the image daemon is told.
+    pub fn image_daemon(&self) -> tine_image::nbd::daemon::Settings {
+        tine_image::nbd::daemon::Settings {
+            cache_max_bytes: self.image_cache_max_bytes,
+            registries: self.registries.clone(),
+        }
     }
 
     pub fn domain(&self) -> String {

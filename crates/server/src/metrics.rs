@@ -27,6 +27,11 @@ pub struct StateLabel {
     pub state: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
 pub type ByteCounter = Family<DirectionLabel, Counter>;
 
 pub struct Metrics {
@@ -34,6 +39,10 @@ pub struct Metrics {
     pub proxy_bytes: ByteCounter,
     pub api_latency: Family<RouteLabels, Histogram>,
     pub sandboxes: Family<StateLabel, Gauge>,
+    /// The image daemon's chunk cache, as it last reported.
+    pub image_cache_bytes: Family<KindLabel, Gauge>,
+    pub image_cache_reads: Family<KindLabel, Gauge>,
+    pub image_cache_hit_ratio: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -55,16 +64,62 @@ impl Default for Metrics {
         );
         let sandboxes = Family::<StateLabel, Gauge>::default();
         registry.register("sandboxes", "Sandboxes by state", sandboxes.clone());
+        let image_cache_bytes = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "image_cache_bytes",
+            "Image chunk store: cached (evictable, bounded by max), pinned (only here), max, fetched (since the daemon started)",
+            image_cache_bytes.clone(),
+        );
+        let image_cache_reads = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "image_cache_reads",
+            "Chunk reads since the image daemon started: hit, miss (fetched), error; and evictions",
+            image_cache_reads.clone(),
+        );
+        let image_cache_hit_ratio = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "image_cache_hit_ratio",
+            "Chunk reads served locally, of all",
+            image_cache_hit_ratio.clone(),
+        );
         Self {
             registry,
             proxy_bytes,
             api_latency,
             sandboxes,
+            image_cache_bytes,
+            image_cache_reads,
+            image_cache_hit_ratio,
         }
     }
 }
 
 impl Metrics {
+    /// Copy the image daemon's statistics in.
+    pub fn set_image_cache(&self, s: &tine_image::chunks::cache::CacheStats) {
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for (kind, v) in [
+            ("cached", s.cached_bytes),
+            ("pinned", s.pinned_bytes),
+            ("max", s.max_bytes),
+            ("fetched", s.fetched_bytes),
+        ] {
+            self.image_cache_bytes.get_or_create(&KindLabel { kind }).set(as_i64(v));
+        }
+        for (kind, v) in [
+            ("hit", s.hits),
+            ("miss", s.misses),
+            ("error", s.errors),
+            ("eviction", s.evictions),
+        ] {
+            self.image_cache_reads.get_or_create(&KindLabel { kind }).set(as_i64(v));
+        }
+        let all = s.hits + s.misses;
+        if all > 0 {
+            self.image_cache_hit_ratio.set(s.hits as f64 / all as f64);
+        }
+    }
+
     pub fn render(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)

@@ -14,4 +14,6 @@ pub struct AppState {
     pub domain: String,
     /// Pooled connections into sandboxes, for the proxy.
     pub client: GuestClient,
+    /// Where the image daemon writes its cache statistics.
+    pub data_dir: std::path::PathBuf,
 }

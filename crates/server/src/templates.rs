@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use tine_agent_client::{AgentError, ExecOutput, AGENT_PORT};
-use tine_vmm::{Artifacts, Driver, Machine, SnapshotRef, VmHandle};
+use tine_vmm::{Artifacts, Driver, Machine, RootDisk, SnapshotRef, VmHandle};
 use tokio::sync::Mutex;
 
 use crate::db::{now_ms, Db, DbError, SnapshotKind, SnapshotRow};
@@ -73,11 +73,11 @@ impl Templates {
     fn base_snapshot_name(&self, machine: Machine) -> String {
         let mut h = Sha256::new();
         for p in [
-            &self.artifacts.kernel,
-            &self.artifacts.initramfs,
-            &self.artifacts.rootfs,
+            self.artifacts.kernel.display().to_string(),
+            self.artifacts.initramfs.display().to_string(),
+            self.artifacts.rootfs.backing(),
         ] {
-            h.update(p.display().to_string().as_bytes());
+            h.update(p.as_bytes());
             h.update([0]);
         }
         h.update(machine.accel.as_str());
@@ -179,7 +179,34 @@ pub struct BuildSpec {
     pub ready: Option<String>,
     pub ready_timeout: Duration,
     /// The OCI image whose root disk the template runs on (else `base`'s).
-    pub image: Option<tine_image::ImageMeta>,
+    pub image: Option<BuildImage>,
+}
+
+/// An image a template is built on, and how VMs reach its root disk.
+#[derive(Debug, Clone)]
+pub struct BuildImage {
+    pub meta: tine_image::ImageMeta,
+    pub disk: RootDisk,
+}
+
+impl BuildImage {
+    /// `meta` under the data directory `data_dir`: a chunked image is
+    /// read through the image daemon's NBD socket (which must be running
+    /// while VMs on it do: see [`tine_image::nbd::daemon::ensure`]).
+    pub fn new(meta: tine_image::ImageMeta, data_dir: &std::path::Path) -> Self {
+        let disk = match &meta.chunks {
+            Some(c) => RootDisk::Nbd {
+                socket: tine_image::nbd::daemon::socket_path(data_dir),
+                export: meta
+                    .manifest_digest
+                    .trim_start_matches("sha256:")
+                    .to_string(),
+                size: c.disk_size,
+            },
+            None => RootDisk::File(meta.rootfs.clone()),
+        };
+        Self { meta, disk }
+    }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -207,8 +234,8 @@ async fn capture(
     let mut artifacts = artifacts.clone();
     match &spec.image {
         Some(image) => {
-            progress(&format!("booting image {}", image.reference));
-            artifacts.rootfs = image.rootfs.clone();
+            progress(&format!("booting image {}", image.meta.reference));
+            artifacts.rootfs = image.disk.clone();
         }
         None => progress("booting base"),
     }
@@ -217,7 +244,7 @@ async fn capture(
         .await
         .map_err(vm_err)?;
     let prepared = match &spec.image {
-        Some(image) => prepare_image(vm.as_ref(), spec, image).await,
+        Some(image) => prepare_image(vm.as_ref(), spec, &image.meta).await,
         None => Ok(()),
     };
     if let Err(e) = async {

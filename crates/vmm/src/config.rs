@@ -62,7 +62,7 @@ impl Paths {
         Artifacts {
             kernel: cur.join("vmlinuz"),
             initramfs: cur.join("initramfs.cpio"),
-            rootfs: cur.join("rootfs-base.ext4"),
+            rootfs: RootDisk::File(cur.join("rootfs-base.ext4")),
         }
     }
 }
@@ -74,7 +74,63 @@ pub struct Artifacts {
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
     /// Read-only base image; each VM writes to its own qcow2 overlay on it.
-    pub rootfs: PathBuf,
+    pub rootfs: RootDisk,
+}
+
+/// The read-only disk under every VM's overlay.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum RootDisk {
+    /// A raw image file (`base`, or an image converted before chunks).
+    File(PathBuf),
+    /// An export of the image daemon's NBD server (a chunked OCI image),
+    /// read through QEMU's own NBD client.
+    Nbd {
+        socket: PathBuf,
+        export: String,
+        size: u64,
+    },
+}
+
+impl From<PathBuf> for RootDisk {
+    fn from(p: PathBuf) -> Self {
+        RootDisk::File(p)
+    }
+}
+
+impl From<&str> for RootDisk {
+    fn from(p: &str) -> Self {
+        RootDisk::File(p.into())
+    }
+}
+
+impl RootDisk {
+    /// What `qemu-img create -b` takes: the file, or a `json:` block
+    /// spec for the export. The NBD client reconnects for a minute if the
+    /// daemon restarts, so a guest sees a pause, not an I/O error.
+    pub fn backing(&self) -> String {
+        match self {
+            RootDisk::File(p) => p.display().to_string(),
+            RootDisk::Nbd { socket, export, .. } => format!(
+                "json:{}",
+                serde_json::json!({
+                    "file.driver": "nbd",
+                    "file.server.type": "unix",
+                    "file.server.path": socket,
+                    "file.export": export,
+                    "file.reconnect-delay": 60,
+                })
+            ),
+        }
+    }
+
+    /// Bytes the guest sees (None: the file is missing).
+    pub fn size(&self) -> Option<u64> {
+        match self {
+            RootDisk::File(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+            RootDisk::Nbd { size, .. } => Some(*size),
+        }
+    }
 }
 
 impl Artifacts {
@@ -88,7 +144,10 @@ impl Artifacts {
         Ok(Self {
             kernel: check("guest kernel", &self.kernel)?,
             initramfs: check("initramfs", &self.initramfs)?,
-            rootfs: check("rootfs image", &self.rootfs)?,
+            rootfs: match &self.rootfs {
+                RootDisk::File(p) => RootDisk::File(check("rootfs image", p)?),
+                nbd => nbd.clone(),
+            },
         })
     }
 }

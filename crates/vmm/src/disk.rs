@@ -1,6 +1,7 @@
 //! qcow2 overlays: every VM writes into its own overlay over a read-only
 //! backing image (the template's rootfs, or a snapshot's frozen overlay).
 
+use std::ffi::OsStr;
 use std::path::Path;
 use std::process::Stdio;
 
@@ -24,23 +25,27 @@ impl BackingFormat {
 
 /// Create `path` as a qcow2 overlay over `backing` (absolute path kept in
 /// the header), with the backing file's virtual size.
-pub async fn create_overlay(backing: &Path, format: BackingFormat, path: &Path) -> Result<()> {
-    qemu_img_create(backing, format, path, None).await
+pub async fn create_overlay(
+    backing: impl AsRef<OsStr>,
+    format: BackingFormat,
+    path: &Path,
+) -> Result<()> {
+    qemu_img_create(backing.as_ref(), format, path, None).await
 }
 
 /// Create `path` as a qcow2 overlay of `size` bytes over `backing` without
 /// opening `backing` (`-u`): it may be an image a running QEMU holds.
 pub async fn create_overlay_unchecked(
-    backing: &Path,
+    backing: impl AsRef<OsStr>,
     format: BackingFormat,
     path: &Path,
     size: u64,
 ) -> Result<()> {
-    qemu_img_create(backing, format, path, Some(size)).await
+    qemu_img_create(backing.as_ref(), format, path, Some(size)).await
 }
 
 async fn qemu_img_create(
-    backing: &Path,
+    backing: &OsStr,
     format: BackingFormat,
     path: &Path,
     size: Option<u64>,
@@ -59,7 +64,7 @@ async fn qemu_img_create(
         format!(
             "qemu-img create {} over {}",
             path.display(),
-            backing.display()
+            backing.to_string_lossy()
         )
     })
     .await

@@ -29,7 +29,7 @@ pub mod ram;
 pub mod snapshot;
 mod vm;
 
-pub use config::{Accel, Artifacts, Machine, Paths};
+pub use config::{Accel, Artifacts, Machine, Paths, RootDisk};
 pub use driver::{
     BoxFuture, Capture, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef, VmHandle,
 };

@@ -10,6 +10,7 @@
 //!
 //! The protocol: <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/proto.md>.
 
+pub mod client;
 pub mod daemon;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -24,6 +24,9 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     m.sandboxes
         .get_or_create(&StateLabel { state: "running" })
         .set(state.manager.live_count() as i64);
+    if let Some(stats) = tine_image::nbd::daemon::read_stats(&state.data_dir) {
+        m.set_image_cache(&stats);
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

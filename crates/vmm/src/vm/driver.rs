@@ -49,8 +49,12 @@ fn qemu_snapshot(snapshot: &SnapshotRef) -> Result<&Snapshot> {
 
 /// A QEMU snapshot as the manager sees it.
 fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
-    let disk_size_mb = std::fs::metadata(&snapshot.meta.artifacts.rootfs)
-        .map(|m| u32::try_from(m.len() >> 20).unwrap_or(u32::MAX))
+    let disk_size_mb = snapshot
+        .meta
+        .artifacts
+        .rootfs
+        .size()
+        .map(|len| u32::try_from(len >> 20).unwrap_or(u32::MAX))
         .unwrap_or(0);
     let info = SnapshotInfo {
         id: snapshot.meta.id.clone(),

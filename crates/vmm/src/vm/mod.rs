@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::config::{Artifacts, Machine, Paths};
+use crate::config::{Artifacts, Machine, Paths, RootDisk};
 use crate::disk::{self, BackingFormat};
 use crate::driver::{Guest, Probe};
 use crate::error::{Error, IoContext, Result};
@@ -265,7 +265,17 @@ impl Vm {
         prepare_dirs(&files.dir, &ram_dir)?;
         let ram = ram_dir.join("ram");
         let result = async {
-            disk::create_overlay(&artifacts.rootfs, BackingFormat::Raw, &files.disk()).await?;
+            match &artifacts.rootfs {
+                RootDisk::File(p) => {
+                    disk::create_overlay(p, BackingFormat::Raw, &files.disk()).await?
+                }
+                // Not opened here: the daemon may start later than this.
+                nbd => {
+                    let size = nbd.size().unwrap_or_default();
+                    disk::create_overlay_unchecked(nbd.backing(), BackingFormat::Raw, &files.disk(), size)
+                        .await?
+                }
+            }
             let netns = Netns::create(id).await?;
             let record = VmRecord {
                 id: id.to_string(),
