@@ -134,9 +134,13 @@ pub async fn pull(
             }
         }
         Progress::Lazy { chunks, bytes } => {
-            bar.println(format!(
+            let line = format!(
                 "{reference}: converted in its registry ({chunks} chunks, {bytes} bytes): fetched on first read"
-            ));
+            );
+            match bar.is_hidden() {
+                true => eprintln!("{line}"),
+                false => bar.println(line),
+            }
         }
         Progress::Converting => {
             bar.set_message(format!("converting {reference}"));
@@ -230,7 +234,10 @@ async fn fetch(paths: &Paths, store: &ImageStore, reference: &str) -> anyhow::Re
     for f in &failed {
         eprintln!("{reference}: {f}");
     }
-    eprintln!("{} chunks could not be read; last error: {why}", failed.len());
+    eprintln!(
+        "{} chunks could not be read; last error: {why}",
+        failed.len()
+    );
     Ok(1)
 }
 

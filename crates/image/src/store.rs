@@ -223,7 +223,10 @@ impl ImageStore {
                         });
                         self.store_lazy(&r, &resolved, &artifact, &index, creds)?
                     }
-                    None => self.pull_and_convert(&r, &resolved, opts, creds, progress).await?,
+                    None => {
+                        self.pull_and_convert(&r, &resolved, opts, creds, progress)
+                            .await?
+                    }
                 }
             }
         };
@@ -240,7 +243,9 @@ impl ImageStore {
             config: ImageConfig::from_json(&resolved.config),
             size: resolved.layers.iter().map(|l| l.size).sum(),
             layers: resolved.layers.clone(),
-            rootfs: self.image_dir(&resolved.manifest_digest).join("rootfs.ext4"),
+            rootfs: self
+                .image_dir(&resolved.manifest_digest)
+                .join("rootfs.ext4"),
             chunks: None,
         }
     }
@@ -321,13 +326,22 @@ impl ImageStore {
         let Some(chunked) = meta.chunks.clone() else {
             return Err(ImageError::Registry {
                 reference: reference.to_string(),
-                detail: "converted before chunked images existed: tine image rm and pull it again".into(),
+                detail: "converted before chunked images existed: tine image rm and pull it again"
+                    .into(),
             });
         };
         let source = ImageRef::parse(&meta.reference)?;
         let target = remote::artifact_ref(&source, &meta.manifest_digest)?;
         let index = self.index(&meta)?;
-        remote::push(&target, &index, &chunks::chunk_dir(&self.dir), opts, creds, progress).await?;
+        remote::push(
+            &target,
+            &index,
+            &chunks::chunk_dir(&self.dir),
+            opts,
+            creds,
+            progress,
+        )
+        .await?;
         if chunked.remote.is_none() {
             meta.chunks = Some(Chunked {
                 remote: Some(target.to_string()),
@@ -387,7 +401,12 @@ impl ImageStore {
             if let Ok(m) = self.read_meta(digest) {
                 if m.chunks.is_some() {
                     let index = self.index(&m)?;
-                    used.extend(index.unique().into_iter().map(|c| hex(&c.digest).to_string()));
+                    used.extend(
+                        index
+                            .unique()
+                            .into_iter()
+                            .map(|c| hex(&c.digest).to_string()),
+                    );
                 }
                 used.extend(m.layers.into_iter().map(|l| hex(&l.digest).to_string()));
             }
@@ -493,9 +512,10 @@ fn convert(store: &Path, mut meta: ImageMeta) -> Result<ImageMeta> {
         // evicted before its pin was written: now pinned, write it again.
         let image = store.join(hex(&meta.manifest_digest)).join("rootfs.ext4");
         if image.exists() {
-            let missing = index.unique().iter().any(|c| {
-                chunks::chunk_hex(&c.digest).is_ok_and(|h| !dir.join(h).exists())
-            });
+            let missing = index
+                .unique()
+                .iter()
+                .any(|c| chunks::chunk_hex(&c.digest).is_ok_and(|h| !dir.join(h).exists()));
             if missing {
                 chunks::build(&image, &dir)?;
             }

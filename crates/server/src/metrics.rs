@@ -104,7 +104,9 @@ impl Metrics {
             ("max", s.max_bytes),
             ("fetched", s.fetched_bytes),
         ] {
-            self.image_cache_bytes.get_or_create(&KindLabel { kind }).set(as_i64(v));
+            self.image_cache_bytes
+                .get_or_create(&KindLabel { kind })
+                .set(as_i64(v));
         }
         for (kind, v) in [
             ("hit", s.hits),
@@ -112,7 +114,9 @@ impl Metrics {
             ("error", s.errors),
             ("eviction", s.evictions),
         ] {
-            self.image_cache_reads.get_or_create(&KindLabel { kind }).set(as_i64(v));
+            self.image_cache_reads
+                .get_or_create(&KindLabel { kind })
+                .set(as_i64(v));
         }
         let all = s.hits + s.misses;
         if all > 0 {

@@ -160,7 +160,8 @@ impl ChunkCache {
                 .flatten()
                 .filter(|e| e.file_name().len() == 64)
                 .map(|e| {
-                    let m = std::fs::metadata(e.path().join("meta.json")).and_then(|m| m.modified());
+                    let m =
+                        std::fs::metadata(e.path().join("meta.json")).and_then(|m| m.modified());
                     (e.file_name().to_string_lossy().into_owned(), m.ok())
                 })
                 .collect();
@@ -285,7 +286,10 @@ impl ChunkCache {
                     "missing from the local store and the image was never pushed".into(),
                 ));
             };
-            let bytes = remote.fetch(chunk).await?;
+            let bytes = remote
+                .fetch(chunk)
+                .await
+                .map_err(|e| chunk_err(e.to_string()))?;
             if sha256(&bytes) != chunk.digest {
                 return Err(chunk_err(format!(
                     "the {} bytes fetched do not match the digest (damaged in the registry?)",
@@ -349,7 +353,10 @@ impl ChunkCache {
         let loaded = tokio::task::spawn_blocking(move || {
             let bytes = std::fs::read(&path2).ok()?;
             if sha256(&bytes) != digest {
-                tracing::warn!("chunk {} is damaged on disk; fetching it again", path2.display());
+                tracing::warn!(
+                    "chunk {} is damaged on disk; fetching it again",
+                    path2.display()
+                );
                 let _ = std::fs::remove_file(&path2);
                 return None;
             }
@@ -457,7 +464,10 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().metadata().unwrap().len())
             .sum();
-        assert!(on_disk <= st.max_bytes && on_disk == st.cached_bytes, "{on_disk} {st:?}");
+        assert!(
+            on_disk <= st.max_bytes && on_disk == st.cached_bytes,
+            "{on_disk} {st:?}"
+        );
 
         // A chunk damaged at its source is an error naming image and
         // chunk, never data.
@@ -468,7 +478,10 @@ mod tests {
         std::fs::write(&path, bytes).unwrap();
         let fresh = ChunkCache::open(&tmp.path().join("other"), 1 << 30);
         let err = fresh.read(&disk, 5).await.unwrap_err().to_string();
-        assert!(err.contains("test/img:v1") && err.contains("chunk 5"), "{err}");
+        assert!(
+            err.contains("test/img:v1") && err.contains("chunk 5"),
+            "{err}"
+        );
         assert!(err.contains(&victim.digest), "{err}");
         assert_eq!(fresh.stats().errors, 1);
     }
@@ -497,6 +510,9 @@ mod tests {
             index,
             remote: None,
         };
-        assert_eq!(cache.read(&disk, 2).await.unwrap().len(), CHUNK_SIZE as usize);
+        assert_eq!(
+            cache.read(&disk, 2).await.unwrap().len(),
+            CHUNK_SIZE as usize
+        );
     }
 }

@@ -13,7 +13,9 @@ use futures::StreamExt;
 use oci_client::secrets::RegistryAuth;
 use oci_client::Client;
 
-use super::{chunk_hex, sha256, ChunkRef, Index, ARTIFACT_TYPE, CHUNK_MEDIA_TYPE, INDEX_MEDIA_TYPE};
+use super::{
+    chunk_hex, sha256, ChunkRef, Index, ARTIFACT_TYPE, CHUNK_MEDIA_TYPE, INDEX_MEDIA_TYPE,
+};
 use crate::reference::ImageRef;
 use crate::registry::{auth, client, Credentials, RegistryOptions};
 use crate::{ImageError, Result};
@@ -40,7 +42,10 @@ pub fn artifact_ref(source: &ImageRef, manifest_digest: &str) -> Result<ImageRef
     ))
 }
 
-fn registry_err(reference: &ImageRef, what: &str) -> impl Fn(oci_client::errors::OciDistributionError) -> ImageError {
+fn registry_err(
+    reference: &ImageRef,
+    what: &str,
+) -> impl Fn(oci_client::errors::OciDistributionError) -> ImageError {
     let reference = reference.to_string();
     let what = what.to_string();
     move |e| ImageError::Registry {
@@ -50,7 +55,12 @@ fn registry_err(reference: &ImageRef, what: &str) -> impl Fn(oci_client::errors:
 }
 
 /// Fetch blob `digest` of `reference`, at most `max` bytes.
-async fn fetch_blob(client: &Client, reference: &ImageRef, digest: &str, max: u64) -> Result<Vec<u8>> {
+async fn fetch_blob(
+    client: &Client,
+    reference: &ImageRef,
+    digest: &str,
+    max: u64,
+) -> Result<Vec<u8>> {
     let err = registry_err(reference, &format!("fetching {digest}"));
     let mut stream = client
         .pull_blob_stream(reference.oci(), digest)
@@ -59,9 +69,21 @@ async fn fetch_blob(client: &Client, reference: &ImageRef, digest: &str, max: u6
         .stream;
     let mut out = Vec::new();
     while let Some(part) = stream.next().await {
-        let part = part.map_err(|e| ImageError::Registry {
-            reference: reference.to_string(),
-            detail: format!("fetching {digest}: {e}"),
+        let part = part.map_err(|e| {
+            let damaged = e
+                .get_ref()
+                .is_some_and(|inner| inner.is::<oci_client::errors::DigestError>());
+            match damaged {
+                true => ImageError::Digest {
+                    reference: reference.to_string(),
+                    digest: digest.to_string(),
+                    detail: format!("damaged in the registry? {e}"),
+                },
+                false => ImageError::Registry {
+                    reference: reference.to_string(),
+                    detail: format!("fetching {digest}: {e}"),
+                },
+            }
         })?;
         out.extend_from_slice(&part);
         if out.len() as u64 > max {
@@ -125,7 +147,11 @@ pub struct RegistryChunks {
 }
 
 impl RegistryChunks {
-    pub fn new(reference: ImageRef, opts: &RegistryOptions, creds: Option<&Credentials>) -> Arc<Self> {
+    pub fn new(
+        reference: ImageRef,
+        opts: &RegistryOptions,
+        creds: Option<&Credentials>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             client: client(&reference, opts),
             auth: auth(&reference, opts, creds),
@@ -141,7 +167,9 @@ impl super::cache::Fetch for RegistryChunks {
         self.authed
             .get_or_init(|| async {
                 let registry = self.reference.oci().resolve_registry().to_string();
-                self.client.store_auth_if_needed(&registry, &self.auth).await;
+                self.client
+                    .store_auth_if_needed(&registry, &self.auth)
+                    .await;
             })
             .await;
         fetch_blob(&self.client, &self.reference, &chunk.digest, chunk.size).await

@@ -188,7 +188,12 @@ impl Exports for StoreExports {
         if name.len() != 64 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
-        if let Some(d) = self.open.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+        if let Some(d) = self
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+        {
             return Some(d.clone());
         }
         let dir = self.images.join(name);
@@ -202,7 +207,11 @@ impl Exports for StoreExports {
                 let creds: Option<Credentials> = std::fs::read(dir.join("auth.json"))
                     .ok()
                     .and_then(|b| serde_json::from_slice(&b).ok());
-                let opts = self.registries.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let opts = self
+                    .registries
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
                 Some(RegistryChunks::new(reference, &opts, creds.as_ref()))
             }
             None => None,
@@ -226,8 +235,10 @@ impl Exports for StoreExports {
 pub async fn run(data_dir: &Path) -> Result<()> {
     let run = run_dir(data_dir);
     std::fs::create_dir_all(&run).map_err(io(format!("creating {}", run.display())))?;
-    let Ok(_me) = Flock::lock(open_lock(&run.join("nbd.lock"))?, FlockArg::LockExclusiveNonblock)
-    else {
+    let Ok(_me) = Flock::lock(
+        open_lock(&run.join("nbd.lock"))?,
+        FlockArg::LockExclusiveNonblock,
+    ) else {
         tracing::info!("another image daemon runs for {}", data_dir.display());
         return Ok(());
     };

@@ -109,7 +109,12 @@ async fn connection(
     transmission(rd, wr, disk, cache).await
 }
 
-async fn option_reply<W: AsyncWrite + Unpin>(w: &mut W, opt: u32, kind: u32, data: &[u8]) -> std::io::Result<()> {
+async fn option_reply<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    opt: u32,
+    kind: u32,
+    data: &[u8],
+) -> std::io::Result<()> {
     let mut b = Vec::with_capacity(20 + data.len());
     b.extend_from_slice(&REPLY_MAGIC.to_be_bytes());
     b.extend_from_slice(&opt.to_be_bytes());
@@ -120,7 +125,11 @@ async fn option_reply<W: AsyncWrite + Unpin>(w: &mut W, opt: u32, kind: u32, dat
 }
 
 /// Negotiate until the client picks an export (Some) or leaves (None).
-async fn handshake<R, W>(rd: &mut R, wr: &mut W, exports: &dyn Exports) -> std::io::Result<Option<Arc<Disk>>>
+async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    exports: &dyn Exports,
+) -> std::io::Result<Option<Arc<Disk>>>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -134,12 +143,18 @@ where
     let no_zeroes = client_flags & u32::from(FLAG_NO_ZEROES) != 0;
     loop {
         if rd.read_u64().await? != IHAVEOPT {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bad option magic"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "bad option magic",
+            ));
         }
         let opt = rd.read_u32().await?;
         let len = rd.read_u32().await?;
         if len > MAX_OPTION {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "option too long"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "option too long",
+            ));
         }
         let mut data = vec![0u8; len as usize];
         rd.read_exact(&mut data).await?;
@@ -243,7 +258,10 @@ where
         let offset = u64::from_be_bytes(header[16..24].try_into().expect("8"));
         let len = u32::from_be_bytes(header[24..28].try_into().expect("4"));
         if magic != REQUEST_MAGIC {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bad request magic"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "bad request magic",
+            ));
         }
         match kind {
             CMD_READ => {
@@ -356,10 +374,16 @@ mod tests {
         let disk = tmp.path().join("disk");
         let f = std::fs::File::create(&disk).unwrap();
         f.set_len(5 * CHUNK_SIZE + 12345).unwrap();
-        for (i, at) in [0, CHUNK_SIZE - 7, 3 * CHUNK_SIZE + 999, 5 * CHUNK_SIZE + 1].iter().enumerate() {
+        for (i, at) in [0, CHUNK_SIZE - 7, 3 * CHUNK_SIZE + 999, 5 * CHUNK_SIZE + 1]
+            .iter()
+            .enumerate()
+        {
             let data: Vec<u8> = (0..70_000u32).map(|j| (j as u8) ^ (i as u8 * 31)).collect();
-            f.write_all_at(&data[..data.len().min((5 * CHUNK_SIZE + 12345 - at) as usize)], *at)
-                .unwrap();
+            f.write_all_at(
+                &data[..data.len().min((5 * CHUNK_SIZE + 12345 - at) as usize)],
+                *at,
+            )
+            .unwrap();
         }
         drop(f);
         let images = tmp.path().join("images");
@@ -379,8 +403,22 @@ mod tests {
         tokio::spawn(serve(listener, exports, cache.clone(), conns));
         let url = format!("nbd+unix:///img?socket={}", sock.display());
         let out = tmp.path().join("out");
-        let r = qemu_img(&["convert", "-f", "raw", "-O", "raw", &url, out.to_str().unwrap()]).await;
-        assert!(r.status.success(), "{} {:?}", String::from_utf8_lossy(&r.stderr), cache.stats());
+        let r = qemu_img(&[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &url,
+            out.to_str().unwrap(),
+        ])
+        .await;
+        assert!(
+            r.status.success(),
+            "{} {:?}",
+            String::from_utf8_lossy(&r.stderr),
+            cache.stats()
+        );
         let (got, want) = (std::fs::read(&out).unwrap(), std::fs::read(&disk).unwrap());
         assert_eq!(got.len(), want.len().next_multiple_of(4096));
         assert_eq!(got[..want.len()], want[..]);
@@ -391,9 +429,29 @@ mod tests {
             sock.display()
         );
         let ov = tmp.path().join("ov.qcow2");
-        let r = qemu_img(&["create", "-q", "-f", "qcow2", "-F", "raw", "-b", &backing, ov.to_str().unwrap()]).await;
+        let r = qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            &backing,
+            ov.to_str().unwrap(),
+        ])
+        .await;
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        let r = qemu_img(&["compare", "-f", "qcow2", "-F", "raw", ov.to_str().unwrap(), disk.to_str().unwrap()]).await;
+        let r = qemu_img(&[
+            "compare",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            ov.to_str().unwrap(),
+            disk.to_str().unwrap(),
+        ])
+        .await;
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stdout));
 
         let unknown = format!("nbd+unix:///nope?socket={}", sock.display());
@@ -404,7 +462,13 @@ mod tests {
             .output()
             .await
             .unwrap();
-        let said = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
-        assert!(said.contains("read-only") || said.contains("Operation not permitted") || said.contains("Permission denied"), "{said}");
+        let said =
+            String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+        assert!(
+            said.contains("read-only")
+                || said.contains("Operation not permitted")
+                || said.contains("Permission denied"),
+            "{said}"
+        );
     }
 }

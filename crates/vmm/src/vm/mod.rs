@@ -272,8 +272,13 @@ impl Vm {
                 // Not opened here: the daemon may start later than this.
                 nbd => {
                     let size = nbd.size().unwrap_or_default();
-                    disk::create_overlay_unchecked(nbd.backing(), BackingFormat::Raw, &files.disk(), size)
-                        .await?
+                    disk::create_overlay_unchecked(
+                        nbd.backing(),
+                        BackingFormat::Raw,
+                        &files.disk(),
+                        size,
+                    )
+                    .await?
                 }
             }
             let netns = Netns::create(id).await?;
