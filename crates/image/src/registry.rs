@@ -297,3 +297,39 @@ fn check_platform(reference: &ImageRef, config: &serde_json::Value) -> Result<()
     }
     Ok(())
 }
+
+/// Push an image made of `layers` (bytes, media type) and `config` (an
+/// image config JSON) as `reference`; for benchmarks and tests that need
+/// an image in a registry of their own. Returns the manifest's URL.
+pub async fn push_image(
+    reference: &ImageRef,
+    layers: Vec<(Vec<u8>, String)>,
+    config: Vec<u8>,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+) -> Result<String> {
+    let client = client(reference, opts);
+    let layers: Vec<oci_client::client::ImageLayer> = layers
+        .into_iter()
+        .map(|(data, media_type)| oci_client::client::ImageLayer::new(data, media_type, None))
+        .collect();
+    let config = oci_client::client::Config::new(
+        config,
+        "application/vnd.oci.image.config.v1+json".into(),
+        None,
+    );
+    client
+        .push(
+            reference.oci(),
+            &layers,
+            config,
+            &auth(reference, opts, creds),
+            None,
+        )
+        .await
+        .map(|r| r.manifest_url)
+        .map_err(|e| ImageError::Registry {
+            reference: reference.to_string(),
+            detail: format!("pushing: {e}"),
+        })
+}

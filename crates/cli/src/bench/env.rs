@@ -39,12 +39,12 @@ pub fn floor_paths(base: &Paths) -> Paths {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(super) fn free_port() -> anyhow::Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
 
-fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> {
+pub(super) fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> {
     std::fs::create_dir_all(&paths.data_dir)
         .with_context(|| format!("creating {}", paths.data_dir.display()))?;
     let src = base.data_dir.join("current");

@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P7 (docs/benchmarks.md), each with
+//! `tine bench`: the performance scenarios P1–P8 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
@@ -7,12 +7,13 @@
 //! (restores by hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
-//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7).
+//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8).
 
 mod capture;
 mod create;
 mod env;
 mod fork;
+mod image;
 mod mem;
 mod memory;
 mod proxy;
@@ -43,10 +44,11 @@ pub enum Scenario {
     P5,
     P6,
     P7,
+    P8,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [
+    const ALL: [Scenario; 8] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -54,6 +56,7 @@ impl Scenario {
         Self::P5,
         Self::P6,
         Self::P7,
+        Self::P8,
     ];
 
     fn id(self) -> &'static str {
@@ -65,6 +68,7 @@ impl Scenario {
             Self::P5 => "P5",
             Self::P6 => "P6",
             Self::P7 => "P7",
+            Self::P8 => "P8",
         }
     }
 
@@ -77,17 +81,18 @@ impl Scenario {
             Self::P5 => "memory per idle sandbox",
             Self::P6 => "concurrent creates and commands (Python SDK)",
             Self::P7 => "commands.run through the proxy",
+            Self::P8 => "first sandbox of a never-seen image (lazy vs full pull)",
         }
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P7).
+    /// Scenarios to run (default: all of P1–P8).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
-    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls).
+    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1).
     #[arg(long)]
     iterations: Option<usize>,
     /// P6: sandboxes created (and commands run) at once.
@@ -208,6 +213,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P5 => memory::p5(ctx, out).await,
         Scenario::P6 => sdk::p6(ctx, out).await,
         Scenario::P7 => proxy::p7(ctx, out).await,
+        Scenario::P8 => image::p8(ctx, out).await,
     }
 }
 

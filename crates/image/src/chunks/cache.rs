@@ -262,14 +262,14 @@ impl ChunkCache {
             detail,
         };
         let hex = chunk_hex(&chunk.digest)?.to_string();
-        if let Some(data) = self.from_memory(&hex) {
+        if let Some(data) = self.in_memory(&hex) {
             return Ok(data);
         }
         // One load per chunk at a time: the others wait, then find it.
         let gate = self.lock().inflight.entry(hex.clone()).or_default().clone();
         let _held = gate.lock().await;
         let result = async {
-            if let Some(data) = self.from_memory(&hex) {
+            if let Some(data) = self.in_memory(&hex) {
                 return Ok(data);
             }
             let path = self.dir.join(&hex);
@@ -331,7 +331,7 @@ impl ChunkCache {
         result
     }
 
-    fn from_memory(&self, hex: &str) -> Option<Arc<Vec<u8>>> {
+    fn in_memory(&self, hex: &str) -> Option<Arc<Vec<u8>>> {
         let tick = self.next_tick();
         let mut s = self.lock();
         let data = s.memory.get_mut(hex).map(|(d, used)| {
