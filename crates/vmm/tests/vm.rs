@@ -443,7 +443,7 @@ async fn missing_artifacts_are_named() {
     assert!(err.to_string().contains("/nonexistent/vmlinuz"), "{err}");
 
     let mut bad = artifacts.clone();
-    bad.rootfs = PathBuf::from("/nonexistent/rootfs.ext4");
+    bad.rootfs = PathBuf::from("/nonexistent/rootfs.ext4").into();
     let err = Vm::boot(&paths, &id, machine(), &bad, opts())
         .await
         .err()
@@ -522,7 +522,7 @@ async fn damaged_snapshots_are_refused_clearly() {
         .rootfs;
     std::fs::remove_file(dir.join("disk.qcow2")).unwrap();
     tine_vmm::disk::create_overlay(
-        &overlay_base,
+        overlay_base.backing(),
         tine_vmm::disk::BackingFormat::Raw,
         &dir.join("disk.qcow2"),
     )
