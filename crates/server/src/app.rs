@@ -42,11 +42,14 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     let domain = config.domain();
     // Image-based sandboxes read their root disks through the image
     // daemon: keep it up as long as this server runs.
+    // (Not fatal: sandboxes on `base` need no daemon; the watchdog below
+    // keeps trying.)
     let exe = std::env::current_exe().context("finding the tine binary")?;
     let settings = config.image_daemon();
     let hold = tine_image::nbd::daemon::ensure(&paths.data_dir, &exe, Some(&settings))
         .await
-        .context("starting the image daemon")?;
+        .map_err(|e| tracing::error!("starting the image daemon: {e}"))
+        .ok();
     tokio::spawn(keep_image_daemon(paths.data_dir.clone(), exe, hold));
     let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
     manager
@@ -91,7 +94,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
 async fn keep_image_daemon(
     data_dir: std::path::PathBuf,
     exe: std::path::PathBuf,
-    mut hold: tine_image::nbd::daemon::Hold,
+    mut hold: Option<tine_image::nbd::daemon::Hold>,
 ) {
     let socket = tine_image::nbd::daemon::socket_path(&data_dir);
     loop {
@@ -101,8 +104,11 @@ async fn keep_image_daemon(
         }
         tracing::warn!("the image daemon is gone; starting it again");
         match tine_image::nbd::daemon::ensure(&data_dir, &exe, None).await {
-            Ok(h) => drop(std::mem::replace(&mut hold, h)),
-            Err(e) => tracing::error!("restarting the image daemon: {e}"),
+            Ok(h) => drop(hold.replace(h)),
+            Err(e) => {
+                tracing::error!("restarting the image daemon: {e}");
+                tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            }
         }
     }
 }

@@ -7,7 +7,9 @@
 //! and its own image daemon; "start" is `tine template build --from-image`
 //! with no commands: boot on the image, add the `user` account, capture.
 //! The image is the `base` rootfs tarball as one layer, pushed to Debian's
-//! docker-registry on loopback, converted and pushed once by a third host.
+//! docker-registry on loopback, converted, started once and pushed by a
+//! third host (so the artifact carries the order a boot reads chunks in,
+//! which the lazy side prefetches).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -173,14 +175,24 @@ pub async fn p8(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         None,
     )
     .await?;
-    ctx.step("converting and pushing it once (host a)");
+    // Host a converts it, starts it once (its daemon records the order the
+    // boot reads chunks in) and pushes it with that order.
+    ctx.step("converting, starting and pushing it once (host a)");
     let a = host(ctx, &root, "a")?;
+    first_start(ctx, &a, &reference, false).await?;
     let store = ImageStore::new(&a.data_dir);
     let opts = RegistryOptions::default();
-    let meta = store
-        .pull(&reference, &opts, None, false, &mut |_| {})
-        .await?;
     store.push(&reference, &opts, None, &mut |_| {}).await?;
+    let meta = store.get(&reference)?;
+    let reads = a
+        .data_dir
+        .join("images")
+        .join(meta.manifest_digest.trim_start_matches("sha256:"))
+        .join(daemon::READS);
+    let boot_order = std::fs::read(&reads)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Vec<usize>>(&b).ok())
+        .map_or(0, |o| o.len());
     let stored = meta.chunks.as_ref().map_or(0, |c| c.stored_bytes);
 
     let (mut eager, mut lazy, mut fetched) = (Vec::new(), Vec::new(), Vec::new());
@@ -213,6 +225,7 @@ pub async fn p8(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             .samples(lazy)
             .floor("full pull + convert, then the same start", eager)
             .param("image_tar_mib", mib(image_bytes))
+            .param("boot_order_chunks", boot_order)
             .ratio_target(0.3, "≤ 0.3× the full pull")
             .error(error.clone()),
     );

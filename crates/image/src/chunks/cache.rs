@@ -39,6 +39,38 @@ pub struct Disk {
     pub index: Index,
     /// None: every chunk must be local (an image converted here).
     pub remote: Option<Arc<dyn Fetch>>,
+    /// Chunks in the order they were first read (what a boot reads).
+    reads: Mutex<(Vec<usize>, HashSet<usize>)>,
+}
+
+/// Most chunks a read order keeps (a boot reads a few hundred).
+const MAX_ORDER: usize = 4096;
+
+impl Disk {
+    pub fn new(image: String, index: Index, remote: Option<Arc<dyn Fetch>>) -> Self {
+        Self {
+            image,
+            index,
+            remote,
+            reads: Mutex::new((Vec::new(), HashSet::new())),
+        }
+    }
+
+    fn note_read(&self, i: usize) {
+        let mut r = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+        if r.0.len() < MAX_ORDER && r.1.insert(i) {
+            r.0.push(i);
+        }
+    }
+
+    /// The chunks read so far, in first-read order.
+    pub fn read_order(&self) -> Vec<usize> {
+        self.reads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .clone()
+    }
 }
 
 /// What `GET /metrics` and `tine image list` show of the cache.
@@ -244,14 +276,10 @@ impl ChunkCache {
     /// The decompressed bytes of chunk `i` of `disk` (shorter than a chunk
     /// at the disk's end; empty for a chunk of zeros).
     pub async fn read(&self, disk: &Disk, i: usize) -> Result<Arc<Vec<u8>>> {
-        let Some(Some(chunk)) = disk.index.chunks.get(i) else {
-            return Ok(Arc::new(Vec::new()));
-        };
-        let result = self.read_chunk(disk, i, chunk).await;
-        if let Err(e) = &result {
-            self.record_error(e);
+        if matches!(disk.index.chunks.get(i), Some(Some(_))) {
+            disk.note_read(i);
         }
-        result
+        self.load(disk, i).await
     }
 
     async fn read_chunk(&self, disk: &Disk, i: usize, chunk: &ChunkRef) -> Result<Arc<Vec<u8>>> {
@@ -328,6 +356,62 @@ impl ChunkCache {
         }
         .await;
         self.lock().inflight.remove(&hex);
+        result
+    }
+
+    /// Fetch the chunks of `order` that are not here yet, two at a time,
+    /// until they would fill half the cache (a prefetch must not evict
+    /// what it fetched before it is read). Errors are counted as reads'.
+    pub async fn prefetch(self: Arc<Self>, disk: Arc<Disk>, order: Vec<usize>) {
+        let budget = self.lock().stats.max_bytes / 2;
+        let mut planned = 0u64;
+        let mut todo = Vec::new();
+        for i in order {
+            let Some(Some(c)) = disk.index.chunks.get(i) else {
+                continue;
+            };
+            let here = chunk_hex(&c.digest).is_ok_and(|h| self.lock().disk.contains_key(h));
+            if here
+                || disk
+                    .reads
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .1
+                    .contains(&i)
+            {
+                continue;
+            }
+            planned += c.size;
+            if planned > budget {
+                break;
+            }
+            todo.push(i);
+        }
+        let started = std::time::Instant::now();
+        let n = todo.len();
+        let slots = Arc::new(tokio::sync::Semaphore::new(2));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in todo {
+            let (cache, disk) = (self.clone(), disk.clone());
+            let permit = slots.clone().acquire_owned().await.expect("never closed");
+            tasks.spawn(async move {
+                let _permit = permit;
+                let _ = cache.load(&disk, i).await;
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        tracing::info!(image = %disk.image, chunks = n, ms = started.elapsed().as_millis() as u64, "prefetched");
+    }
+
+    /// Like [`ChunkCache::read`], without recording a read.
+    async fn load(&self, disk: &Disk, i: usize) -> Result<Arc<Vec<u8>>> {
+        let Some(Some(chunk)) = disk.index.chunks.get(i) else {
+            return Ok(Arc::new(Vec::new()));
+        };
+        let result = self.read_chunk(disk, i, chunk).await;
+        if let Err(e) = &result {
+            self.record_error(e);
+        }
         result
     }
 
@@ -444,11 +528,7 @@ mod tests {
         // Room for two chunks of the six.
         let cache = ChunkCache::open(&images, one * 2 + one / 2);
         let fetches = Arc::new(Dir(registry.clone(), AtomicU64::new(0)));
-        let disk = Disk {
-            image: "test/img:v1".into(),
-            index: index.clone(),
-            remote: Some(fetches.clone()),
-        };
+        let disk = Disk::new("test/img:v1".into(), index.clone(), Some(fetches.clone()));
         for round in 0..2 {
             for (i, want) in content.iter().enumerate() {
                 let got = cache.read(&disk, i).await.unwrap();
@@ -487,6 +567,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn prefetch_fetches_a_boot_order_within_half_the_bound() {
+        let tmp = tempfile::tempdir().unwrap();
+        let registry = tmp.path().join("registry");
+        disk_with(&tmp.path().join("disk"), 6);
+        let index = build(&tmp.path().join("disk"), &registry).unwrap();
+        let one = index.chunks[0].as_ref().unwrap().size;
+        let fetches = Arc::new(Dir(registry.clone(), AtomicU64::new(0)));
+        let cache = Arc::new(ChunkCache::open(&tmp.path().join("a"), 1 << 30));
+        let disk = Arc::new(Disk::new(
+            "img".into(),
+            index.clone(),
+            Some(fetches.clone()),
+        ));
+        cache.clone().prefetch(disk.clone(), vec![4, 1, 4]).await;
+        assert_eq!(fetches.1.load(Ordering::Relaxed), 2);
+        assert!(disk.read_order().is_empty(), "a prefetch is not a read");
+        cache.read(&disk, 4).await.unwrap();
+        cache.read(&disk, 1).await.unwrap();
+        assert_eq!(fetches.1.load(Ordering::Relaxed), 2, "both were prefetched");
+        assert_eq!(disk.read_order(), vec![4, 1]);
+        // Half of a bound smaller than two chunks holds none.
+        let small = Arc::new(ChunkCache::open(&tmp.path().join("b"), one * 3 / 2));
+        let disk = Arc::new(Disk::new("img".into(), index, Some(fetches.clone())));
+        small.clone().prefetch(disk, vec![0, 2]).await;
+        assert_eq!(fetches.1.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
     async fn chunks_of_a_local_only_image_are_pinned_and_not_counted() {
         let tmp = tempfile::tempdir().unwrap();
         let images = tmp.path().join("images");
@@ -505,11 +613,7 @@ mod tests {
         let st = cache.stats();
         assert_eq!(st.cached_bytes, 0);
         assert_eq!(st.pinned_bytes, index.stored_bytes());
-        let disk = Disk {
-            image: "local".into(),
-            index,
-            remote: None,
-        };
+        let disk = Disk::new("local".into(), index, None);
         assert_eq!(
             cache.read(&disk, 2).await.unwrap().len(),
             CHUNK_SIZE as usize

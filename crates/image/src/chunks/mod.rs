@@ -54,6 +54,10 @@ pub struct Index {
     pub disk_size: u64,
     /// One entry per chunk of the disk; `None` is a chunk of zeros.
     pub chunks: Vec<Option<ChunkRef>>,
+    /// Chunks in the order an earlier boot first read them: a host that
+    /// starts the image fetches these in the background.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub boot_order: Vec<usize>,
 }
 
 impl Index {
@@ -87,6 +91,12 @@ impl Index {
         }
         for c in index.chunks.iter().flatten() {
             chunk_hex(&c.digest)?;
+        }
+        if index.boot_order.iter().any(|&i| i >= index.chunks.len()) {
+            return Err(ImageError::Io {
+                context: "a chunk index's boot order names a chunk it does not have".into(),
+                source: std::io::ErrorKind::InvalidData.into(),
+            });
         }
         Ok(index)
     }
@@ -175,6 +185,7 @@ pub fn build(disk: &Path, dir: &Path) -> Result<Index> {
         chunk_size: CHUNK_SIZE,
         disk_size,
         chunks,
+        boot_order: Vec::new(),
     })
 }
 

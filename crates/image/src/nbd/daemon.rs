@@ -174,12 +174,49 @@ fn read_settings(run: &Path) -> Settings {
         .unwrap_or_default()
 }
 
+/// Where the daemon keeps the order a disk's chunks were first read in
+/// (`images/<hex>/reads.json`); `tine image push` sends it along.
+pub const READS: &str = "reads.json";
+
 /// The images of a store, opened as disks on first use.
 struct StoreExports {
     images: PathBuf,
     registries: Mutex<RegistryOptions>,
     open: Mutex<HashMap<String, Arc<Disk>>>,
+    /// Read-order lengths written so far, per export.
+    saved: Mutex<HashMap<String, usize>>,
     cache: Arc<ChunkCache>,
+}
+
+impl StoreExports {
+    /// Write each open disk's first-read order when it grew (only for a
+    /// disk whose image has none yet: the first boot's is the one kept).
+    fn save_read_orders(&self) {
+        let open: Vec<(String, Arc<Disk>)> = self
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut saved = self.saved.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, disk) in open {
+            let order = disk.read_order();
+            let before = saved.get(&name).copied();
+            if order.is_empty() || before == Some(order.len()) {
+                continue;
+            }
+            let path = self.images.join(&name).join(READS);
+            if before.is_none() && path.exists() {
+                saved.insert(name, order.len());
+                continue;
+            }
+            let json = serde_json::to_vec(&order).unwrap_or_default();
+            if crate::chunks::write_atomic(&path, &json).is_ok() {
+                saved.insert(name, order.len());
+            }
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -217,11 +254,19 @@ impl Exports for StoreExports {
             None => None,
         };
         self.cache.refresh_pins();
-        let disk = Arc::new(Disk {
-            image: meta.reference.clone(),
-            index,
-            remote,
-        });
+        // What earlier boots read first: the pushed order, or this host's.
+        let order = match index.boot_order.is_empty() {
+            false => index.boot_order.clone(),
+            true => std::fs::read(dir.join(READS))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Vec<usize>>(&b).ok())
+                .unwrap_or_default(),
+        };
+        let fetches = remote.is_some();
+        let disk = Arc::new(Disk::new(meta.reference.clone(), index, remote));
+        if fetches && !order.is_empty() {
+            tokio::spawn(self.cache.clone().prefetch(disk.clone(), order));
+        }
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -249,6 +294,7 @@ pub async fn run(data_dir: &Path) -> Result<()> {
         images,
         registries: Mutex::new(settings.registries.clone()),
         open: Mutex::new(HashMap::new()),
+        saved: Mutex::new(HashMap::new()),
         cache: cache.clone(),
     });
     let socket = socket_path(data_dir);
@@ -273,6 +319,7 @@ pub async fn run(data_dir: &Path) -> Result<()> {
             *exports.registries.lock().unwrap_or_else(|p| p.into_inner()) = now.registries.clone();
             settings = now;
         }
+        exports.save_read_orders();
         let stats = cache.stats();
         if last_stats.as_ref() != Some(&stats) {
             let json = serde_json::to_vec_pretty(&stats).unwrap_or_default();

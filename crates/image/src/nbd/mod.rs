@@ -391,11 +391,7 @@ mod tests {
         let cache = Arc::new(ChunkCache::open(&images, 1 << 30));
         let exports = Arc::new(One(
             "img".into(),
-            Arc::new(Disk {
-                image: "test".into(),
-                index,
-                remote: None,
-            }),
+            Arc::new(Disk::new("test".into(), index, None)),
         ));
         let sock = tmp.path().join("s");
         let listener = UnixListener::bind(&sock).unwrap();

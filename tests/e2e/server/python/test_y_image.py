@@ -43,10 +43,12 @@ def req(method, url, body=None, headers=None):
 
 
 class Registry:
-    def __init__(self):
+    def __init__(self, auth=None):
+        """auth: (user, password) for htpasswd (basic) auth, else none."""
         self.dir = tempfile.mkdtemp(prefix="tine-e2e-registry-")
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
+        self.headers = {}
         config = os.path.join(self.dir, "config.yml")
         with open(config, "w") as f:
             f.write(
@@ -55,11 +57,22 @@ class Registry:
                 f"storage: {{filesystem: {{rootdirectory: {self.dir}/data}}, delete: {{enabled: true}}}}\n"
                 f"http: {{addr: '127.0.0.1:{self.port}'}}\n"
             )
+            if auth:
+                import base64
+                import warnings
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    import crypt
+                with open(os.path.join(self.dir, "htpasswd"), "w") as h:
+                    h.write(f"{auth[0]}:{crypt.crypt(auth[1], crypt.mksalt(crypt.METHOD_BLOWFISH))}\n")
+                f.write(f"auth: {{htpasswd: {{realm: tine, path: {self.dir}/htpasswd}}}}\n")
+                token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+                self.headers = {"Authorization": f"Basic {token}"}
         self.proc = subprocess.Popen([REGISTRY_BIN, "serve", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 30
         while True:
             try:
-                req("GET", f"http://{self.host}/v2/")
+                req("GET", f"http://{self.host}/v2/", headers=dict(self.headers))
                 break
             except (urllib.error.URLError, ConnectionError):
                 if time.time() > deadline or self.proc.poll() is not None:
@@ -68,12 +81,12 @@ class Registry:
 
     def push_blob(self, repo, data):
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        _, headers, _ = req("POST", f"http://{self.host}/v2/{repo}/blobs/uploads/")
+        _, headers, _ = req("POST", f"http://{self.host}/v2/{repo}/blobs/uploads/", headers=dict(self.headers))
         location = headers["Location"]
         if location.startswith("/"):
             location = f"http://{self.host}{location}"
         sep = "&" if "?" in location else "?"
-        req("PUT", f"{location}{sep}digest={digest}", data, {"Content-Type": "application/octet-stream"})
+        req("PUT", f"{location}{sep}digest={digest}", data, {"Content-Type": "application/octet-stream", **self.headers})
         return digest
 
     def push_image(self, repo, tag, layers, config):
@@ -92,7 +105,7 @@ class Registry:
         }
         body = json.dumps(manifest).encode()
         req("PUT", f"http://{self.host}/v2/{repo}/manifests/{tag}", body,
-            {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+            {"Content-Type": "application/vnd.oci.image.manifest.v1+json", **self.headers})
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
     def blob_file(self, digest):

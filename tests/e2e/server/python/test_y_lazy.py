@@ -262,3 +262,46 @@ def test_a_chunk_damaged_in_the_registry_is_named(images, registry, host):
         with open(registry.blob_file(chunk["digest"]), "r+b") as f:
             f.seek(chunk["size"] // 2)
             f.write(byte)
+
+
+def denied(err):
+    return "not authorized" in err.lower() or "unauthorized" in err.lower()
+
+
+def test_registry_credentials(host):
+    """A registry with basic auth: no or wrong credentials are refused with
+    a clear error; the request's or the config file's are used, for the
+    pull, the push and a lazy host's chunk fetches."""
+    r = Registry(auth=("me", "secret"))
+    try:
+        ref = f"{r.host}/e2e/private:v1"
+        layer = tar_layer(lambda t: add(t, "opt/private", b"p" * 100000))
+        r.push_image("e2e/private", "v1", [(layer, GZ)], dict(CONFIG))
+        code, _, err = tine("image", "pull", ref)
+        assert code != 0 and "e2e/private" in err and denied(err), err
+        code, _, err = tine("image", "pull", "--username", "me", "--password", "wrong", ref)
+        assert code != 0 and denied(err), err
+        assert "wrong" not in err, "the password is never printed"
+        cfg = os.path.join(r.dir, "tine.toml")
+        with open(cfg, "w") as f:
+            f.write(f'[registries]\ncredentials = {{ "{r.host}" = {{ username = "me", password = "secret" }} }}\n')
+        code, _, err = tine("image", "pull", "--config", cfg, ref)
+        assert code == 0, err
+        code, _, err = tine("image", "push", ref)
+        assert code != 0 and denied(err), err
+        code, _, err = tine("image", "push", "--username", "me", "--password", "secret", ref)
+        assert code == 0, err
+        # Another host pulls it lazily with the request's credentials and
+        # its daemon fetches the chunks with them.
+        c = host("e2e-lazy-auth", cache_max=1 << 30)
+        code, _, err = c.tine("image", "pull", "--username", "me", "--password", "secret", ref)
+        assert code == 0 and "converted in its registry" in err, err
+        auth = os.path.join(c.dir, "images", c.meta(ref)["manifest_digest"].split(":")[1], "auth.json")
+        assert os.stat(auth).st_mode & 0o777 == 0o600
+        code, _, err = c.tine("image", "fetch", ref)
+        assert code == 0, err
+        st = c.stats()
+        assert st["errors"] == 0 and st["misses"] > 0, st
+    finally:
+        tine("image", "rm", f"{r.host}/e2e/private:v1")
+        r.stop()
