@@ -287,15 +287,8 @@ impl ImageStore {
             std::fs::write(work.join("index.json"), index.to_json())
                 .map_err(io("writing index.json"))?;
             if let Some(c) = creds {
-                use std::os::unix::fs::OpenOptionsExt;
-                let mut f = std::fs::OpenOptions::new()
-                    .create_new(true)
-                    .write(true)
-                    .mode(0o600)
-                    .open(work.join("auth.json"))
-                    .map_err(io("writing auth.json"))?;
-                std::io::Write::write_all(&mut f, &serde_json::to_vec(c).unwrap_or_default())
-                    .map_err(io("writing auth.json"))?;
+                let json = serde_json::to_vec(c).unwrap_or_default();
+                crate::nbd::daemon::write_private(&work.join("auth.json"), &json)?;
             }
             finish(&self.dir, &work, &meta)
         })();

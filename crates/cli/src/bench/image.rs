@@ -110,7 +110,7 @@ async fn first_start(
     paths: &Paths,
     reference: &str,
     lazy: bool,
-) -> anyhow::Result<(f64, daemon::Settings, tine_image::chunks::cache::CacheStats)> {
+) -> anyhow::Result<(f64, tine_image::chunks::cache::CacheStats)> {
     let exe = std::env::current_exe()?;
     let settings = daemon::Settings::default();
     let t = Instant::now();
@@ -143,7 +143,7 @@ async fn first_start(
     // The daemon writes its statistics every second.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let stats = daemon::read_stats(&paths.data_dir).unwrap_or_default();
-    Ok((elapsed, settings, stats))
+    Ok((elapsed, stats))
 }
 
 pub async fn p8(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
@@ -206,11 +206,11 @@ pub async fn p8(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             stop_daemon(&paths);
             let _ = std::fs::remove_dir_all(&paths.data_dir);
             match result {
-                Ok((t, _, stats)) if lazy_side => {
+                Ok((t, stats)) if lazy_side => {
                     lazy.push(t);
                     fetched.push(stats.fetched_bytes as f64 / (1 << 20) as f64);
                 }
-                Ok((t, _, _)) => eager.push(t),
+                Ok((t, _)) => eager.push(t),
                 Err(e) => errors.push(format!("{name}: {e:#}")),
             }
         }

@@ -86,7 +86,8 @@ fn open_lock(path: &Path) -> Result<std::fs::File> {
         .map_err(io(format!("opening {}", path.display())))
 }
 
-fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+/// Write `data` to `path` (through a temporary file) readable by root only.
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
