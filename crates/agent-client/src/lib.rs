@@ -11,6 +11,7 @@
 //! - [`process`]: `process.Process/Start` as `commands.run` sends it, on a
 //!   fresh or a kept-alive connection.
 
+pub mod files;
 mod http1;
 mod init;
 pub mod process;

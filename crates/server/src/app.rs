@@ -9,7 +9,7 @@ use axum::middleware;
 use axum::Router;
 
 use crate::state::AppState;
-use crate::{api, db, guest_client, metrics, proxy, sandboxes, templates, Config};
+use crate::{api, builds, db, guest_client, metrics, proxy, sandboxes, templates, Config};
 
 /// The whole HTTP app: the proxy sees every request first, so sandbox
 /// traffic never meets a REST route; the rest goes to the REST router.
@@ -35,7 +35,11 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         paths.clone(),
         sandboxes::agent::probe(),
     ));
-    let templates = templates::Templates::new(driver.clone(), artifacts, db.clone());
+    let templates = Arc::new(templates::Templates::new(
+        driver.clone(),
+        artifacts.clone(),
+        db.clone(),
+    ));
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
@@ -51,6 +55,30 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         .map_err(|e| tracing::error!("starting the image daemon: {e}"))
         .ok();
     tokio::spawn(keep_image_daemon(paths.data_dir.clone(), exe, hold));
+    let default_machine = tine_vmm::Machine {
+        vcpus: config.default_cpu_count,
+        memory_mib: config.default_memory_mb,
+        ..Default::default()
+    };
+    let build_env = builds::run::BuildEnv {
+        driver: driver.clone(),
+        artifacts,
+        db: db.clone(),
+        templates: templates.clone(),
+        files: Arc::new(builds::files::ContextStore::new(
+            &paths.data_dir,
+            config.build_context_max_bytes,
+        )),
+        data_dir: paths.data_dir.clone(),
+        registries: config.registries.clone(),
+        ready_timeout: std::time::Duration::from_secs(config.build_ready_timeout_secs),
+        step_timeout: std::time::Duration::from_secs(config.build_step_timeout_secs),
+    };
+    let builds = Arc::new(builds::Builds::new(
+        build_env,
+        config.max_concurrent_builds,
+        default_machine,
+    )?);
     let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
     manager
         .recover()
@@ -65,6 +93,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         metrics: Arc::new(metrics::Metrics::default()),
         domain,
         data_dir: paths.data_dir.clone(),
+        builds,
     });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();

@@ -65,6 +65,14 @@ pub struct Config {
     /// (chunks of images converted here and pushed nowhere are kept
     /// outside it).
     pub image_cache_max_bytes: u64,
+    /// Template builds that may run at once (more wait, status `waiting`).
+    pub max_concurrent_builds: usize,
+    /// Largest build-context archive an upload may send.
+    pub build_context_max_bytes: u64,
+    /// How long a template's ready command may keep failing.
+    pub build_ready_timeout_secs: u64,
+    /// How long one build step may run.
+    pub build_step_timeout_secs: u64,
 }
 
 impl Default for Config {
@@ -88,6 +96,10 @@ impl Default for Config {
             fork_shared_ram_from: 2,
             registries: Default::default(),
             image_cache_max_bytes: tine_image::nbd::daemon::DEFAULT_CACHE_MAX_BYTES,
+            max_concurrent_builds: 2,
+            build_context_max_bytes: 1 << 30,
+            build_ready_timeout_secs: 300,
+            build_step_timeout_secs: 3600,
         }
     }
 }
@@ -134,6 +146,9 @@ impl Config {
             || self.default_memory_mb > self.max_memory_mb
         {
             return bad("default_memory_mb must be between min_memory_mb and max_memory_mb");
+        }
+        if self.max_concurrent_builds == 0 {
+            return bad("max_concurrent_builds must be at least 1");
         }
         if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");

@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod app;
+pub mod builds;
 pub mod config;
 pub mod db;
 pub mod guest_client;

@@ -16,4 +16,6 @@ pub struct AppState {
     pub client: GuestClient,
     /// Where the image daemon writes its cache statistics.
     pub data_dir: std::path::PathBuf,
+    /// Template builds (the Template API).
+    pub builds: Arc<crate::builds::Builds>,
 }

@@ -67,7 +67,18 @@ impl Templates {
     }
 
     pub fn exists(&self, template: &str) -> bool {
-        template == DEFAULT_TEMPLATE || matches!(self.db.find_template(template, None), Ok(Some(_)))
+        template == DEFAULT_TEMPLATE || matches!(self.find(template), Ok(Some(_)))
+    }
+
+    /// A built template by name (its newest build) or `name:tag`.
+    pub fn find(&self, template: &str) -> Result<Option<SnapshotRow>, TemplateError> {
+        if let Some((name, tag)) = template.rsplit_once(':') {
+            let Some(id) = self.db.tag_snapshot(name, tag)? else {
+                return Ok(None);
+            };
+            return Ok(self.db.get_snapshot(&id)?);
+        }
+        Ok(self.db.find_template(template, None)?)
     }
 
     fn base_snapshot_name(&self, machine: Machine) -> String {
@@ -103,8 +114,7 @@ impl Templates {
     ) -> Result<(SnapshotRef, SnapshotRow), TemplateError> {
         if template != DEFAULT_TEMPLATE {
             let row = self
-                .db
-                .find_template(template, None)?
+                .find(template)?
                 .ok_or_else(|| TemplateError::NotFound(template.into()))?;
             let snap = self
                 .driver
@@ -272,7 +282,7 @@ const ADD_USER: &str = "id user >/dev/null 2>&1 || { \
 /// Give the guest of an image build the image's `Env` and `WorkingDir`
 /// (the agent keeps them, so every sandbox of the template has them), and
 /// a `user` account if the image has none.
-async fn prepare_image(
+pub(crate) async fn prepare_image(
     vm: &dyn VmHandle,
     spec: &BuildSpec,
     image: &tine_image::ImageMeta,

@@ -5,6 +5,7 @@
 mod error;
 mod sandboxes;
 mod system;
+mod templates;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -58,7 +59,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/templates", get(sandboxes::list_templates))
         .route(
             "/templates/{id}",
-            axum::routing::delete(sandboxes::delete_snapshot),
+            get(templates::get_template).delete(sandboxes::delete_snapshot),
+        )
+        .route("/v3/templates", post(templates::request_build))
+        .route("/templates/aliases/{alias}", get(templates::alias))
+        .route(
+            "/templates/tags",
+            post(templates::assign_tags).delete(templates::remove_tags),
+        )
+        .route("/templates/{id}/tags", get(templates::list_tags))
+        .route("/templates/{id}/files/{hash}", get(templates::file_link))
+        .route("/build-files/{hash}", axum::routing::put(templates::upload))
+        .route(
+            "/v2/templates/{id}/builds/{build_id}",
+            post(templates::start_build),
+        )
+        .route(
+            "/templates/{id}/builds/{build_id}/status",
+            get(templates::build_status),
         )
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .fallback(system::not_found)

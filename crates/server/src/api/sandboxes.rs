@@ -17,7 +17,7 @@ use crate::model::{SandboxRecord, SandboxState};
 use crate::sandboxes::CreateRequest;
 use crate::state::AppState;
 
-fn rfc3339(ms: i64) -> String {
+pub(super) fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
         .format(&time::format_description::well_known::Rfc3339)

@@ -6,6 +6,7 @@
 //! keys`) opens the same file while the server runs; `busy_timeout` makes
 //! the two wait for each other instead of failing.
 
+mod builds;
 mod events;
 mod keys;
 mod sandboxes;
@@ -16,6 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::Connection;
 
+pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
 pub use keys::{ApiKey, NewKey};
 pub use sandboxes::ListFilter;
@@ -95,6 +97,31 @@ CREATE TABLE snapshots (
     deleted_ms    INTEGER
 );
 CREATE INDEX snapshots_by_parent ON snapshots (parent_id);
+"#,
+    r#"
+CREATE TABLE builds (
+    id             TEXT PRIMARY KEY,
+    template       TEXT NOT NULL,
+    status         TEXT NOT NULL,
+    reason         TEXT,
+    reason_step    TEXT,
+    tags           TEXT NOT NULL,
+    cpu_count      INTEGER NOT NULL,
+    memory_mb      INTEGER NOT NULL,
+    snapshot_id    TEXT,
+    build_key      TEXT,
+    created_ms     INTEGER NOT NULL,
+    finished_ms    INTEGER
+);
+CREATE INDEX builds_by_template ON builds (template, created_ms);
+CREATE TABLE template_tags (
+    template     TEXT NOT NULL,
+    tag          TEXT NOT NULL,
+    snapshot_id  TEXT NOT NULL,
+    build_id     TEXT NOT NULL,
+    created_ms   INTEGER NOT NULL,
+    PRIMARY KEY (template, tag)
+);
 "#,
 ];
 

@@ -19,6 +19,9 @@ pub enum SnapshotKind {
     /// A template (`names[0]` is its name): `base` for each machine shape
     /// in use, and those `tine template build` made.
     Template,
+    /// A template build's step result (`template_id` holds its cache key),
+    /// kept while templates sit on it.
+    Layer,
 }
 
 impl SnapshotKind {
@@ -28,6 +31,7 @@ impl SnapshotKind {
             SnapshotKind::Fork => "fork",
             SnapshotKind::Snapshot => "snapshot",
             SnapshotKind::Template => "template",
+            SnapshotKind::Layer => "layer",
         }
     }
     fn parse(s: &str) -> Option<Self> {
@@ -36,6 +40,7 @@ impl SnapshotKind {
             "fork" => SnapshotKind::Fork,
             "snapshot" => SnapshotKind::Snapshot,
             "template" => SnapshotKind::Template,
+            "layer" => SnapshotKind::Layer,
             _ => return None,
         })
     }
@@ -183,6 +188,21 @@ impl Db {
             out.push(r??);
         }
         Ok(out)
+    }
+
+    /// The newest build layer with cache key `key`.
+    pub fn find_layer(&self, key: &str) -> Result<Option<SnapshotRow>> {
+        self.conn()
+            .query_row(
+                &format!(
+                    "SELECT {COLUMNS} FROM snapshots WHERE kind = 'layer' AND deleted_ms IS NULL \
+                     AND template_id = ?1 ORDER BY created_ms DESC LIMIT 1"
+                ),
+                [key],
+                from_row,
+            )
+            .optional()?
+            .transpose()
     }
 
     /// A capture now sits directly on `parent_id` (after compaction).

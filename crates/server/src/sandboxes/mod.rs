@@ -17,7 +17,7 @@ mod capture;
 mod compaction;
 mod gc;
 mod lifecycle;
-mod limits;
+pub mod limits;
 mod pool;
 mod recover;
 mod sweep;
@@ -130,7 +130,7 @@ pub struct Manager {
     pub config: Config,
     db: Arc<Db>,
     driver: Arc<dyn Driver>,
-    templates: Templates,
+    templates: Arc<Templates>,
     live: RwLock<HashMap<String, Arc<Live>>>,
     /// One lock per sandbox: lifecycle operations on it run one at a time.
     ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -161,7 +161,12 @@ struct Source {
 }
 
 impl Manager {
-    pub fn new(config: Config, db: Arc<Db>, driver: Arc<dyn Driver>, templates: Templates) -> Self {
+    pub fn new(
+        config: Config,
+        db: Arc<Db>,
+        driver: Arc<dyn Driver>,
+        templates: Arc<Templates>,
+    ) -> Self {
         let pool = Arc::new(pool::WarmPool::new(config.pool_size, driver.clone()));
         Self {
             db,
@@ -176,6 +181,10 @@ impl Manager {
             gc_pending: Default::default(),
             config,
         }
+    }
+
+    pub fn templates(&self) -> &Templates {
+        &self.templates
     }
 
     pub fn db(&self) -> &Db {

@@ -40,7 +40,7 @@ fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
     };
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
     let templates = Templates::new(driver.clone(), artifacts, db.clone());
-    Manager::new(config(), db.clone(), driver, templates)
+    Manager::new(config(), db.clone(), driver, templates.into())
 }
 
 async fn setup() -> Setup {

@@ -1,0 +1,339 @@
+//! Template routes of E2B's Template API: requesting a build, uploading
+//! build contexts, starting a build and following it, aliases and tags.
+//! Handlers only translate; builds live in `crate::builds`.
+//!
+//! The Python SDK accepts only the exact success status of each route
+//! (202 for `POST /v3/templates`, 201 for the upload link and for tags).
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::{HeaderMap, StatusCode};
+use serde::Deserialize;
+
+use super::{json_body, ApiError, Authed};
+use crate::builds::{BuildError, StartRequest};
+use crate::db::{BuildRow, DbError};
+use crate::state::AppState;
+
+/// How long an upload URL stays valid.
+const UPLOAD_URL_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
+
+impl From<BuildError> for ApiError {
+    fn from(e: BuildError) -> Self {
+        let status = match &e {
+            BuildError::NotFound(_) => StatusCode::NOT_FOUND,
+            BuildError::Invalid(_) => StatusCode::BAD_REQUEST,
+            BuildError::Conflict(_) => StatusCode::CONFLICT,
+            BuildError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+fn db_err(e: DbError) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RequestBody {
+    name: Option<String>,
+    alias: Option<String>,
+    #[serde(default)]
+    tags: Vec<String>,
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u32>,
+}
+
+/// `POST /v3/templates`: register a build (`Template.build` first).
+pub async fn request_build(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: RequestBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let name = b
+        .name
+        .or(b.alias)
+        .ok_or_else(|| ApiError::bad_request("name is required"))?;
+    let machine = crate::sandboxes::limits::machine(&s.manager.config, b.cpu_count, b.memory_mb)?;
+    let build = s.builds.request(&name, b.tags, machine)?;
+    let body = serde_json::json!({
+        "templateID": build.template,
+        "buildID": build.id,
+        "public": false,
+        "names": [build.template],
+        "aliases": [build.template],
+        "tags": build.tags,
+    });
+    Ok((StatusCode::ACCEPTED, Json(body)).into_response())
+}
+
+/// `GET /templates/{id}/files/{hash}`: whether the server has the files
+/// of a `COPY`, and if not where to upload them.
+pub async fn file_link(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path((template, hash)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    if !crate::builds::steps::valid_hash(&hash) {
+        return Err(ApiError::bad_request(format!(
+            "files hash {hash:?} is not a sha256 hex digest"
+        )));
+    }
+    if !s.builds.known(&template)? && !s.manager.templates().exists(&template) {
+        return Err(ApiError::not_found(format!(
+            "template {template} not found"
+        )));
+    }
+    let present = s.builds.files().digest(&hash).is_some();
+    let mut body = serde_json::json!({ "present": present });
+    if !present {
+        let host = headers
+            .get(http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .ok_or_else(|| ApiError::bad_request("a Host header is required"))?;
+        body["url"] = format!(
+            "http://{host}{}",
+            s.builds.files().upload_path(&hash, UPLOAD_URL_TTL)
+        )
+        .into();
+    }
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct UploadQuery {
+    expires: Option<u64>,
+    signature: Option<String>,
+}
+
+/// `PUT /build-files/{hash}?expires=…&signature=…`: the upload URL of
+/// `file_link` (signed, so it needs no API key).
+pub async fn upload(
+    State(s): State<Arc<AppState>>,
+    Path(hash): Path<String>,
+    Query(q): Query<UploadQuery>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    use crate::builds::files::FilesError;
+    let files = s.builds.files();
+    let (Some(expires), Some(sig)) = (q.expires, q.signature) else {
+        return Err(ApiError::unauthorized("upload URL is not signed"));
+    };
+    let status = |e: &FilesError| match e {
+        FilesError::BadSignature => StatusCode::UNAUTHORIZED,
+        FilesError::BadHash(_) | FilesError::NotTar(_) | FilesError::Body(_) => {
+            StatusCode::BAD_REQUEST
+        }
+        FilesError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        FilesError::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let result = async {
+        files.verify(&hash, expires, &sig)?;
+        files.receive(&hash, body.into_data_stream()).await
+    }
+    .await;
+    match result {
+        Ok(digest) => {
+            tracing::info!(files_hash = %hash, %digest, "build context uploaded");
+            Ok(StatusCode::OK.into_response())
+        }
+        Err(e) => Err(ApiError::new(status(&e), e.to_string())),
+    }
+}
+
+/// `POST /v2/templates/{id}/builds/{buildID}`: start the build.
+pub async fn start_build(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path((template, build_id)): Path<(String, String)>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let req: StartRequest = json_body(body, 4 * s.manager.config.max_body_bytes).await?;
+    s.builds.start(&template, &build_id, req)?;
+    Ok(StatusCode::ACCEPTED.into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusQuery {
+    logs_offset: Option<usize>,
+    limit: Option<usize>,
+}
+
+/// `GET /templates/{id}/builds/{buildID}/status`: the build's status and
+/// its log from `logsOffset` on.
+pub async fn build_status(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path((template, build_id)): Path<(String, String)>,
+    Query(q): Query<StatusQuery>,
+) -> Result<Response, ApiError> {
+    let build = s.builds.get(&template, &build_id)?;
+    let entries = s.builds.logs(
+        &build_id,
+        q.logs_offset.unwrap_or(0),
+        q.limit.unwrap_or(100).clamp(1, 1000),
+    );
+    let log_entries: Vec<_> = entries
+        .iter()
+        .map(|e| serde_json::json!({ "timestamp": e.timestamp, "level": e.level.as_str(), "message": e.message }))
+        .collect();
+    let logs: Vec<_> = entries.iter().map(|e| e.message.clone()).collect();
+    let mut body = serde_json::json!({
+        "templateID": build.template,
+        "buildID": build.id,
+        "status": build.status.as_str(),
+        "logs": logs,
+        "logEntries": log_entries,
+    });
+    if let Some(message) = &build.reason {
+        body["reason"] = serde_json::json!({ "message": message, "step": build.reason_step });
+    }
+    Ok(Json(body).into_response())
+}
+
+/// `GET /templates/aliases/{alias}`: `Template.exists`.
+pub async fn alias(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(alias): Path<String>,
+) -> Result<Response, ApiError> {
+    if !s.manager.templates().exists(&alias) {
+        return Err(ApiError::not_found(format!("template {alias} not found")));
+    }
+    Ok(Json(serde_json::json!({ "templateID": alias, "public": false })).into_response())
+}
+
+fn build_out(b: &BuildRow) -> serde_json::Value {
+    serde_json::json!({
+        "buildID": b.id,
+        "status": b.status.as_str(),
+        "createdAt": super::sandboxes::rfc3339(b.created_ms),
+        "updatedAt": super::sandboxes::rfc3339(b.finished_ms.unwrap_or(b.created_ms)),
+        "finishedAt": b.finished_ms.map(super::sandboxes::rfc3339),
+        "cpuCount": b.cpu_count,
+        "memoryMB": b.memory_mb,
+    })
+}
+
+/// `GET /templates/{id}`: a template and its builds.
+pub async fn get_template(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(template): Path<String>,
+) -> Result<Response, ApiError> {
+    let builds = s.builds.db().list_builds(&template).map_err(db_err)?;
+    let exists = s.manager.templates().exists(&template);
+    if builds.is_empty() && !exists {
+        return Err(ApiError::not_found(format!(
+            "template {template} not found"
+        )));
+    }
+    let created = builds.last().map_or(0, |b| b.created_ms);
+    Ok(Json(serde_json::json!({
+        "templateID": template,
+        "public": false,
+        "aliases": [template],
+        "names": [template],
+        "createdAt": super::sandboxes::rfc3339(created),
+        "updatedAt": super::sandboxes::rfc3339(builds.first().map_or(created, |b| b.finished_ms.unwrap_or(b.created_ms))),
+        "lastSpawnedAt": null,
+        "spawnCount": 0,
+        "builds": builds.iter().map(build_out).collect::<Vec<_>>(),
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+struct AssignTags {
+    target: String,
+    tags: Vec<String>,
+}
+
+/// `POST /templates/tags`: point tags of a template at the build `target`
+/// (`name` or `name:tag`) names.
+pub async fn assign_tags(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: AssignTags = json_body(body, s.manager.config.max_body_bytes).await?;
+    let name = b.target.split(':').next().unwrap_or_default().to_string();
+    let row = s
+        .manager
+        .templates()
+        .find(&b.target)
+        .map_err(crate::sandboxes::SandboxError::from)?
+        .ok_or_else(|| ApiError::not_found(format!("template {} not found", b.target)))?;
+    if b.tags.is_empty() {
+        return Err(ApiError::bad_request("tags must not be empty"));
+    }
+    let build_id = s.builds.db().build_of_snapshot(&row.id).map_err(db_err)?;
+    for tag in &b.tags {
+        if !crate::builds::valid_tag(tag) {
+            return Err(ApiError::bad_request(format!("invalid tag {tag:?}")));
+        }
+    }
+    for tag in &b.tags {
+        s.builds
+            .db()
+            .set_tag(&name, tag, &row.id, &build_id)
+            .map_err(db_err)?;
+    }
+    Ok((
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "tags": b.tags, "buildID": build_id })),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize)]
+struct RemoveTags {
+    name: String,
+    tags: Vec<String>,
+}
+
+/// `DELETE /templates/tags`.
+pub async fn remove_tags(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: RemoveTags = json_body(body, s.manager.config.max_body_bytes).await?;
+    let name = b.name.split(':').next().unwrap_or_default();
+    for tag in &b.tags {
+        if !s.builds.db().delete_tag(name, tag).map_err(db_err)? {
+            return Err(ApiError::not_found(format!(
+                "template {name} has no tag {tag}"
+            )));
+        }
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /templates/{id}/tags`.
+pub async fn list_tags(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(template): Path<String>,
+) -> Result<Response, ApiError> {
+    let name = template.split(':').next().unwrap_or_default();
+    let tags = s.builds.db().tags(name).map_err(db_err)?;
+    if tags.is_empty() && !s.manager.templates().exists(name) {
+        return Err(ApiError::not_found(format!("template {name} not found")));
+    }
+    let out: Vec<_> = tags
+        .into_iter()
+        .map(|(tag, _, build, at)| {
+            serde_json::json!({ "tag": tag, "buildID": build, "createdAt": super::sandboxes::rfc3339(at) })
+        })
+        .collect();
+    Ok(Json(out).into_response())
+}

@@ -1,0 +1,667 @@
+//! Running a build: its base (a template snapshot, or an OCI image booted
+//! once), then each step in a build VM, each `RUN`/`COPY` sealed as a
+//! layer (a capture of the VM, disk and memory) under a key that hashes
+//! its parent, the step, the state it ran with and the archive it copied.
+//! A build restores the newest layer whose key matches instead of running
+//! what made it, so an unchanged prefix costs one restore; the finished
+//! template (start command running, ready check passed) is one capture
+//! more. A failed step kills the VM; the layers before it stay, for the
+//! next build.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tine_agent_client::{ExecOutput, InitRequest, AGENT_PORT};
+use tine_vmm::{Artifacts, Driver, Machine, SnapshotRef, VmHandle};
+
+use super::files::ContextStore;
+use super::steps::{self, key_of, layer_key, Op, State, Step};
+use crate::db::{now_ms, Db, SnapshotKind, SnapshotRow};
+use crate::templates::{BuildImage, Templates};
+
+/// What a build needs of the host.
+pub struct BuildEnv {
+    pub driver: Arc<dyn Driver>,
+    pub artifacts: Artifacts,
+    pub db: Arc<Db>,
+    pub templates: Arc<Templates>,
+    pub files: Arc<ContextStore>,
+    pub data_dir: std::path::PathBuf,
+    pub registries: tine_image::RegistryOptions,
+    /// How long a ready check may keep failing.
+    pub ready_timeout: Duration,
+    /// How long one step may run.
+    pub step_timeout: Duration,
+}
+
+/// Where a build starts.
+#[derive(Debug, Clone)]
+pub enum Base {
+    /// A template (`base`, or one built earlier): its snapshot is restored.
+    Template(String),
+    /// An OCI image, pulled if needed and booted.
+    Image {
+        reference: String,
+        credentials: Option<tine_image::Credentials>,
+    },
+}
+
+/// One build, checked.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub template: String,
+    pub build_id: String,
+    pub base: Base,
+    pub steps: Vec<Step>,
+    pub start: Option<String>,
+    pub ready: Option<String>,
+    /// Rebuild everything (`skip_cache`).
+    pub force: bool,
+    pub machine: Machine,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Debug => "debug",
+            Level::Info => "info",
+            Level::Warn => "warn",
+            Level::Error => "error",
+        }
+    }
+}
+
+pub type Log = Arc<dyn Fn(Level, String) + Send + Sync>;
+
+/// Why a build failed, and where: `"base"`, a step number counted from 1,
+/// or `"finalize"` (start command, ready check, capture), as the SDK reads
+/// `reason.step`.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    pub step: String,
+    pub message: String,
+}
+
+fn fail(step: impl ToString, message: impl ToString) -> Failure {
+    Failure {
+        step: step.to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// What a finished build made: the template's snapshot row, and the key
+/// of everything that went into it.
+pub struct Built {
+    pub row: SnapshotRow,
+    pub key: String,
+    pub cached: bool,
+}
+
+/// Run `plan`. Every step is checked before anything runs.
+pub async fn execute(env: &BuildEnv, plan: &Plan, log: &Log) -> Result<Built, Failure> {
+    let ops = plan
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| s.op(i + 1).map_err(|e| fail(i + 1, e)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let started = Instant::now();
+    let mut build = Runner {
+        env,
+        plan,
+        log,
+        vm: None,
+    };
+    let result = build.run(&ops).await;
+    if let Some(vm) = build.vm.take() {
+        let _ = vm.kill().await;
+    }
+    match &result {
+        Ok(b) => log(
+            Level::Info,
+            format!(
+                "template {} ready in {:.1} s{}",
+                plan.template,
+                started.elapsed().as_secs_f64(),
+                if b.cached { " (every step cached)" } else { "" }
+            ),
+        ),
+        Err(f) => log(
+            Level::Error,
+            format!("build failed at step {}: {}", f.step, f.message),
+        ),
+    }
+    result
+}
+
+struct Runner<'a> {
+    env: &'a BuildEnv,
+    plan: &'a Plan,
+    log: &'a Log,
+    /// The build VM, once a step had to run.
+    vm: Option<Box<dyn VmHandle>>,
+}
+
+impl Runner<'_> {
+    fn info(&self, msg: String) {
+        (self.log)(Level::Info, msg)
+    }
+
+    async fn run(&mut self, ops: &[Op]) -> Result<Built, Failure> {
+        let (mut parent, mut key, mut state) = self.base().await?;
+        let mut forced = self.plan.force;
+        let n = ops.len();
+        let mut all_cached = true;
+        for (i, (op, step)) in ops.iter().zip(&self.plan.steps).enumerate() {
+            let num = i + 1;
+            let shown = format!("[{num}/{n}] {} {}", step.kind, step.args.join(" "));
+            forced |= step.force;
+            if !op.makes_layer() {
+                state.apply(op);
+                self.info(shown.clone());
+                continue;
+            }
+            let content = match op {
+                Op::Copy {
+                    files_hash, src, ..
+                } => Some(self.env.files.digest(files_hash).ok_or_else(|| {
+                    fail(
+                        num,
+                        format!("COPY {src}: the files for hash {files_hash} were not uploaded"),
+                    )
+                })?),
+                _ => None,
+            };
+            key = layer_key(&key, op, &state, content.as_deref());
+            if !forced && self.vm.is_none() {
+                if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail(num, e))? {
+                    if self.env.driver.open_snapshot(&row.id).is_ok() {
+                        self.info(format!("CACHED {shown}"));
+                        parent = row.id;
+                        continue;
+                    }
+                }
+            }
+            all_cached = false;
+            self.info(shown.clone());
+            self.ensure_vm(&parent, num).await?;
+            let t = Instant::now();
+            self.step(op, &state, content.as_deref(), num).await?;
+            parent = self.seal(&key, &parent, num).await?;
+            self.info(format!(
+                "[{num}/{n}] done in {:.1} s",
+                t.elapsed().as_secs_f64()
+            ));
+        }
+        self.finish(parent, key, state, all_cached && !forced).await
+    }
+
+    /// The snapshot the first step starts from, its key, and the state.
+    async fn base(&mut self) -> Result<(String, String, State), Failure> {
+        let machine = self.plan.machine;
+        match &self.plan.base {
+            Base::Template(name) => {
+                self.info(format!("FROM template {name}"));
+                let (_, row) = self
+                    .env
+                    .templates
+                    .snapshot(name, machine)
+                    .await
+                    .map_err(|e| fail("base", e))?;
+                let key = key_of(&["template", &row.id]);
+                Ok((row.id, key, State::default()))
+            }
+            Base::Image {
+                reference,
+                credentials,
+            } => {
+                let meta = self.pull(reference, credentials.as_ref()).await?;
+                let mut state = State::default();
+                if let Some(wd) = meta
+                    .config
+                    .working_dir
+                    .as_deref()
+                    .filter(|w| w.starts_with('/'))
+                {
+                    state.workdir = wd.to_string();
+                }
+                let a = &self.env.artifacts;
+                let key = key_of(&[
+                    "image",
+                    &meta.manifest_digest,
+                    &a.kernel.display().to_string(),
+                    &a.initramfs.display().to_string(),
+                    machine.accel.as_str(),
+                    &machine.vcpus.to_string(),
+                    &machine.memory_mib.to_string(),
+                ]);
+                if !self.plan.force {
+                    if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail("base", e))? {
+                        if self.env.driver.open_snapshot(&row.id).is_ok() {
+                            self.info(format!(
+                                "CACHED FROM {reference} ({})",
+                                meta.manifest_digest
+                            ));
+                            return Ok((row.id, key, state));
+                        }
+                    }
+                }
+                self.info(format!(
+                    "FROM {reference}: booting {}",
+                    meta.manifest_digest
+                ));
+                let image = BuildImage::new(meta, &self.env.data_dir);
+                let mut artifacts = self.env.artifacts.clone();
+                artifacts.rootfs = image.disk.clone();
+                let vm_id = format!("build-{}", crate::ids::random_hex(4));
+                let vm = self
+                    .env
+                    .driver
+                    .boot(&vm_id, machine, &artifacts)
+                    .await
+                    .map_err(|e| fail("base", format!("booting {reference}: {e}")))?;
+                self.vm = Some(vm);
+                let spec = crate::templates::BuildSpec {
+                    name: self.plan.template.clone(),
+                    machine,
+                    ..Default::default()
+                };
+                crate::templates::prepare_image(self.vm(), &spec, &image.meta)
+                    .await
+                    .map_err(|e| fail("base", e))?;
+                let id = self.seal_as(&key, None, "base").await?;
+                Ok((id, key, state))
+            }
+        }
+    }
+
+    async fn pull(
+        &self,
+        reference: &str,
+        creds: Option<&tine_image::Credentials>,
+    ) -> Result<tine_image::ImageMeta, Failure> {
+        let store = tine_image::ImageStore::new(&self.env.data_dir);
+        // Lazily (chunks on first read through the image daemon) unless
+        // the pull needs credentials the daemon does not hold.
+        let lazy = creds.is_none();
+        let log = self.log.clone();
+        let mut progress = move |p: tine_image::registry::Progress| {
+            if let tine_image::registry::Progress::Manifest { layers, bytes } = p {
+                log(
+                    Level::Info,
+                    format!("pulling {layers} layers ({bytes} bytes)"),
+                );
+            }
+        };
+        match store
+            .pull(reference, &self.env.registries, creds, lazy, &mut progress)
+            .await
+        {
+            Ok(m) => Ok(m),
+            Err(e) => match store.get(reference) {
+                Ok(m) => {
+                    (self.log)(
+                        Level::Warn,
+                        format!("{reference}: {e}; using the local copy"),
+                    );
+                    Ok(m)
+                }
+                Err(_) => Err(fail("base", format!("image {reference}: {e}"))),
+            },
+        }
+    }
+
+    fn vm(&self) -> &dyn VmHandle {
+        self.vm.as_deref().expect("the build VM is running")
+    }
+
+    /// Restore `parent` as the build VM unless one runs.
+    async fn ensure_vm(&mut self, parent: &str, num: usize) -> Result<(), Failure> {
+        if self.vm.is_some() {
+            return Ok(());
+        }
+        let snap: SnapshotRef = self
+            .env
+            .driver
+            .open_snapshot(parent)
+            .map_err(|e| fail(num, format!("opening layer {parent}: {e}")))?;
+        let vm_id = format!("build-{}", crate::ids::random_hex(4));
+        let vm = self
+            .env
+            .driver
+            .restore(&vm_id, &snap)
+            .await
+            .map_err(|e| fail(num, format!("restoring layer {parent}: {e}")))?;
+        self.vm = Some(vm);
+        // The clock of a restored guest is the capture's.
+        self.init(
+            InitRequest {
+                timestamp: Some(rfc3339_now()),
+                ..Default::default()
+            },
+            num,
+        )
+        .await
+    }
+
+    async fn init(&self, req: InitRequest, step: impl ToString + Copy) -> Result<(), Failure> {
+        let guest = self.vm().guest();
+        tine_agent_client::init(guest.connect(AGENT_PORT), &req, None)
+            .await
+            .map_err(|e| fail(step, format!("the build VM's agent: {e}")))
+    }
+
+    async fn exec(
+        &self,
+        user: &str,
+        script: &str,
+        timeout: Duration,
+        step: impl ToString + Copy,
+    ) -> Result<ExecOutput, Failure> {
+        let guest = self.vm().guest();
+        tine_agent_client::process::exec(guest.connect(AGENT_PORT), user, script, None, timeout)
+            .await
+            .map_err(|e| fail(step, format!("the build VM's agent: {e}")))
+    }
+
+    /// Run a step's script; its output goes to the log, a failure names
+    /// the step and ends with the output's tail.
+    async fn step(
+        &self,
+        op: &Op,
+        state: &State,
+        content: Option<&str>,
+        num: usize,
+    ) -> Result<(), Failure> {
+        let mk = self
+            .exec(
+                "root",
+                &steps::mkdir_workdir(state),
+                Duration::from_secs(60),
+                num,
+            )
+            .await?;
+        if mk.exit_code != 0 {
+            return Err(fail(
+                num,
+                format!("creating workdir {}: {}", state.workdir, tail(&mk)),
+            ));
+        }
+        let (user, script, what) = match op {
+            Op::Run { cmd, user } => (
+                user.clone().unwrap_or_else(|| state.user.clone()),
+                steps::run_script(state, cmd),
+                format!("RUN {cmd}"),
+            ),
+            Op::Copy {
+                src,
+                dest,
+                owner,
+                mode,
+                ..
+            } => {
+                let digest = content.expect("a COPY has its archive");
+                let archive = format!("/tmp/.tine-context-{}.tar", &digest[..16]);
+                let data = tokio::fs::read(self.env.files.archive_path(digest))
+                    .await
+                    .map_err(|e| fail(num, format!("reading the build context: {e}")))?;
+                let guest = self.vm().guest();
+                tine_agent_client::files::write(
+                    guest.connect(AGENT_PORT),
+                    "root",
+                    &archive,
+                    data.into(),
+                    None,
+                )
+                .await
+                .map_err(|e| fail(num, format!("COPY {src}: uploading the context: {e}")))?;
+                (
+                    "root".to_string(),
+                    steps::copy_script(
+                        state,
+                        &archive,
+                        src,
+                        dest,
+                        owner.as_deref(),
+                        mode.as_deref(),
+                    ),
+                    format!("COPY {src} {dest}"),
+                )
+            }
+            _ => unreachable!("only RUN and COPY run"),
+        };
+        let out = self
+            .exec(&user, &script, self.env.step_timeout, num)
+            .await?;
+        for (level, bytes) in [(Level::Info, &out.stdout), (Level::Info, &out.stderr)] {
+            let text = String::from_utf8_lossy(bytes);
+            let lines: Vec<&str> = text.lines().collect();
+            let skip = lines.len().saturating_sub(500);
+            if skip > 0 {
+                (self.log)(Level::Warn, format!("({skip} lines of output left out)"));
+            }
+            for l in &lines[skip..] {
+                (self.log)(level, l.to_string());
+            }
+        }
+        if out.exit_code != 0 {
+            return Err(fail(
+                num,
+                format!(
+                    "{what} (as {user}) exited with {}: {}",
+                    out.exit_code,
+                    tail(&out)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Capture the build VM as the layer with key `key` over `parent`.
+    async fn seal(&mut self, key: &str, parent: &str, num: usize) -> Result<String, Failure> {
+        self.seal_as(key, Some(parent.to_string()), num).await
+    }
+
+    async fn seal_as(
+        &mut self,
+        key: &str,
+        parent: Option<String>,
+        step: impl ToString + Copy,
+    ) -> Result<String, Failure> {
+        let id = format!("lyr-{}-{}", &key[..20], crate::ids::random_hex(3));
+        let vm = self.vm.as_mut().expect("the build VM is running");
+        vm.capture(&id)
+            .await
+            .map_err(|e| fail(step, format!("capturing the layer: {e}")))?;
+        let row = SnapshotRow {
+            id: id.clone(),
+            kind: SnapshotKind::Layer,
+            sandbox_id: String::new(),
+            parent_id: parent,
+            names: vec![self.plan.template.clone()],
+            template_id: key.to_string(),
+            cpu_count: self.plan.machine.vcpus,
+            memory_mb: self.plan.machine.memory_mib,
+            source_token: String::new(),
+            created_ms: now_ms(),
+        };
+        self.env
+            .db
+            .insert_snapshot(&row)
+            .map_err(|e| fail(step, e))?;
+        Ok(id)
+    }
+
+    /// Start command, ready check, capture as the template.
+    async fn finish(
+        &mut self,
+        parent: String,
+        key: String,
+        state: State,
+        cached: bool,
+    ) -> Result<Built, Failure> {
+        let p = self.plan;
+        let start = p.start.clone().unwrap_or_default();
+        let ready = p.ready.clone().unwrap_or_default();
+        let key = key_of(&[
+            &key,
+            &start,
+            &ready,
+            &serde_json::to_string(&state).unwrap_or_default(),
+        ]);
+        if cached {
+            if let Some(id) = self
+                .env
+                .db
+                .ready_build_with_key(&p.template, &key)
+                .map_err(|e| fail("finalize", e))?
+            {
+                if let (Ok(Some(row)), Ok(_)) = (
+                    self.env.db.get_snapshot(&id),
+                    self.env.driver.open_snapshot(&id),
+                ) {
+                    self.info("CACHED start and ready commands: the template is unchanged".into());
+                    return Ok(Built {
+                        row,
+                        key,
+                        cached: true,
+                    });
+                }
+            }
+        }
+        self.ensure_vm(&parent, 0)
+            .await
+            .map_err(|f| fail("finalize", f.message))?;
+        // Sandboxes of the template get its variables and workdir.
+        self.init(
+            InitRequest {
+                env_vars: Some(state.env.clone()),
+                default_workdir: Some(state.workdir.clone()),
+                timestamp: Some(rfc3339_now()),
+                ..Default::default()
+            },
+            "finalize",
+        )
+        .await?;
+        let mk = self
+            .exec(
+                "root",
+                &steps::mkdir_workdir(&state),
+                Duration::from_secs(60),
+                "finalize",
+            )
+            .await?;
+        if mk.exit_code != 0 {
+            return Err(fail(
+                "finalize",
+                format!("creating workdir {}: {}", state.workdir, tail(&mk)),
+            ));
+        }
+        if let Some(start) = &p.start {
+            self.info(format!("start command: {start}"));
+            let script = steps::run_script(
+                &state,
+                &format!(
+                    "nohup setsid bash -lc {} > /tmp/tine-start.log 2>&1 < /dev/null &",
+                    steps::quote(start)
+                ),
+            );
+            let out = self
+                .exec(&state.user, &script, Duration::from_secs(60), "finalize")
+                .await?;
+            if out.exit_code != 0 {
+                return Err(fail("finalize", format!("start command: {}", tail(&out))));
+            }
+        }
+        if let Some(ready) = &p.ready {
+            self.info(format!("waiting for the ready command: {ready}"));
+            let deadline = Instant::now() + self.env.ready_timeout;
+            loop {
+                let script = steps::run_script(&state, ready);
+                let out = self
+                    .exec(&state.user, &script, Duration::from_secs(60), "finalize")
+                    .await?;
+                if out.exit_code == 0 {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let log = self
+                        .exec(
+                            "root",
+                            "tail -c 2000 /tmp/tine-start.log 2>/dev/null",
+                            Duration::from_secs(10),
+                            "finalize",
+                        )
+                        .await
+                        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                        .unwrap_or_default();
+                    return Err(fail(
+                        "finalize",
+                        format!(
+                            "the ready command `{ready}` did not pass within {} s (last exit code {}){}",
+                            self.env.ready_timeout.as_secs(),
+                            out.exit_code,
+                            if log.is_empty() { String::new() } else { format!("; start command output: {log}") }
+                        ),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+        let id = format!(
+            "tpl-{}-{}",
+            p.template.replace(['/', ':', '.'], "-"),
+            crate::ids::random_hex(4)
+        );
+        self.info("capturing the template".into());
+        let vm = self.vm.take().expect("the build VM is running");
+        vm.capture_and_kill(&id)
+            .await
+            .map_err(|e| fail("finalize", format!("capturing the template: {e}")))?;
+        let row = SnapshotRow {
+            id,
+            kind: SnapshotKind::Template,
+            sandbox_id: String::new(),
+            parent_id: Some(parent),
+            names: vec![p.template.clone()],
+            template_id: p.template.clone(),
+            cpu_count: p.machine.vcpus,
+            memory_mb: p.machine.memory_mib,
+            source_token: String::new(),
+            created_ms: now_ms(),
+        };
+        Ok(Built {
+            row,
+            key,
+            cached: false,
+        })
+    }
+}
+
+fn tail(out: &ExecOutput) -> String {
+    let mut all = out.stdout.clone();
+    all.extend_from_slice(&out.stderr);
+    let s = String::from_utf8_lossy(&all[all.len().saturating_sub(2000)..])
+        .trim()
+        .to_string();
+    if s.is_empty() {
+        "(no output)".into()
+    } else {
+        s
+    }
+}
+
+fn rfc3339_now() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
