@@ -78,13 +78,13 @@ impl RegistryArgs {
         Ok(Some(settings))
     }
 
-    fn options(&self) -> anyhow::Result<RegistryOptions> {
+    pub fn options(&self) -> anyhow::Result<RegistryOptions> {
         let mut opts = tine_server::Config::load(self.config.as_deref())?.registries;
         opts.insecure.extend(self.insecure.iter().cloned());
         Ok(opts)
     }
 
-    fn credentials(&self) -> Option<Credentials> {
+    pub fn credentials(&self) -> Option<Credentials> {
         Some(Credentials {
             username: self.username.clone()?,
             password: self.password.clone().unwrap_or_default(),

@@ -7,6 +7,7 @@
 
 mod bench;
 mod client;
+mod dockerfile;
 mod image;
 mod sandbox;
 mod server;

@@ -14,9 +14,19 @@ use tine_vmm::{Machine, Paths};
 pub enum TemplateCommand {
     /// Build a template: boot `base` (or an OCI image), run commands, start a process, wait
     /// until ready, capture. Sandboxes created from it restore that state.
+    #[command(after_help = "With -f: tine template build -f Dockerfile [CONTEXT] NAME")]
     Build {
-        /// Name (a-z, 0-9, '-', '_'); replaces an older template of that name.
-        name: String,
+        /// NAME, or CONTEXT NAME with -f (a-z, 0-9, '-', '_'); replaces an
+        /// older template of that name.
+        #[arg(num_args = 1..=2, required = true, value_names = ["CONTEXT", "NAME"])]
+        names: Vec<String>,
+        /// Build this Dockerfile (FROM, RUN, COPY, ADD of local files, ENV,
+        /// ARG, WORKDIR, USER, CMD, ENTRYPOINT); every step is cached.
+        #[arg(short = 'f', long = "file")]
+        file: Option<std::path::PathBuf>,
+        /// With -f: rebuild every step.
+        #[arg(long)]
+        no_cache: bool,
         /// A command to run as root (repeatable, in order; each must exit 0).
         #[arg(long = "run")]
         run: Vec<String>,
@@ -51,7 +61,9 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
     let db = Db::open(&paths.data_dir.join("tine.db"))?;
     match cmd {
         TemplateCommand::Build {
-            name,
+            names,
+            file,
+            no_cache,
             run,
             start,
             ready,
@@ -61,6 +73,37 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
             from_image,
             registry,
         } => {
+            let machine = Machine {
+                vcpus,
+                memory_mib,
+                ..Machine::default()
+            };
+            if let Some(file) = file {
+                if !run.is_empty() || start.is_some() || from_image.is_some() {
+                    bail!("-f takes its steps from the Dockerfile: drop --run, --start and --from-image");
+                }
+                let (context, name) = match names.as_slice() {
+                    [c, n] => (Some(c.into()), n.clone()),
+                    [n] => (None, n.clone()),
+                    _ => bail!("give NAME, or CONTEXT NAME"),
+                };
+                let args = crate::dockerfile::Args {
+                    file,
+                    context,
+                    name,
+                    machine,
+                    ready,
+                    ready_timeout: Duration::from_secs(ready_timeout_secs),
+                    no_cache,
+                    registry,
+                };
+                crate::dockerfile::build(&paths, std::sync::Arc::new(db), args).await?;
+                return Ok(0);
+            }
+            let [name] = names.as_slice() else {
+                bail!("CONTEXT is for -f builds: give only NAME");
+            };
+            let name = name.clone();
             let image = match from_image {
                 Some(r) => match tine_image::ImageStore::new(&paths.data_dir).get(&r) {
                     Ok(meta) => Some(meta),
@@ -76,11 +119,7 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
             let image = image.map(|m| templates::BuildImage::new(m, &paths.data_dir));
             let spec = BuildSpec {
                 name: name.clone(),
-                machine: Machine {
-                    vcpus,
-                    memory_mib,
-                    ..Machine::default()
-                },
+                machine,
                 run,
                 start,
                 ready,

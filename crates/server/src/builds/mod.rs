@@ -158,49 +158,8 @@ impl Builds {
         tags: Vec<String>,
         machine: Machine,
     ) -> Result<BuildRow, BuildError> {
-        let (name, mut tags) = match name.split_once(':') {
-            Some((n, t)) => (n, {
-                let mut v = vec![t.to_string()];
-                v.extend(tags);
-                v
-            }),
-            None => (name, tags),
-        };
-        if !valid_name(name) {
-            return Err(BuildError::Invalid(format!(
-                "template name {name:?}: use 1-64 of a-z, 0-9, '-', '_', '.'"
-            )));
-        }
-        if name == crate::templates::DEFAULT_TEMPLATE {
-            return Err(BuildError::Invalid(format!(
-                "template '{name}' is built in"
-            )));
-        }
-        if let Some(t) = tags.iter().find(|t| !valid_tag(t)) {
-            return Err(BuildError::Invalid(format!(
-                "tag {t:?}: use 1-64 of letters, digits, '-', '_', '.'"
-            )));
-        }
-        if tags.is_empty() {
-            tags.push("default".into());
-        }
-        tags.dedup();
         self.prune_logs();
-        let row = BuildRow {
-            id: uuid(),
-            template: name.to_string(),
-            status: BuildStatus::Waiting,
-            reason: None,
-            reason_step: None,
-            tags,
-            cpu_count: machine.vcpus,
-            memory_mb: machine.memory_mib,
-            snapshot_id: None,
-            created_ms: now_ms(),
-            finished_ms: None,
-        };
-        self.db.insert_build(&row)?;
-        Ok(row)
+        new_build(&self.db, name, tags, machine, BuildStatus::Waiting)
     }
 
     pub fn default_machine(&self) -> Machine {
@@ -325,27 +284,7 @@ impl Builds {
         }
         let _slot = self.slots.clone().acquire_owned().await;
         let result = run::execute(&self.env, &plan, &log).await;
-        let ended = match result {
-            Ok(built) => self.finish(&build, built),
-            Err(f) => self
-                .db
-                .set_build_status(
-                    &build.id,
-                    BuildStatus::Error,
-                    Some((&f.message, Some(&f.step))),
-                    None,
-                )
-                .map(|_| ()),
-        };
-        if let Err(e) = ended {
-            tracing::error!(build = %build.id, "recording the end of a build: {e}");
-            let _ = self.db.set_build_status(
-                &build.id,
-                BuildStatus::Error,
-                Some((&e.to_string(), Some("finalize"))),
-                None,
-            );
-        }
+        conclude(&self.db, &build, &result);
         if let Some(l) = self
             .logs
             .lock()
@@ -355,16 +294,6 @@ impl Builds {
             l.lock().unwrap_or_else(|e| e.into_inner()).finished_at =
                 Some(std::time::Instant::now());
         }
-    }
-
-    /// A built template: its row, its tags (older captures no tag points
-    /// at are hidden, and go once nothing runs on them), the build ready.
-    fn finish(&self, build: &BuildRow, built: run::Built) -> Result<(), DbError> {
-        publish(&self.db, &build.template, &build.id, &build.tags, &built)?;
-        self.db.set_build_key(&build.id, &built.key)?;
-        self.db
-            .set_build_status(&build.id, BuildStatus::Ready, None, Some(&built.row.id))?;
-        Ok(())
     }
 
     fn log_sink(&self, build_id: &str) -> Log {
@@ -414,6 +343,83 @@ impl Builds {
                 let l = l.lock().unwrap_or_else(|e| e.into_inner());
                 l.finished_at.is_none_or(|t| t.elapsed() < LOG_RETENTION)
             });
+    }
+}
+
+/// Register a build of `name` (`name:tag` adds a tag) in `status`.
+pub fn new_build(
+    db: &Db,
+    name: &str,
+    tags: Vec<String>,
+    machine: Machine,
+    status: BuildStatus,
+) -> Result<BuildRow, BuildError> {
+    let (name, mut tags) = match name.split_once(':') {
+        Some((n, t)) => (n, std::iter::once(t.to_string()).chain(tags).collect()),
+        None => (name, tags),
+    };
+    if !valid_name(name) {
+        return Err(BuildError::Invalid(format!(
+            "template name {name:?}: use 1-64 of a-z, 0-9, '-', '_', '.'"
+        )));
+    }
+    if name == crate::templates::DEFAULT_TEMPLATE {
+        return Err(BuildError::Invalid(format!(
+            "template '{name}' is built in"
+        )));
+    }
+    if let Some(t) = tags.iter().find(|t| !valid_tag(t)) {
+        return Err(BuildError::Invalid(format!(
+            "tag {t:?}: use 1-64 of letters, digits, '-', '_', '.'"
+        )));
+    }
+    if tags.is_empty() {
+        tags.push("default".into());
+    }
+    tags.dedup();
+    let row = BuildRow {
+        id: uuid(),
+        template: name.to_string(),
+        status,
+        reason: None,
+        reason_step: None,
+        tags,
+        cpu_count: machine.vcpus,
+        memory_mb: machine.memory_mib,
+        snapshot_id: None,
+        created_ms: now_ms(),
+        finished_ms: None,
+    };
+    db.insert_build(&row)?;
+    Ok(row)
+}
+
+/// Record how `build` ended; a ready one's template is published.
+pub fn conclude(db: &Db, build: &BuildRow, result: &Result<run::Built, run::Failure>) {
+    let ended = match result {
+        Ok(built) => publish(db, &build.template, &build.id, &build.tags, built)
+            .and_then(|()| db.set_build_key(&build.id, &built.key))
+            .and_then(|()| {
+                db.set_build_status(&build.id, BuildStatus::Ready, None, Some(&built.row.id))
+            })
+            .map(|_| ()),
+        Err(f) => db
+            .set_build_status(
+                &build.id,
+                BuildStatus::Error,
+                Some((&f.message, Some(&f.step))),
+                None,
+            )
+            .map(|_| ()),
+    };
+    if let Err(e) = ended {
+        tracing::error!(build = %build.id, "recording the end of a build: {e}");
+        let _ = db.set_build_status(
+            &build.id,
+            BuildStatus::Error,
+            Some((&e.to_string(), Some("finalize"))),
+            None,
+        );
     }
 }
 

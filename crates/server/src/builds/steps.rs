@@ -279,7 +279,8 @@ pub fn copy_script(
     }
     s.push_str("; }\n");
     s.push_str(
-        "case \"$dest\" in */) into=1 ;; *) into=$([ $# -gt 1 ] && echo 1 || echo 0) ;; esac\n\
+        "d=${dest%/}; [ -e \"$d\" ] && new=0 || new=1\n\
+         case \"$dest\" in */) into=1 ;; *) into=$([ $# -gt 1 ] && echo 1 || echo 0) ;; esac\n\
          for f in \"$@\"; do\n\
            if [ -d \"$f\" ] && [ ! -L \"$f\" ]; then\n\
              mkdir -p \"$dest\"\n\
@@ -289,7 +290,8 @@ pub fn copy_script(
            else\n\
              mkdir -p \"$(dirname \"$dest\")\"; cp -a \"$f\" \"$dest\"; fix \"$dest\"\n\
            fi\n\
-         done\n",
+         done\n\
+         if [ \"$new\" = 1 ] && [ -d \"$d\" ]; then fix \"$d\"; fi\n",
     );
     s
 }
