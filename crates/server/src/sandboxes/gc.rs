@@ -53,6 +53,8 @@ impl Manager {
         if !self.db.delete_snapshot(id)? {
             return Err(SandboxError::NotFound(format!("snapshot or template {id}")));
         }
+        // A deleted template's tags go with it.
+        self.db.delete_tags(id)?;
         self.gc();
         Ok(())
     }

@@ -147,6 +147,9 @@ def test_skip_cache_rebuilds_and_background_build_reports_status(ctx, image):
 
 
 def test_tags(ctx, image):
+    # Deleting a template (from an earlier run) deletes its tags.
+    assert api("DELETE", "/templates/e2e-tags")[0] in (204, 404)
+    assert api("GET", "/templates/e2e-tags/tags")[0] == 404
     Template.build(Template().from_template("base").run_cmd("echo tagged > /tmp/tag"),
                    "e2e-tags:v1", **SHAPE)
     tags = {t.tag for t in Template.get_tags("e2e-tags")}
