@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P8 (docs/benchmarks.md), each with
+//! `tine bench`: the performance scenarios P1–P9 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
@@ -7,8 +7,9 @@
 //! (restores by hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
-//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8).
+//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9).
 
+mod build;
 mod capture;
 mod create;
 mod env;
@@ -45,10 +46,11 @@ pub enum Scenario {
     P6,
     P7,
     P8,
+    P9,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 8] = [
+    const ALL: [Scenario; 9] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -57,6 +59,7 @@ impl Scenario {
         Self::P6,
         Self::P7,
         Self::P8,
+        Self::P9,
     ];
 
     fn id(self) -> &'static str {
@@ -69,6 +72,7 @@ impl Scenario {
             Self::P6 => "P6",
             Self::P7 => "P7",
             Self::P8 => "P8",
+            Self::P9 => "P9",
         }
     }
 
@@ -82,17 +86,18 @@ impl Scenario {
             Self::P6 => "concurrent creates and commands (Python SDK)",
             Self::P7 => "commands.run through the proxy",
             Self::P8 => "first sandbox of a never-seen image (lazy vs full pull)",
+            Self::P9 => "template build: cached and last-step-changed vs cold",
         }
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P8).
+    /// Scenarios to run (default: all of P1–P9).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
-    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1).
+    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1, P9 3).
     #[arg(long)]
     iterations: Option<usize>,
     /// P6: sandboxes created (and commands run) at once.
@@ -214,6 +219,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P6 => sdk::p6(ctx, out).await,
         Scenario::P7 => proxy::p7(ctx, out).await,
         Scenario::P8 => image::p8(ctx, out).await,
+        Scenario::P9 => build::p9(ctx, out).await,
     }
 }
 
