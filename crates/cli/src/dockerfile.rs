@@ -111,6 +111,9 @@ pub async fn build(paths: &Paths, db: Arc<Db>, a: Args) -> anyhow::Result<()> {
     let result = run::execute(&env, &plan, &log).await;
     bar.finish_and_clear();
     builds::conclude(&db, &row, &result);
+    if let Some(b) = result.as_ref().ok().filter(|b| !b.cached) {
+        run::compact_template(&env, &b.row.id).await;
+    }
     match result {
         Ok(b) => {
             eprintln!(

@@ -120,6 +120,7 @@ pub async fn execute(env: &BuildEnv, plan: &Plan, log: &Log) -> Result<Built, Fa
         plan,
         log,
         vm: None,
+        workdir_made: None,
     };
     let result = build.run(&ops).await;
     if let Some(vm) = build.vm.take() {
@@ -149,6 +150,9 @@ struct Runner<'a> {
     log: &'a Log,
     /// The build VM, once a step had to run.
     vm: Option<Box<dyn VmHandle>>,
+    /// A workdir known to exist on the build VM's disk (or on the layer
+    /// it will be restored from).
+    workdir_made: Option<String>,
 }
 
 impl Runner<'_> {
@@ -187,6 +191,8 @@ impl Runner<'_> {
                     if self.env.driver.open_snapshot(&row.id).is_ok() {
                         self.info(format!("CACHED {shown}"));
                         parent = row.id;
+                        // That step ran in this workdir, so its layer has it.
+                        self.workdir_made = Some(state.workdir.clone());
                         continue;
                     }
                 }
@@ -373,29 +379,44 @@ impl Runner<'_> {
             .map_err(|e| fail(step, format!("the build VM's agent: {e}")))
     }
 
-    /// Run a step's script; its output goes to the log, a failure names
-    /// the step and ends with the output's tail.
-    async fn step(
-        &self,
-        op: &Op,
+    /// Create the workdir (as root, owned by the step's user) unless this
+    /// VM made it already.
+    async fn ensure_workdir(
+        &mut self,
         state: &State,
-        content: Option<&str>,
-        num: usize,
+        step: impl ToString + Copy,
     ) -> Result<(), Failure> {
+        if self.workdir_made.as_deref() == Some(state.workdir.as_str()) {
+            return Ok(());
+        }
         let mk = self
             .exec(
                 "root",
                 &steps::mkdir_workdir(state),
                 Duration::from_secs(60),
-                num,
+                step,
             )
             .await?;
         if mk.exit_code != 0 {
             return Err(fail(
-                num,
+                step,
                 format!("creating workdir {}: {}", state.workdir, tail(&mk)),
             ));
         }
+        self.workdir_made = Some(state.workdir.clone());
+        Ok(())
+    }
+
+    /// Run a step's script; its output goes to the log, a failure names
+    /// the step and ends with the output's tail.
+    async fn step(
+        &mut self,
+        op: &Op,
+        state: &State,
+        content: Option<&str>,
+        num: usize,
+    ) -> Result<(), Failure> {
+        self.ensure_workdir(state, num).await?;
         let (user, script, what) = match op {
             Op::Run { cmd, user } => (
                 user.clone().unwrap_or_else(|| state.user.clone()),
@@ -479,9 +500,11 @@ impl Runner<'_> {
     ) -> Result<String, Failure> {
         let id = format!("lyr-{}-{}", &key[..20], crate::ids::random_hex(3));
         let vm = self.vm.as_mut().expect("the build VM is running");
-        vm.capture(&id)
-            .await
-            .map_err(|e| fail(step, format!("capturing the layer: {e}")))?;
+        if let Err(e) = vm.capture(&id).await {
+            // No half layer stays behind.
+            let _ = self.env.driver.delete_snapshot(&id);
+            return Err(fail(step, format!("capturing the layer: {e}")));
+        }
         let row = SnapshotRow {
             id: id.clone(),
             kind: SnapshotKind::Layer,
@@ -552,20 +575,7 @@ impl Runner<'_> {
             "finalize",
         )
         .await?;
-        let mk = self
-            .exec(
-                "root",
-                &steps::mkdir_workdir(&state),
-                Duration::from_secs(60),
-                "finalize",
-            )
-            .await?;
-        if mk.exit_code != 0 {
-            return Err(fail(
-                "finalize",
-                format!("creating workdir {}: {}", state.workdir, tail(&mk)),
-            ));
-        }
+        self.ensure_workdir(&state, "finalize").await?;
         if let Some(start) = &p.start {
             self.info(format!("start command: {start}"));
             let script = steps::run_script(
@@ -624,9 +634,10 @@ impl Runner<'_> {
         );
         self.info("capturing the template".into());
         let vm = self.vm.take().expect("the build VM is running");
-        vm.capture_and_kill(&id)
-            .await
-            .map_err(|e| fail("finalize", format!("capturing the template: {e}")))?;
+        if let Err(e) = vm.capture_and_kill(&id).await {
+            let _ = self.env.driver.delete_snapshot(&id);
+            return Err(fail("finalize", format!("capturing the template: {e}")));
+        }
         let row = SnapshotRow {
             id,
             kind: SnapshotKind::Template,
@@ -644,6 +655,24 @@ impl Runner<'_> {
             key,
             cached: false,
         })
+    }
+}
+
+/// Fold the chain of layers under template capture `id` onto its root, so
+/// a create restores one layer whatever the step count (the build is
+/// ready before this: it changes how the capture is stored, not what it
+/// holds, and restores may read it meanwhile).
+pub async fn compact_template(env: &BuildEnv, id: &str) {
+    let t = Instant::now();
+    match env.driver.compact(id).await {
+        Ok(Some(root)) => {
+            if let Err(e) = env.db.set_snapshot_parent(id, &root) {
+                tracing::warn!(snapshot = %id, "recording the compaction: {e}");
+            }
+            tracing::info!(snapshot = %id, root = %root, ms = t.elapsed().as_millis() as u64, "template compacted");
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(snapshot = %id, "compacting the template: {e}"),
     }
 }
 

@@ -190,6 +190,15 @@ impl Db {
         Ok(out)
     }
 
+    /// Whether a row (deleted or not) names snapshot `id`.
+    pub fn snapshot_row_exists(&self, id: &str) -> Result<bool> {
+        Ok(self
+            .conn()
+            .query_row("SELECT 1 FROM snapshots WHERE id = ?1", [id], |_| Ok(()))
+            .optional()?
+            .is_some())
+    }
+
     /// The newest build layer with cache key `key`.
     pub fn find_layer(&self, key: &str) -> Result<Option<SnapshotRow>> {
         self.conn()
