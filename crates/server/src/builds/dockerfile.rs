@@ -351,7 +351,7 @@ mod tests {
             ]
         );
         assert_eq!(d.start.as_deref(), Some("'python' 'app.py'"));
-        assert_eq!(d.warnings, vec!["line 12: EXPOSE is ignored"]);
+        assert_eq!(d.warnings, vec!["line 11: EXPOSE is ignored"]);
     }
 
     #[test]
