@@ -156,12 +156,7 @@ pub fn parse(text: &str) -> Result<Dockerfile, String> {
 }
 
 fn step(kind: &str, args: &[&str]) -> Step {
-    Step {
-        kind: kind.into(),
-        args: args.iter().map(|s| s.to_string()).collect(),
-        files_hash: None,
-        force: false,
-    }
+    Step::new(kind, args)
 }
 
 /// Lines joined at trailing backslashes, without comments and blanks,

@@ -53,6 +53,16 @@ impl Op {
 }
 
 impl Step {
+    /// A step of `kind` with `args` (no files, not forced).
+    pub fn new(kind: &str, args: &[&str]) -> Self {
+        Self {
+            kind: kind.into(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            files_hash: None,
+            force: false,
+        }
+    }
+
     /// Check the step's arguments (`n` counts from 1, for the message).
     pub fn op(&self, n: usize) -> Result<Op, String> {
         let bad = |what: &str| Err(format!("step {n} ({}): {what}", self.kind));
@@ -301,6 +311,24 @@ pub fn copy_script(
 /// sha256 of the uploaded archive (not the SDK's `filesHash`, which the
 /// server cannot check).
 pub fn layer_key(parent: &str, op: &Op, state: &State, content: Option<&str>) -> String {
+    // The SDK's files hash is left out: the archive's digest stands for
+    // the files (and the two SDKs hash the same files differently).
+    let op = match op {
+        Op::Copy {
+            src,
+            dest,
+            owner,
+            mode,
+            ..
+        } => Op::Copy {
+            src: src.clone(),
+            dest: dest.clone(),
+            owner: owner.clone(),
+            mode: mode.clone(),
+            files_hash: String::new(),
+        },
+        other => other.clone(),
+    };
     let mut h = Sha256::new();
     h.update(parent.as_bytes());
     h.update([0]);
@@ -331,12 +359,7 @@ mod tests {
     use super::*;
 
     fn step(kind: &str, args: &[&str]) -> Step {
-        Step {
-            kind: kind.into(),
-            args: args.iter().map(|s| s.to_string()).collect(),
-            files_hash: None,
-            force: false,
-        }
+        Step::new(kind, args)
     }
 
     #[test]

@@ -84,3 +84,35 @@ def test_a_vm_that_died_while_the_server_was_down_is_reported_dead(fresh):
 def test_create_after_restart(fresh):
     s = fresh()
     assert s.commands.run("echo fine").stdout == "fine\n"
+
+
+def test_a_restart_ends_a_running_build_and_leaves_nothing():
+    """A build cut off by a restart ends as an error; its VM goes, no
+    template is left, and the layer it finished is reused next time."""
+    import time
+    from e2b import Template
+
+    data = os.environ["TINE_DATA_DIR"]
+    step = f"echo {RUN} > /tmp/restart-layer"
+    t = Template().from_template("base").run_cmd(step).run_cmd("sleep 600")
+    info = Template.build_in_background(t, "e2e-restart-build", cpu_count=1, memory_mb=256)
+    deadline = time.time() + 300
+    while True:
+        st = Template.get_build_status(info, logs_offset=0)
+        if any(e.message.startswith("[2/2] RUN sleep") for e in st.log_entries):
+            break
+        assert st.status.value in ("waiting", "building"), st
+        assert time.time() < deadline
+        time.sleep(0.5)
+    server("stop", "KILL")
+    server("start")
+    st = Template.get_build_status(info)
+    assert st.status.value == "error" and "server stopped" in st.reason.message, st
+    vms = os.listdir(os.path.join(data, "vms")) if os.path.isdir(os.path.join(data, "vms")) else []
+    assert [v for v in vms if v.startswith("build-")] == []
+    assert not Template.exists("e2e-restart-build")
+    # The finished first step is a layer the next build reuses.
+    logs = []
+    Template.build(Template().from_template("base").run_cmd(step), "e2e-restart-build",
+                   cpu_count=1, memory_mb=256, on_build_logs=logs.append)
+    assert any(m.message.startswith("CACHED [1/1] RUN") for m in logs), [m.message for m in logs]
