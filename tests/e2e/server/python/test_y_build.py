@@ -129,6 +129,16 @@ def test_a_second_build_reuses_every_layer_and_a_change_rebuilds_from_there(ctx,
         assert s.commands.run("cat /tmp/last").stdout.strip() == RUN
     finally:
         s.kill()
+    # Another template with the same steps shares every layer.
+    logs = []
+    Template.build(sdk_template(ctx, image), "e2e-build-twin", on_build_logs=logs.append, **SHAPE)
+    cached = [m for m in messages(logs) if m.startswith("CACHED") and (" COPY " in m or " RUN " in m)]
+    assert len(cached) == 6, messages(logs)
+    s = Sandbox.create("e2e-build-twin", metadata=tagged())
+    try:
+        assert s.commands.run("cat /tmp/last /srv/app/greeting.txt").stdout == "v1\nhi there\n"
+    finally:
+        s.kill()
 
 
 def test_skip_cache_rebuilds_and_background_build_reports_status(ctx, image):
