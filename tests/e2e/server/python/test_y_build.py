@@ -292,12 +292,18 @@ def test_uploads_are_signed_checked_and_bounded(tmp_path):
     # Over the server's limit (8 MiB in the e2e config).
     code, err = put(url, os.urandom(9 << 20))
     assert code == 413, err
-    # A real archive without the file a COPY names: the build says so.
+    # A real archive without the file a COPY names (and big enough to
+    # pass any default body limit, under the server's own): the build says so.
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as t:
         info = tarfile.TarInfo("other.txt")
         info.size = 2
         t.addfile(info, io.BytesIO(b"hi"))
+        big = os.urandom(5 << 20)
+        info = tarfile.TarInfo("big.bin")
+        info.size = len(big)
+        t.addfile(info, io.BytesIO(big))
+    assert len(buf.getvalue()) > 5 << 20
     assert put(url, buf.getvalue())[0] == 200
     code, link = api("GET", f"/templates/e2e-upload/files/{h}")
     assert code == 201 and link["present"] is True, link
