@@ -100,6 +100,27 @@ impl WarmPool {
         });
     }
 
+    /// Kill the pooled VMs of snapshots `keep` refuses (a template that
+    /// was rebuilt or deleted: nothing creates from it any more).
+    pub async fn retain(&self, keep: impl Fn(&str) -> bool) {
+        let gone: Vec<Pooled> = {
+            let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+            let stale: Vec<String> = ready.keys().filter(|k| !keep(k)).cloned().collect();
+            stale
+                .iter()
+                .filter_map(|k| ready.remove(k))
+                .flatten()
+                .collect()
+        };
+        for p in gone {
+            tracing::info!(
+                vm = p.vm.id(),
+                "warm pool: dropping a VM of a template that is gone"
+            );
+            let _ = p.vm.kill().await;
+        }
+    }
+
     /// Kill every pooled VM (at shutdown).
     ///
     /// (Pooled VMs are paused: they use no CPU while they wait.)

@@ -1,6 +1,7 @@
 //! The sweep, every half second: sandboxes whose time is up are killed (or
-//! paused, with `autoPause`), sandboxes whose VM died are killed, and a
-//! skipped garbage collection runs.
+//! paused, with `autoPause`), sandboxes whose VM died are killed, a
+//! skipped garbage collection runs, and the warm pool lets go of templates
+//! that are gone.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,10 @@ impl Manager {
     /// Kill sandboxes whose time is up and forget those whose VM died.
     pub async fn sweep(&self) {
         self.gc_if_pending();
+        // Pooled VMs of rebuilt or deleted templates.
+        self.pool
+            .retain(|snapshot| matches!(self.db.get_snapshot(snapshot), Ok(Some(_))))
+            .await;
         let now = now_ms();
         let live: Vec<(String, Arc<Live>)> = self
             .live

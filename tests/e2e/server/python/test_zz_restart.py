@@ -11,7 +11,7 @@ import uuid
 import pytest
 from e2b import NotFoundException, Sandbox, SandboxQuery, SandboxState
 
-from conftest import API, HERE, RUN
+from conftest import API, HERE, RUN, http
 
 SERVER_SH = os.path.join(os.path.dirname(HERE), "server.sh")
 
@@ -93,6 +93,8 @@ def test_a_restart_ends_a_running_build_and_leaves_nothing():
     from e2b import Template
 
     data = os.environ["TINE_DATA_DIR"]
+    # (An earlier run's template of that name: the data dir outlives runs.)
+    assert http("DELETE", "/templates/e2e-restart-build")[0] in (204, 404)
     step = f"echo {RUN} > /tmp/restart-layer"
     t = Template().from_template("base").run_cmd(step).run_cmd("sleep 600")
     info = Template.build_in_background(t, "e2e-restart-build", cpu_count=1, memory_mb=256)

@@ -224,3 +224,41 @@ async fn recovery_adopts_what_runs_and_cleans_up_the_rest() {
     assert_eq!(s.driver.calls("cleanup stray").len(), 1);
     assert!(s.driver.calls(&format!("cleanup {}", kept.id)).is_empty());
 }
+
+#[tokio::test]
+async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
+    let fake = FakeDriver::start().await;
+    let artifacts = Artifacts {
+        kernel: "/fake/kernel".into(),
+        initramfs: "/fake/initramfs".into(),
+        rootfs: "/fake/rootfs".into(),
+    };
+    let driver: Arc<dyn tine_vmm::Driver> = Arc::new(fake.clone());
+    let templates = Templates::new(driver.clone(), artifacts, db.clone());
+    let config = Config {
+        pool_size: 1,
+        ..config()
+    };
+    let manager = Manager::new(config, db.clone(), driver, templates.into());
+    let sandbox = manager.create(base()).await.unwrap();
+    let snapshot = db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while manager.pool.ids().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool never filled"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let pooled: Vec<String> = manager.pool.ids().into_iter().collect();
+    // While the template lives, its pooled VM stays.
+    manager.sweep().await;
+    assert_eq!(manager.pool.ids().len(), 1);
+    // Rebuilt (its row hidden): the pooled VM is killed.
+    db.hide_snapshot(&snapshot).unwrap();
+    manager.sweep().await;
+    assert!(manager.pool.ids().is_empty());
+    assert!(fake.calls("kill").contains(&format!("kill {}", pooled[0])));
+}
