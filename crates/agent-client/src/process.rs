@@ -175,3 +175,73 @@ impl Direct {
         parse_start_response(status, &body)
     }
 }
+
+/// [`exec`] (as root or any user, no token), handing each piece of output
+/// to `on_output(stdout, stderr)` as it arrives, for callers that show a
+/// long command's progress (template builds).
+pub async fn exec_streaming(
+    conn: impl Future<Output = std::io::Result<tokio::net::TcpStream>>,
+    user: &str,
+    cmd: &str,
+    timeout: Duration,
+    on_output: &mut (dyn FnMut(&[u8], &[u8]) + Send),
+) -> Result<ExecOutput> {
+    let io = |e: hyper::Error| AgentError::Io {
+        what: WHAT,
+        source: std::io::Error::other(e),
+    };
+    let req = start_request(user, cmd, None, timeout);
+    let run = async {
+        let stream = conn
+            .await
+            .map_err(|source| AgentError::Io { what: WHAT, source })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(io)?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let resp = sender.send_request(req).await.map_err(io)?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if status != StatusCode::OK {
+            let bytes = body.collect().await.map_err(io)?.to_bytes();
+            return parse_start_response(status, &bytes);
+        }
+        let mut decoder = tine_connect::Decoder::new(64 << 20);
+        let mut out = ExecOutput::default();
+        let mut ended = false;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(io)?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            decoder.push(data);
+            while let Some(frame) = decoder.next_frame().map_err(protocol)? {
+                match frame {
+                    tine_connect::Frame::Message(json) => {
+                        let msg: serde_json::Value =
+                            serde_json::from_slice(&json).map_err(protocol)?;
+                        let (o, e) = (out.stdout.len(), out.stderr.len());
+                        ended |= apply_event(&msg["event"], &mut out)?;
+                        if out.stdout.len() > o || out.stderr.len() > e {
+                            on_output(&out.stdout[o..], &out.stderr[e..]);
+                        }
+                    }
+                    tine_connect::Frame::End(end) => end.into_result().map_err(protocol)?,
+                }
+            }
+        }
+        decoder.finish().map_err(protocol)?;
+        if !ended {
+            return Err(protocol("the process stream ended without an end event"));
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(timeout + Duration::from_secs(5), run)
+        .await
+        .map_err(|_| AgentError::Timeout {
+            what: WHAT,
+            secs: timeout.as_secs(),
+        })?
+}

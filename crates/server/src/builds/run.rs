@@ -460,20 +460,20 @@ impl Runner<'_> {
             }
             _ => unreachable!("only RUN and COPY run"),
         };
-        let out = self
-            .exec(&user, &script, self.env.step_timeout, num)
-            .await?;
-        for (level, bytes) in [(Level::Info, &out.stdout), (Level::Info, &out.stderr)] {
-            let text = String::from_utf8_lossy(bytes);
-            let lines: Vec<&str> = text.lines().collect();
-            let skip = lines.len().saturating_sub(500);
-            if skip > 0 {
-                (self.log)(Level::Warn, format!("({skip} lines of output left out)"));
-            }
-            for l in &lines[skip..] {
-                (self.log)(level, l.to_string());
-            }
-        }
+        // Output goes to the log line by line as it comes (the SDK shows it
+        // while the step runs).
+        let mut lines = LineLog::new(self.log.clone());
+        let guest = self.vm().guest();
+        let out = tine_agent_client::process::exec_streaming(
+            guest.connect(AGENT_PORT),
+            &user,
+            &script,
+            self.env.step_timeout,
+            &mut |o, e| lines.push(o, e),
+        )
+        .await
+        .map_err(|e| fail(num, format!("the build VM's agent: {e}")))?;
+        lines.flush();
         if out.exit_code != 0 {
             return Err(fail(
                 num,
@@ -676,6 +676,57 @@ pub async fn compact_template(env: &BuildEnv, id: &str) {
     }
 }
 
+/// A step's output as log lines: stdout and stderr each split at
+/// newlines, at most `MAX_STEP_LINES` lines a step.
+struct LineLog {
+    log: Log,
+    partial: [Vec<u8>; 2],
+    lines: usize,
+}
+
+const MAX_STEP_LINES: usize = 5000;
+
+impl LineLog {
+    fn new(log: Log) -> Self {
+        Self {
+            log,
+            partial: [Vec::new(), Vec::new()],
+            lines: 0,
+        }
+    }
+
+    fn push(&mut self, stdout: &[u8], stderr: &[u8]) {
+        for (i, bytes) in [stdout, stderr].into_iter().enumerate() {
+            self.partial[i].extend_from_slice(bytes);
+            while let Some(n) = self.partial[i].iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.partial[i].drain(..=n).collect();
+                self.emit(&line[..line.len() - 1]);
+            }
+        }
+    }
+
+    fn emit(&mut self, line: &[u8]) {
+        self.lines += 1;
+        if self.lines < MAX_STEP_LINES {
+            (self.log)(Level::Info, String::from_utf8_lossy(line).into_owned());
+        } else if self.lines == MAX_STEP_LINES {
+            (self.log)(
+                Level::Warn,
+                "(more output of this step is left out of the log)".into(),
+            );
+        }
+    }
+
+    fn flush(&mut self) {
+        for i in 0..2 {
+            let rest = std::mem::take(&mut self.partial[i]);
+            if !rest.is_empty() {
+                self.emit(&rest);
+            }
+        }
+    }
+}
+
 fn tail(out: &ExecOutput) -> String {
     let mut all = out.stdout.clone();
     all.extend_from_slice(&out.stderr);
@@ -693,4 +744,36 @@ fn rfc3339_now() -> String {
     time::OffsetDateTime::now_utc()
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[test]
+    fn output_becomes_lines_across_chunks() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let sink = got.clone();
+        let log: Log = Arc::new(move |_, m| sink.lock().unwrap().push(m));
+        let mut l = LineLog::new(log);
+        l.push(b"hel", b"");
+        l.push(b"lo\nwor", b"err\n");
+        l.push(b"ld\n", b"tail");
+        l.flush();
+        assert_eq!(*got.lock().unwrap(), ["hello", "err", "world", "tail"]);
+    }
+
+    #[test]
+    fn a_steps_lines_are_capped() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let sink = got.clone();
+        let log: Log = Arc::new(move |_, m| sink.lock().unwrap().push(m));
+        let mut l = LineLog::new(log);
+        l.push("x\n".repeat(MAX_STEP_LINES + 10).as_bytes(), b"");
+        let got = got.lock().unwrap();
+        assert_eq!(got.len(), MAX_STEP_LINES);
+        assert!(got.last().unwrap().contains("left out"));
+    }
 }

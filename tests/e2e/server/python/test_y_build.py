@@ -228,9 +228,9 @@ def test_the_same_dockerfile_through_the_cli(ctx, image):
     assert not Template.exists("e2e-bad-cli")
 
 
-def expect_build_error(template, name, *want):
+def expect_build_error(template, name, *want, logs=None):
     with pytest.raises(BuildException) as e:
-        Template.build(template, name, **SHAPE)
+        Template.build(template, name, on_build_logs=(logs.append if logs is not None else None), **SHAPE)
     for w in want:
         assert w in str(e.value), str(e.value)
     assert not Template.exists(name)
@@ -239,8 +239,13 @@ def expect_build_error(template, name, *want):
 
 
 def test_a_failing_run_names_its_step_and_output():
-    t = Template().from_template("base").run_cmd("echo fine").run_cmd("echo broken-output >&2; exit 7")
-    expect_build_error(t, "e2e-fail", "RUN echo broken-output", "exited with 7", "broken-output")
+    t = (Template().from_template("base").run_cmd(f"echo fine {RUN}")
+         .run_cmd("echo broken-output >&2; exit 7"))
+    logs = []
+    expect_build_error(t, "e2e-fail", "RUN echo broken-output", "exited with 7", "broken-output", logs=logs)
+    # Each step's output reached the build log as lines.
+    text = messages(logs)
+    assert f"fine {RUN}" in text and "broken-output" in text, text
 
 
 def test_a_ready_command_that_never_passes():
