@@ -7,6 +7,10 @@
 //! template (start command running, ready check passed) is one capture
 //! more. A failed step kills the VM; the layers before it stay, for the
 //! next build.
+//!
+//! Here: the base and the steps; `finish.rs`: start command, ready check,
+//! the template capture and its compaction; `output.rs`: a step's output
+//! as log lines.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,10 +18,16 @@ use std::time::{Duration, Instant};
 use tine_agent_client::{ExecOutput, InitRequest, AGENT_PORT};
 use tine_vmm::{Artifacts, Driver, Machine, SnapshotRef, VmHandle};
 
+mod finish;
+mod output;
+
+pub use finish::compact_template;
+
 use super::files::ContextStore;
 use super::steps::{self, key_of, layer_key, Op, State, Step};
 use crate::db::{now_ms, Db, SnapshotKind, SnapshotRow};
 use crate::templates::{BuildImage, Templates};
+use output::{tail, LineLog};
 
 /// What a build needs of the host.
 pub struct BuildEnv {
@@ -523,257 +533,10 @@ impl Runner<'_> {
             .map_err(|e| fail(step, e))?;
         Ok(id)
     }
-
-    /// Start command, ready check, capture as the template.
-    async fn finish(
-        &mut self,
-        parent: String,
-        key: String,
-        state: State,
-        cached: bool,
-    ) -> Result<Built, Failure> {
-        let p = self.plan;
-        let start = p.start.clone().unwrap_or_default();
-        let ready = p.ready.clone().unwrap_or_default();
-        let key = key_of(&[
-            &key,
-            &start,
-            &ready,
-            &serde_json::to_string(&state).unwrap_or_default(),
-        ]);
-        if cached {
-            if let Some(id) = self
-                .env
-                .db
-                .ready_build_with_key(&p.template, &key)
-                .map_err(|e| fail("finalize", e))?
-            {
-                if let (Ok(Some(row)), Ok(_)) = (
-                    self.env.db.get_snapshot(&id),
-                    self.env.driver.open_snapshot(&id),
-                ) {
-                    self.info("CACHED start and ready commands: the template is unchanged".into());
-                    return Ok(Built {
-                        row,
-                        key,
-                        cached: true,
-                    });
-                }
-            }
-        }
-        self.ensure_vm(&parent, 0)
-            .await
-            .map_err(|f| fail("finalize", f.message))?;
-        // Sandboxes of the template get its variables and workdir.
-        self.init(
-            InitRequest {
-                env_vars: Some(state.env.clone()),
-                default_workdir: Some(state.workdir.clone()),
-                timestamp: Some(rfc3339_now()),
-                ..Default::default()
-            },
-            "finalize",
-        )
-        .await?;
-        self.ensure_workdir(&state, "finalize").await?;
-        if let Some(start) = &p.start {
-            self.info(format!("start command: {start}"));
-            let script = steps::run_script(
-                &state,
-                &format!(
-                    "nohup setsid bash -lc {} > /tmp/tine-start.log 2>&1 < /dev/null &",
-                    steps::quote(start)
-                ),
-            );
-            let out = self
-                .exec(&state.user, &script, Duration::from_secs(60), "finalize")
-                .await?;
-            if out.exit_code != 0 {
-                return Err(fail("finalize", format!("start command: {}", tail(&out))));
-            }
-        }
-        if let Some(ready) = &p.ready {
-            self.info(format!("waiting for the ready command: {ready}"));
-            let deadline = Instant::now() + self.env.ready_timeout;
-            loop {
-                let script = steps::run_script(&state, ready);
-                let out = self
-                    .exec(&state.user, &script, Duration::from_secs(60), "finalize")
-                    .await?;
-                if out.exit_code == 0 {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    let log = self
-                        .exec(
-                            "root",
-                            "tail -c 2000 /tmp/tine-start.log 2>/dev/null",
-                            Duration::from_secs(10),
-                            "finalize",
-                        )
-                        .await
-                        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                        .unwrap_or_default();
-                    return Err(fail(
-                        "finalize",
-                        format!(
-                            "the ready command `{ready}` did not pass within {} s (last exit code {}){}",
-                            self.env.ready_timeout.as_secs(),
-                            out.exit_code,
-                            if log.is_empty() { String::new() } else { format!("; start command output: {log}") }
-                        ),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
-        let id = format!(
-            "tpl-{}-{}",
-            p.template.replace(['/', ':', '.'], "-"),
-            crate::ids::random_hex(4)
-        );
-        self.info("capturing the template".into());
-        let vm = self.vm.take().expect("the build VM is running");
-        if let Err(e) = vm.capture_and_kill(&id).await {
-            let _ = self.env.driver.delete_snapshot(&id);
-            return Err(fail("finalize", format!("capturing the template: {e}")));
-        }
-        let row = SnapshotRow {
-            id,
-            kind: SnapshotKind::Template,
-            sandbox_id: String::new(),
-            parent_id: Some(parent),
-            names: vec![p.template.clone()],
-            template_id: p.template.clone(),
-            cpu_count: p.machine.vcpus,
-            memory_mb: p.machine.memory_mib,
-            source_token: String::new(),
-            created_ms: now_ms(),
-        };
-        Ok(Built {
-            row,
-            key,
-            cached: false,
-        })
-    }
 }
 
-/// Fold the chain of layers under template capture `id` onto its root, so
-/// a create restores one layer whatever the step count (the build is
-/// ready before this: it changes how the capture is stored, not what it
-/// holds, and restores may read it meanwhile).
-pub async fn compact_template(env: &BuildEnv, id: &str) {
-    let t = Instant::now();
-    match env.driver.compact(id).await {
-        Ok(Some(root)) => {
-            if let Err(e) = env.db.set_snapshot_parent(id, &root) {
-                tracing::warn!(snapshot = %id, "recording the compaction: {e}");
-            }
-            tracing::info!(snapshot = %id, root = %root, ms = t.elapsed().as_millis() as u64, "template compacted");
-        }
-        Ok(None) => {}
-        Err(e) => tracing::warn!(snapshot = %id, "compacting the template: {e}"),
-    }
-}
-
-/// A step's output as log lines: stdout and stderr each split at
-/// newlines, at most `MAX_STEP_LINES` lines a step.
-struct LineLog {
-    log: Log,
-    partial: [Vec<u8>; 2],
-    lines: usize,
-}
-
-const MAX_STEP_LINES: usize = 5000;
-
-impl LineLog {
-    fn new(log: Log) -> Self {
-        Self {
-            log,
-            partial: [Vec::new(), Vec::new()],
-            lines: 0,
-        }
-    }
-
-    fn push(&mut self, stdout: &[u8], stderr: &[u8]) {
-        for (i, bytes) in [stdout, stderr].into_iter().enumerate() {
-            self.partial[i].extend_from_slice(bytes);
-            while let Some(n) = self.partial[i].iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.partial[i].drain(..=n).collect();
-                self.emit(&line[..line.len() - 1]);
-            }
-        }
-    }
-
-    fn emit(&mut self, line: &[u8]) {
-        self.lines += 1;
-        if self.lines < MAX_STEP_LINES {
-            (self.log)(Level::Info, String::from_utf8_lossy(line).into_owned());
-        } else if self.lines == MAX_STEP_LINES {
-            (self.log)(
-                Level::Warn,
-                "(more output of this step is left out of the log)".into(),
-            );
-        }
-    }
-
-    fn flush(&mut self) {
-        for i in 0..2 {
-            let rest = std::mem::take(&mut self.partial[i]);
-            if !rest.is_empty() {
-                self.emit(&rest);
-            }
-        }
-    }
-}
-
-fn tail(out: &ExecOutput) -> String {
-    let mut all = out.stdout.clone();
-    all.extend_from_slice(&out.stderr);
-    let s = String::from_utf8_lossy(&all[all.len().saturating_sub(2000)..])
-        .trim()
-        .to_string();
-    if s.is_empty() {
-        "(no output)".into()
-    } else {
-        s
-    }
-}
-
-fn rfc3339_now() -> String {
+pub(super) fn rfc3339_now() -> String {
     time::OffsetDateTime::now_utc()
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Mutex;
-
-    use super::*;
-
-    #[test]
-    fn output_becomes_lines_across_chunks() {
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let sink = got.clone();
-        let log: Log = Arc::new(move |_, m| sink.lock().unwrap().push(m));
-        let mut l = LineLog::new(log);
-        l.push(b"hel", b"");
-        l.push(b"lo\nwor", b"err\n");
-        l.push(b"ld\n", b"tail");
-        l.flush();
-        assert_eq!(*got.lock().unwrap(), ["hello", "err", "world", "tail"]);
-    }
-
-    #[test]
-    fn a_steps_lines_are_capped() {
-        let got = Arc::new(Mutex::new(Vec::new()));
-        let sink = got.clone();
-        let log: Log = Arc::new(move |_, m| sink.lock().unwrap().push(m));
-        let mut l = LineLog::new(log);
-        l.push("x\n".repeat(MAX_STEP_LINES + 10).as_bytes(), b"");
-        let got = got.lock().unwrap();
-        assert_eq!(got.len(), MAX_STEP_LINES);
-        assert!(got.last().unwrap().contains("left out"));
-    }
 }
