@@ -61,6 +61,7 @@ max_memory_mb = 4096
 max_sandboxes = 64
 max_body_bytes = $TINE_E2E_MAX_BODY
 build_ready_timeout_secs = 20
+max_concurrent_builds = 1
 build_context_max_bytes = 8388608
 EOF
 

@@ -199,15 +199,11 @@ impl Builds {
             )));
         }
         let plan = self.plan(&build, req)?;
-        if !self
-            .db
-            .set_build_status(build_id, BuildStatus::Building, None, None)?
-        {
-            return Err(BuildError::Conflict(format!(
-                "build {build_id} has started already"
-            )));
-        }
-        let log = self.log_sink(build_id);
+        // Started builds have a log; a build stays `waiting` until it has
+        // a build slot.
+        let log = self
+            .log_sink(build_id)
+            .ok_or_else(|| BuildError::Conflict(format!("build {build_id} has started already")))?;
         let this = self.clone();
         tokio::spawn(async move { this.run(build, plan, log).await });
         Ok(())
@@ -284,6 +280,12 @@ impl Builds {
             log(Level::Info, "waiting for a free build slot".into());
         }
         let _slot = self.slots.clone().acquire_owned().await;
+        if let Err(e) = self
+            .db
+            .set_build_status(&build.id, BuildStatus::Building, None, None)
+        {
+            tracing::error!(build = %build.id, "recording a build's start: {e}");
+        }
         let result = run::execute(&self.env, &plan, &log).await;
         conclude(&self.db, &build, &result);
         if let Some(l) = self
@@ -303,14 +305,18 @@ impl Builds {
         }
     }
 
-    fn log_sink(&self, build_id: &str) -> Log {
+    /// A new log for build `build_id`; `None` when it has one (started).
+    fn log_sink(&self, build_id: &str) -> Option<Log> {
         let log = Arc::new(Mutex::new(BuildLog::default()));
-        self.logs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(build_id.to_string(), log.clone());
+        {
+            let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+            if logs.contains_key(build_id) {
+                return None;
+            }
+            logs.insert(build_id.to_string(), log.clone());
+        }
         let id = build_id.to_string();
-        Arc::new(move |level, message| {
+        Some(Arc::new(move |level, message| {
             tracing::debug!(build = %id, "{message}");
             let mut l = log.lock().unwrap_or_else(|e| e.into_inner());
             if l.entries.len() >= MAX_LOG_ENTRIES {
@@ -322,7 +328,7 @@ impl Builds {
                 level,
                 message,
             });
-        })
+        }))
     }
 
     /// Up to `limit` log entries from `offset` on (entries counted from

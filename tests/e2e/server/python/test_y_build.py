@@ -347,3 +347,32 @@ def test_uploads_are_signed_checked_and_bounded(tmp_path):
     code, body = api("GET", "/templates/aliases/e2e-upload")
     assert code == 404 and body["code"] == 404, body
     assert build_vms() == []
+
+
+def wait_build(info, until=("ready", "error"), timeout=300):
+    deadline, offset, seen = time.time() + timeout, 0, []
+    while True:
+        st = Template.get_build_status(info, logs_offset=offset)
+        offset += len(st.log_entries)
+        seen += [e.message for e in st.log_entries]
+        if st.status.value in until:
+            return st, seen
+        assert time.time() < deadline, (st.status, seen)
+        time.sleep(0.3)
+
+
+def test_builds_over_the_limit_wait_their_turn():
+    """The e2e server runs one build at a time (max_concurrent_builds = 1)."""
+    slow = Template().from_template("base").run_cmd(f"echo slow {RUN} && sleep 8")
+    quick = Template().from_template("base").run_cmd(f"echo quick {RUN}")
+    a = Template.build_in_background(slow, "e2e-queue-a", **SHAPE)
+    st, seen = wait_build(a, until=("building", "error"))
+    assert st.status.value == "building", seen
+    b = Template.build_in_background(quick, "e2e-queue-b", **SHAPE)
+    st = Template.get_build_status(b)
+    assert st.status.value == "waiting", st
+    st, seen_b = wait_build(b)
+    assert st.status.value == "ready", seen_b
+    assert "waiting for a free build slot" in seen_b
+    st, _ = wait_build(a)
+    assert st.status.value == "ready"
