@@ -78,6 +78,8 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         build_env,
         config.max_concurrent_builds,
         default_machine,
+        (config.build_layer_ttl_secs > 0)
+            .then(|| std::time::Duration::from_secs(config.build_layer_ttl_secs)),
     )?);
     let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
     manager

@@ -73,6 +73,9 @@ pub struct Config {
     pub build_ready_timeout_secs: u64,
     /// How long one build step may run.
     pub build_step_timeout_secs: u64,
+    /// Build layers no build made or reused for this long are deleted
+    /// (0: kept forever).
+    pub build_layer_ttl_secs: u64,
 }
 
 impl Default for Config {
@@ -100,6 +103,7 @@ impl Default for Config {
             build_context_max_bytes: 1 << 30,
             build_ready_timeout_secs: 300,
             build_step_timeout_secs: 3600,
+            build_layer_ttl_secs: 7 * 24 * 3600,
         }
     }
 }

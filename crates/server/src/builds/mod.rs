@@ -84,6 +84,8 @@ pub struct Builds {
     slots: Arc<Semaphore>,
     logs: Mutex<HashMap<String, Arc<Mutex<BuildLog>>>>,
     machine_default: Machine,
+    /// Layers unused this long are deleted (`None`: kept).
+    layer_ttl: Option<Duration>,
 }
 
 /// A name the API accepts for a template: 1-64 of a-z, 0-9, `-`, `_`, `.`.
@@ -127,6 +129,7 @@ impl Builds {
         env: BuildEnv,
         max_concurrent: usize,
         machine_default: Machine,
+        layer_ttl: Option<Duration>,
     ) -> Result<Self, DbError> {
         let db = env.db.clone();
         let n = db.fail_unfinished_builds("the server stopped during the build")?;
@@ -140,6 +143,7 @@ impl Builds {
             slots: Arc::new(Semaphore::new(max_concurrent)),
             logs: Mutex::new(HashMap::new()),
             machine_default,
+            layer_ttl,
         })
     }
 
@@ -160,6 +164,7 @@ impl Builds {
         machine: Machine,
     ) -> Result<BuildRow, BuildError> {
         self.prune_logs();
+        self.expire_layers();
         new_build(&self.db, name, tags, machine, BuildStatus::Waiting)
     }
 
@@ -346,6 +351,20 @@ impl Builds {
         let l = log.lock().unwrap_or_else(|e| e.into_inner());
         let from = offset.saturating_sub(l.dropped).min(l.entries.len());
         l.entries[from..].iter().take(limit).cloned().collect()
+    }
+
+    /// Delete layers no build used within the TTL (their files go with
+    /// the server's next garbage collection, once nothing sits on them).
+    fn expire_layers(&self) {
+        let Some(ttl) = self.layer_ttl else {
+            return;
+        };
+        let cutoff = now_ms() - ttl.as_millis() as i64;
+        match self.db.expire_layers(cutoff) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("{n} build layers unused for {} s expired", ttl.as_secs()),
+            Err(e) => tracing::warn!("expiring build layers: {e}"),
+        }
     }
 
     fn prune_logs(&self) {

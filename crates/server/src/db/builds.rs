@@ -319,3 +319,43 @@ mod tests {
         assert_eq!(db.tag_snapshot("t", "v1").unwrap(), None);
     }
 }
+
+#[cfg(test)]
+mod layer_tests {
+    use super::super::{SnapshotKind, SnapshotRow};
+    use super::*;
+
+    fn layer(id: &str, parent: Option<&str>, created_ms: i64) -> SnapshotRow {
+        SnapshotRow {
+            id: id.into(),
+            kind: SnapshotKind::Layer,
+            sandbox_id: String::new(),
+            parent_id: parent.map(String::from),
+            names: vec!["t".into()],
+            template_id: format!("key-{id}"),
+            cpu_count: 1,
+            memory_mb: 256,
+            source_token: String::new(),
+            created_ms,
+        }
+    }
+
+    #[test]
+    fn unused_layers_expire_and_go_leaf_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("t.db")).unwrap();
+        db.insert_snapshot(&layer("l1", None, 1)).unwrap();
+        db.insert_snapshot(&layer("l2", Some("l1"), 2)).unwrap();
+        db.insert_snapshot(&layer("l3", Some("l2"), 3)).unwrap();
+        db.insert_snapshot(&layer("fresh", Some("l1"), now_ms()))
+            .unwrap();
+        // l2 was reused by a build just now: it does not expire.
+        db.touch_snapshot("l2").unwrap();
+        assert!(db.collectable_snapshots().unwrap().is_empty());
+        assert_eq!(db.expire_layers(now_ms() - 60_000).unwrap(), 2);
+        assert!(db.find_layer("key-l3").unwrap().is_none());
+        assert!(db.find_layer("key-l2").unwrap().is_some());
+        // Only the leaf goes: l1 still has children.
+        assert_eq!(db.collectable_snapshots().unwrap(), vec!["l3".to_string()]);
+    }
+}

@@ -123,6 +123,9 @@ CREATE TABLE template_tags (
     PRIMARY KEY (template, tag)
 );
 "#,
+    r#"
+ALTER TABLE snapshots ADD COLUMN used_ms INTEGER;
+"#,
 ];
 
 impl Db {

@@ -190,6 +190,26 @@ impl Db {
         Ok(out)
     }
 
+    /// A build reused layer `id` now (it expires counting from its last use).
+    pub fn touch_snapshot(&self, id: &str) -> Result<()> {
+        self.conn().execute(
+            "UPDATE snapshots SET used_ms = ?2 WHERE id = ?1",
+            params![id, now_ms()],
+        )?;
+        Ok(())
+    }
+
+    /// Delete the build layers last made or used before `cutoff_ms`; their
+    /// files go (via [`Db::collectable_snapshots`]) once no later layer,
+    /// template or sandbox sits on them. Returns how many.
+    pub fn expire_layers(&self, cutoff_ms: i64) -> Result<usize> {
+        Ok(self.conn().execute(
+            "UPDATE snapshots SET deleted_ms = ?2 WHERE kind = 'layer' AND deleted_ms IS NULL \
+             AND COALESCE(used_ms, created_ms) < ?1",
+            params![cutoff_ms, now_ms()],
+        )?)
+    }
+
     /// Whether a row (deleted or not) names snapshot `id`.
     pub fn snapshot_row_exists(&self, id: &str) -> Result<bool> {
         Ok(self

@@ -199,6 +199,7 @@ impl Runner<'_> {
             if !forced && self.vm.is_none() {
                 if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail(num, e))? {
                     if self.env.driver.open_snapshot(&row.id).is_ok() {
+                        let _ = self.env.db.touch_snapshot(&row.id);
                         self.info(format!("CACHED {shown}"));
                         parent = row.id;
                         // That step ran in this workdir, so its layer has it.
@@ -263,6 +264,7 @@ impl Runner<'_> {
                 if !self.plan.force {
                     if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail("base", e))? {
                         if self.env.driver.open_snapshot(&row.id).is_ok() {
+                            let _ = self.env.db.touch_snapshot(&row.id);
                             self.info(format!(
                                 "CACHED FROM {reference} ({})",
                                 meta.manifest_digest
