@@ -40,7 +40,8 @@ def new_sandbox(**kw):
 @pytest.fixture(scope="session")
 def sbx():
     """One sandbox shared by the tests that only use it."""
-    s = new_sandbox(envs={"TINE_E2E_ENV": "from-create"})
+    # (It must outlive the whole suite, which takes over 10 minutes.)
+    s = new_sandbox(envs={"TINE_E2E_ENV": "from-create"}, timeout=3600)
     yield s
     s.kill()
 
