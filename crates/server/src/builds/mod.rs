@@ -168,10 +168,6 @@ impl Builds {
         new_build(&self.db, name, tags, machine, BuildStatus::Waiting)
     }
 
-    pub fn default_machine(&self) -> Machine {
-        self.machine_default
-    }
-
     /// The build `build_id` of `template`.
     pub fn get(&self, template: &str, build_id: &str) -> Result<BuildRow, BuildError> {
         match self.db.get_build(build_id)? {

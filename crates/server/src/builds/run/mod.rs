@@ -24,6 +24,7 @@ mod output;
 pub use finish::compact_template;
 
 use super::files::ContextStore;
+use super::rfc3339_now;
 use super::steps::{self, key_of, layer_key, Op, State, Step};
 use crate::db::{now_ms, Db, SnapshotKind, SnapshotRow};
 use crate::templates::{BuildImage, Templates};
@@ -213,7 +214,7 @@ impl Runner<'_> {
             self.ensure_vm(&parent, num).await?;
             let t = Instant::now();
             self.step(op, &state, content.as_deref(), num).await?;
-            parent = self.seal(&key, &parent, num).await?;
+            parent = self.seal(&key, Some(parent), num).await?;
             self.info(format!(
                 "[{num}/{n}] done in {:.1} s",
                 t.elapsed().as_secs_f64()
@@ -296,7 +297,7 @@ impl Runner<'_> {
                 crate::templates::prepare_image(self.vm(), &spec, &image.meta)
                     .await
                     .map_err(|e| fail("base", e))?;
-                let id = self.seal_as(&key, None, "base").await?;
+                let id = self.seal(&key, None, "base").await?;
                 Ok((id, key, state))
             }
         }
@@ -500,11 +501,7 @@ impl Runner<'_> {
     }
 
     /// Capture the build VM as the layer with key `key` over `parent`.
-    async fn seal(&mut self, key: &str, parent: &str, num: usize) -> Result<String, Failure> {
-        self.seal_as(key, Some(parent.to_string()), num).await
-    }
-
-    async fn seal_as(
+    async fn seal(
         &mut self,
         key: &str,
         parent: Option<String>,
@@ -535,10 +532,4 @@ impl Runner<'_> {
             .map_err(|e| fail(step, e))?;
         Ok(id)
     }
-}
-
-pub(super) fn rfc3339_now() -> String {
-    time::OffsetDateTime::now_utc()
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
 }
