@@ -24,6 +24,9 @@ pub fn router(state: Arc<AppState>) -> Router {
 pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
     config.validate()?;
     let _lock = lock_data_dir(&paths.data_dir)?;
+    // Before any VM exists: it sets where veth addresses come from.
+    let network =
+        Arc::new(crate::network::Network::new(&config.network).map_err(anyhow::Error::msg)?);
     let artifacts = paths
         .current_artifacts()
         .resolve()
@@ -73,6 +76,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         registries: config.registries.clone(),
         ready_timeout: std::time::Duration::from_secs(config.build_ready_timeout_secs),
         step_timeout: std::time::Duration::from_secs(config.build_step_timeout_secs),
+        network: network.clone(),
     };
     let builds = Arc::new(builds::Builds::new(
         build_env,
@@ -81,7 +85,9 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         (config.build_layer_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(config.build_layer_ttl_secs)),
     )?);
-    let manager = Arc::new(sandboxes::Manager::new(config, db, driver, templates));
+    let manager = Arc::new(sandboxes::Manager::new(
+        config, db, driver, templates, network,
+    ));
     manager
         .recover()
         .await

@@ -17,6 +17,11 @@
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
 //!
+//! [network]                       # see docs/networking.md
+//! allow_private = ["10.99.1.0/24"]  # not-internet ranges sandboxes may reach
+//! dns = "10.0.0.2"                 # the resolver guests use (default: the host's)
+//! veth_pool = "10.233.0.0/16"      # host<->sandbox links, a /31 each
+//!
 //! [registries]                    # where OCI images come from
 //! insecure = ["registry.lan:5000"]            # plain HTTP (loopback always is)
 //! mirrors = { "docker.io" = ["registry.lan:5000"] }   # tried first, in order
@@ -59,6 +64,8 @@ pub struct Config {
     /// whole RAM as a file, which the children then share instead of each
     /// holding private copies of the source's changed pages (0: never).
     pub fork_shared_ram_from: usize,
+    /// What sandboxes may reach, beyond their own policies.
+    pub network: crate::network::NetworkConfig,
     /// How OCI registries are reached.
     pub registries: tine_image::RegistryOptions,
     /// Bound of the local cache of image chunks that can be fetched again
@@ -97,6 +104,7 @@ impl Default for Config {
             max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
             compact_after_layers: 3,
             fork_shared_ram_from: 2,
+            network: Default::default(),
             registries: Default::default(),
             image_cache_max_bytes: tine_image::nbd::daemon::DEFAULT_CACHE_MAX_BYTES,
             max_concurrent_builds: 2,
@@ -157,7 +165,7 @@ impl Config {
         if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");
         }
-        Ok(())
+        self.network.validate().map_err(ConfigError::Invalid)
     }
 
     /// What the image daemon is told.

@@ -5,7 +5,8 @@
 //! Where a request goes: [`app`] composes [`proxy`] (sandbox traffic,
 //! chosen by headers or Host) in front of [`api`] (REST routes); both are
 //! thin over [`sandboxes::Manager`] (lifecycle), which drives VMs through
-//! `tine_vmm::Driver`. The import arrows run one way:
+//! `tine_vmm::Driver`; [`network`] decides what each sandbox may reach.
+//! The import arrows run one way:
 //! `app` → `api`/`proxy` → [`state`] → [`guest_client`] → [`sandboxes`] →
 //! [`templates`] → [`db`] → [`model`] → `tine_vmm`.
 
@@ -18,6 +19,7 @@ pub mod guest_client;
 pub mod ids;
 pub mod metrics;
 pub mod model;
+pub mod network;
 pub mod proxy;
 pub mod sandboxes;
 pub mod state;

@@ -88,6 +88,10 @@ pub struct SandboxRecord {
     pub auto_pause: bool,
     /// Why it failed or was killed by the server, if it was.
     pub error: Option<String>,
+    /// What it may reach, and who may reach its ports.
+    pub network: crate::network::NetworkPolicy,
+    /// Required by `get_host` traffic when the policy closes public traffic.
+    pub traffic_token: Option<String>,
 }
 
 #[cfg(test)]

@@ -9,7 +9,10 @@
 //!
 //! Requests to the agent must carry the sandbox's `X-Access-Token` (or, for
 //! `/files`, a valid signature made with it): the proxy checks before
-//! anything reaches the guest.
+//! anything reaches the guest. Requests to any other port of a sandbox
+//! created with `allowPublicTraffic: false` must carry its
+//! `e2b-traffic-access-token` (removed before the request goes on), and
+//! see the Host its `maskRequestHost` gives, if it gave one.
 //!
 //! Connections into sandboxes are pooled: see [`crate::guest_client`].
 
@@ -123,9 +126,35 @@ pub fn file_signature(
     )
 }
 
+/// Compare secrets in time that depends on their lengths only.
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The header that carries a sandbox's traffic access token.
+pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// Check (and strip) the traffic token, and mask the Host, of a request to
+/// a port other than the agent's.
+fn admit_traffic(live: &crate::sandboxes::Live, port: u16, req: &mut Request) -> bool {
+    if let Some(token) = &live.traffic_token {
+        let given = req.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
+            return false;
+        }
+    }
+    if let Some(mask) = &live.mask_host {
+        let host = mask.replace("${PORT}", &port.to_string());
+        if let Ok(v) = http::HeaderValue::from_str(&host) {
+            req.headers_mut().insert(header::HOST, v);
+        }
+    }
+    true
+}
+
 fn authorized(req: &Request, token: &str) -> bool {
     if let Some(given) = req.headers().get("x-access-token") {
-        return given.as_bytes() == token.as_bytes();
+        return same_secret(given.as_bytes(), token.as_bytes());
     }
     if req.uri().path() != "/files" {
         return false;
@@ -153,13 +182,14 @@ fn authorized(req: &Request, token: &str) -> bool {
     } else {
         "write"
     };
-    file_signature(
+    let expected = file_signature(
         path,
         operation,
         get("username").unwrap_or(""),
         token,
         expiration,
-    ) == sig
+    );
+    same_secret(expected.as_bytes(), sig.as_bytes())
 }
 
 async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
@@ -175,6 +205,16 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
         return error(
             StatusCode::UNAUTHORIZED,
             "missing or invalid X-Access-Token for this sandbox".into(),
+            rpc,
+        );
+    }
+    if t.port != ENVD_PORT && !admit_traffic(&live, t.port, &mut req) {
+        return error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "sandbox {} accepts traffic only with its {TRAFFIC_TOKEN_HEADER}",
+                t.sandbox
+            ),
             rpc,
         );
     }

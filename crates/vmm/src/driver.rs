@@ -17,12 +17,25 @@ use std::time::{Duration, Instant};
 
 use crate::config::{Artifacts, Machine};
 use crate::error::Result;
+use crate::firewall::EgressRules;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Connects to TCP ports of one VM's guest.
+/// One VM's network: connects to its guest's TCP ports, and holds the
+/// guest's way out and its firewall.
 pub trait GuestNet: Send + Sync {
     fn connect(&self, port: u16) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>>;
+    /// Replace what the guest may reach (atomically).
+    fn set_egress<'a>(&'a self, rules: &'a EgressRules) -> BoxFuture<'a, Result<()>>;
+    /// Listen on `port` of the guest's gateway (an egress proxy's end of
+    /// [`EgressRules::proxy_port`]).
+    fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener>;
+    /// Connect to `addr` from the guest's side of the host, so the host's
+    /// rules for guests apply (an egress proxy's upstream).
+    fn connect_out(
+        &self,
+        addr: std::net::SocketAddrV4,
+    ) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>>;
 }
 
 /// A VM's guest network, shared with whoever talks to the guest.

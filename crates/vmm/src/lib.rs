@@ -7,7 +7,8 @@
 //! implementation. Inside, from the bottom up: [`config`] (paths,
 //! artifacts, machine shape, accelerator probe), `qemu` (the command
 //! line), `process` (spawning and watching QEMU), `qmp` (the control
-//! socket), [`netns`] (namespace + tap, and connecting to guest ports),
+//! socket), [`netns`] (namespace, tap and veth, and connecting to guest ports),
+//! [`firewall`] (the nftables egress rules),
 //! [`disk`] (qcow2 overlays), [`ram`] (RAM layers), [`snapshot`] (files of
 //! a snapshot), [`compact`] (folding chains) and `vm` (the lifecycle that
 //! ties them together). `qemu`, `qmp` and `process` are private; the
@@ -19,6 +20,7 @@ pub mod config;
 pub mod disk;
 pub mod driver;
 pub mod error;
+pub mod firewall;
 #[cfg(feature = "bench")]
 pub mod floor;
 pub mod netns;
@@ -34,6 +36,7 @@ pub use driver::{
     BoxFuture, Capture, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef, VmHandle,
 };
 pub use error::{Error, ErrorKind, Result};
+pub use firewall::{EgressRules, Net4};
 pub use snapshot::Snapshot;
 pub use vm::{log_tail, QemuDriver, StartOptions, Vm, VmRecord, VmState};
 

@@ -1,27 +1,42 @@
-//! One network namespace per VM, holding the VM's tap device.
+//! One network namespace per VM, holding the VM's tap device and its way
+//! out.
+//!
+//! ```text
+//!  guest eth0 10.11.0.2 ── tap0 10.11.0.1 ─┐ namespace tine-<vm>  (table inet tine)
+//!                                           veth0 <pool>+2i+1/31
+//!                                             │
+//!  host ─────────────────────────────────── tnv<i> <pool>+2i/31   (table inet tine_host)
+//! ```
 //!
 //! Every guest uses the same address ([`GUEST_IP`]); namespaces keep them
 //! apart, so a clone needs no re-addressing. The host reaches a guest port by
 //! creating the socket inside the namespace ([`Netns::connect`]): a
 //! short-lived thread enters the namespace with `setns`, creates the socket
-//! and exits; a socket keeps the namespace it was created in. No veth, no
-//! NAT, no per-VM host ports, no collisions.
+//! and exits; a socket keeps the namespace it was created in.
+//!
+//! The guest's way out is a veth pair with a /31 from the pool
+//! ([`set_pool`], default [`DEFAULT_POOL`]), NAT-ed twice (in the namespace
+//! to its veth address, on the host to the host's own); what it may reach is
+//! the namespace's firewall ([`crate::firewall`]), closed until a policy is
+//! set ([`Netns::set_egress`]).
 //!
 //! Creation uses iproute2 (`ip netns add` sets up the `/run/netns` bind
-//! mount that other tools such as `ip netns exec` understand, and one
-//! `ip -batch` configures the rest): two process spawns, a few ms, and the
-//! operator can inspect everything with the usual tools.
+//! mount that other tools such as `ip netns exec` understand, and `ip
+//! -batch` configures the rest) and one `nft -f`: a few process spawns, a
+//! few ms, and the operator can inspect everything with the usual tools.
 
 use std::fs::File;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::OnceLock;
 
 use nix::sched::{setns, CloneFlags};
 use tokio::io::AsyncWriteExt;
 
 use crate::error::{Error, Result};
+use crate::firewall::{self, EgressRules, Net4};
 
 /// Address of every guest.
 pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 11, 0, 2);
@@ -32,6 +47,56 @@ pub const PREFIX_LEN: u8 = 24;
 pub const TAP_NAME: &str = "tap0";
 /// Namespaces we create are named with this prefix (cleanup finds them).
 pub const NAME_PREFIX: &str = "tine-";
+/// The namespace's end of its veth pair.
+pub const VETH_NAME: &str = "veth0";
+/// The host's ends are `tnv<index>`.
+pub const VETH_HOST_PREFIX: &str = "tnv";
+/// Where veth addresses come from unless [`set_pool`] says otherwise.
+pub const DEFAULT_POOL: Net4 = Net4::new(Ipv4Addr::new(10, 233, 0, 0), 16);
+
+static POOL: OnceLock<Net4> = OnceLock::new();
+
+/// Take veth addresses from `pool` (a /31 per VM) instead of
+/// [`DEFAULT_POOL`]; only the first call counts, and only before the first
+/// namespace is made.
+pub fn set_pool(pool: Net4) {
+    let _ = POOL.set(pool);
+}
+
+pub fn pool() -> Net4 {
+    *POOL.get().unwrap_or(&DEFAULT_POOL)
+}
+
+/// The host's and the namespace's veth addresses of pair `index`.
+fn veth_addrs(pool: Net4, index: u32) -> Option<(Ipv4Addr, Ipv4Addr)> {
+    let size = 1u64 << (32 - u32::from(pool.prefix));
+    if u64::from(index) * 2 + 1 >= size {
+        return None;
+    }
+    let base = u32::from(pool.network()) + index * 2;
+    Some((Ipv4Addr::from(base), Ipv4Addr::from(base + 1)))
+}
+
+/// Indexes of the veth pairs on the host now.
+fn used_indexes() -> std::collections::BTreeSet<u32> {
+    std::fs::read_dir("/sys/class/net")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()?
+                        .strip_prefix(VETH_HOST_PREFIX)?
+                        .parse()
+                        .ok()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Serialises index choice within this process; another process racing
+/// for the same index loses at `ip link add` and tries the next.
+static ALLOCATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[derive(Debug)]
 pub struct Netns {
@@ -82,22 +147,94 @@ async fn ip(name: &str, args: &[&str], stdin: Option<&str>) -> Result<()> {
 }
 
 impl Netns {
-    /// Create namespace `tine-<vm_id>` with `lo` up and a tap device that
-    /// has the gateway address.
+    /// Create namespace `tine-<vm_id>` with `lo` up, a tap device that has
+    /// the gateway address, a veth pair to the host, and a closed firewall.
     pub async fn create(vm_id: &str) -> Result<Self> {
         let name = format!("{NAME_PREFIX}{vm_id}");
+        firewall::host_setup(pool()).await?;
         ip(&name, &["netns", "add", &name], None).await?;
-        let batch = format!(
-            "link set lo up\n\
-             tuntap add dev {TAP_NAME} mode tap\n\
-             addr add {HOST_IP}/{PREFIX_LEN} dev {TAP_NAME}\n\
-             link set {TAP_NAME} up\n"
-        );
-        if let Err(e) = ip(&name, &["-n", &name, "-batch", "-"], Some(&batch)).await {
-            let _ = ip(&name, &["netns", "delete", &name], None).await;
-            return Err(e);
+        let made = async {
+            let ns = Self::open(&name)?;
+            // Closed before anything can route.
+            firewall::nft(
+                &name,
+                Some(&ns.file),
+                &firewall::render(&EgressRules::closed()),
+            )
+            .await?;
+            let (host_ip, ns_ip) = Self::add_veth(&name).await?;
+            let batch = format!(
+                "link set lo up\n\
+                 tuntap add dev {TAP_NAME} mode tap\n\
+                 addr add {HOST_IP}/{PREFIX_LEN} dev {TAP_NAME}\n\
+                 link set {TAP_NAME} up\n\
+                 addr add {ns_ip}/31 dev {VETH_NAME}\n\
+                 link set {VETH_NAME} up\n\
+                 route add default via {host_ip}\n"
+            );
+            ip(&name, &["-n", &name, "-batch", "-"], Some(&batch)).await?;
+            ns.enable_forwarding()?;
+            Ok(ns)
         }
-        Self::open(&name)
+        .await;
+        if made.is_err() {
+            let _ = ip(&name, &["netns", "delete", &name], None).await;
+        }
+        made
+    }
+
+    /// Add the veth pair `tnv<i>` (host) / `veth0` (namespace `name`) with
+    /// the lowest free index; returns (host address, namespace address).
+    async fn add_veth(name: &str) -> Result<(Ipv4Addr, Ipv4Addr)> {
+        let pool = pool();
+        let _one = ALLOCATING.lock().await;
+        let used = used_indexes();
+        let mut index = 0u32;
+        for _attempt in 0..64 {
+            while used.contains(&index) {
+                index += 1;
+            }
+            let (host_ip, ns_ip) = veth_addrs(pool, index)
+                .ok_or_else(|| netns_err(name, format!("the veth pool {pool} is full")))?;
+            let host = format!("{VETH_HOST_PREFIX}{index}");
+            let batch = format!(
+                "link add {host} type veth peer name {VETH_NAME} netns {name}\n\
+                 addr add {host_ip}/31 dev {host}\n\
+                 link set {host} up\n"
+            );
+            match ip(name, &["-batch", "-"], Some(&batch)).await {
+                Ok(()) => return Ok((host_ip, ns_ip)),
+                // Another process took it; a half-made pair goes with the
+                // namespace or is removed here.
+                Err(e) if e.to_string().contains("File exists") => index += 1,
+                Err(e) => {
+                    let _ = ip(name, &["link", "delete", &host], None).await;
+                    return Err(e);
+                }
+            }
+        }
+        Err(netns_err(name, "no free veth index after 64 tries"))
+    }
+
+    /// Forwarding is per namespace; `/proc/sys/net` shows the namespace of
+    /// the thread that opens it.
+    fn enable_forwarding(&self) -> Result<()> {
+        let ns = self
+            .file
+            .try_clone()
+            .map_err(|e| netns_err(&self.name, e.to_string()))?;
+        std::thread::spawn(move || -> std::io::Result<()> {
+            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        })
+        .join()
+        .map_err(|_| netns_err(&self.name, "forwarding thread panicked"))?
+        .map_err(|e| netns_err(&self.name, format!("enabling forwarding: {e}")))
+    }
+
+    /// Replace the namespace's egress firewall with `rules` (atomically).
+    pub async fn set_egress(&self, rules: &EgressRules) -> Result<()> {
+        firewall::nft(&self.name, Some(&self.file), &firewall::render(rules)).await
     }
 
     /// Open an existing namespace by name (e.g. when adopting a VM).
@@ -132,10 +269,10 @@ impl Netns {
         &self.file
     }
 
-    /// Open a TCP connection to `port` of the guest in this namespace.
-    pub async fn connect(&self, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+    /// A non-blocking TCP socket that lives in this namespace.
+    fn socket(&self) -> std::io::Result<socket2::Socket> {
         let ns = self.file.try_clone()?;
-        let socket = std::thread::spawn(move || -> std::io::Result<socket2::Socket> {
+        std::thread::spawn(move || -> std::io::Result<socket2::Socket> {
             // This thread exists only to create the socket, so it never has
             // to switch back to the host namespace.
             setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
@@ -146,9 +283,29 @@ impl Netns {
             Ok(s)
         })
         .join()
-        .map_err(|_| std::io::Error::other("netns socket thread panicked"))??;
+        .map_err(|_| std::io::Error::other("netns socket thread panicked"))?
+    }
+
+    /// Open a TCP connection to `port` of the guest in this namespace.
+    pub async fn connect(&self, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+        self.connect_out(SocketAddrV4::new(GUEST_IP, port)).await
+    }
+
+    /// Open a TCP connection from this namespace to `addr` (through its
+    /// veth when `addr` is outside; the host's table still applies).
+    pub async fn connect_out(&self, addr: SocketAddrV4) -> std::io::Result<tokio::net::TcpStream> {
+        let socket = self.socket()?;
         let socket = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(socket));
-        socket.connect(SocketAddr::from((GUEST_IP, port))).await
+        socket.connect(SocketAddr::V4(addr)).await
+    }
+
+    /// Listen on `port` of the gateway address inside this namespace.
+    pub fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+        let s = self.socket()?;
+        s.set_reuse_address(true)?;
+        s.bind(&SocketAddr::from((HOST_IP, port)).into())?;
+        s.listen(128)?;
+        tokio::net::TcpListener::from_std(std::net::TcpListener::from(s))
     }
 }
 
@@ -178,5 +335,43 @@ impl crate::driver::GuestNet for Netns {
         port: u16,
     ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
         Box::pin(Netns::connect(self, port))
+    }
+    fn set_egress<'a>(
+        &'a self,
+        rules: &'a EgressRules,
+    ) -> crate::driver::BoxFuture<'a, Result<()>> {
+        Box::pin(Netns::set_egress(self, rules))
+    }
+    fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+        Netns::listen(self, port)
+    }
+    fn connect_out(
+        &self,
+        addr: SocketAddrV4,
+    ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
+        Box::pin(Netns::connect_out(self, addr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn veth_pairs_are_slash_31s_inside_the_pool() {
+        let pool = Net4::parse("10.233.0.0/16").unwrap();
+        assert_eq!(
+            veth_addrs(pool, 0),
+            Some((Ipv4Addr::new(10, 233, 0, 0), Ipv4Addr::new(10, 233, 0, 1)))
+        );
+        assert_eq!(
+            veth_addrs(pool, 200),
+            Some((
+                Ipv4Addr::new(10, 233, 1, 144),
+                Ipv4Addr::new(10, 233, 1, 145)
+            ))
+        );
+        assert!(veth_addrs(pool, 32767).is_some());
+        assert_eq!(veth_addrs(pool, 32768), None);
     }
 }

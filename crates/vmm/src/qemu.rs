@@ -70,6 +70,7 @@ pub fn kernel_cmdline(accel: Accel, extra: &[String]) -> String {
         "rw".into(),
         format!("tine.ip={GUEST_IP}/{PREFIX_LEN}"),
         format!("tine.gw={HOST_IP}"),
+        format!("tine.dns={HOST_IP}"),
     ];
     if accel == Accel::Tcg {
         if let Some(khz) = host_cpu_khz() {

@@ -46,6 +46,10 @@ pub fn boot() -> anyhow::Result<()> {
         net::configure("eth0", ip, cmdline.get("tine.gw"))
             .with_context(|| format!("configuring eth0 with {ip}"))?;
     }
+    if let Some(dns) = cmdline.get("tine.dns") {
+        net::write_resolv_conf(Path::new("/etc/resolv.conf"), dns)
+            .context("writing /etc/resolv.conf")?;
+    }
 
     std::env::set_var(
         "PATH",

@@ -155,3 +155,39 @@ mod tests {
         assert!(parse_cidr("nonsense/24").is_err());
     }
 }
+
+/// Point the guest's resolver at `server` (the host forwards port 53 of the
+/// gateway to its own resolver). A symlink (systemd-resolved's stub, in some
+/// images) is replaced by a file.
+pub fn write_resolv_conf(path: &std::path::Path, server: &str) -> anyhow::Result<()> {
+    let server: Ipv4Addr = server
+        .parse()
+        .with_context(|| format!("bad DNS server {server:?}"))?;
+    if path.is_symlink() {
+        std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    }
+    std::fs::write(
+        path,
+        format!("# written by the tine agent at boot\nnameserver {server}\n"),
+    )
+    .with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod resolv_tests {
+    use super::*;
+
+    #[test]
+    fn resolv_conf_names_the_server_and_replaces_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("stub");
+        let path = dir.path().join("resolv.conf");
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        write_resolv_conf(&path, "10.11.0.1").unwrap();
+        assert!(!path.is_symlink());
+        assert!(std::fs::read_to_string(&path)
+            .unwrap()
+            .contains("nameserver 10.11.0.1\n"));
+        assert!(write_resolv_conf(&path, "not-an-ip").is_err());
+    }
+}

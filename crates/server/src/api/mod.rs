@@ -3,6 +3,7 @@
 //! front of it is composed in `crate::app`.
 
 mod error;
+mod network;
 mod sandboxes;
 mod system;
 mod templates;
@@ -43,6 +44,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(sandboxes::get_one).delete(sandboxes::kill),
         )
         .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(network::update),
+        )
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
         .route("/sandboxes/{id}/logs", get(sandboxes::logs))

@@ -66,6 +66,8 @@ struct DetailOut {
     state: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     domain: Option<String>,
+    allow_internet_access: bool,
+    network: crate::network::NetworkPolicy,
 }
 
 fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
@@ -84,6 +86,13 @@ fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
         metadata: r.metadata,
         state: r.state.e2b().unwrap_or("running"),
         domain: with_secrets.map(str::to_string),
+        allow_internet_access: !r
+            .network
+            .deny_out
+            .iter()
+            .flatten()
+            .any(|d| d == crate::network::policy::ALL_TRAFFIC),
+        network: r.network,
     }
 }
 
@@ -101,6 +110,10 @@ struct NewSandbox {
     cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
     memory_mb: Option<u32>,
+    /// The SDKs send this one in snake_case.
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<serde_json::Value>,
 }
 
 pub async fn create(
@@ -109,6 +122,7 @@ pub async fn create(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
+    let network = super::network::from_create(req.network, req.allow_internet_access)?;
     let rec = s
         .manager
         .create(CreateRequest {
@@ -121,6 +135,7 @@ pub async fn create(
             auto_pause: req.auto_pause.unwrap_or(false),
             cpu_count: req.cpu_count,
             memory_mb: req.memory_mb,
+            network,
         })
         .await?;
     Ok((StatusCode::CREATED, Json(sandbox_out(rec, &s.domain))).into_response())
@@ -134,7 +149,7 @@ fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
         alias: rec.alias,
         envd_version: rec.envd_version,
         envd_access_token: rec.envd_access_token,
-        traffic_access_token: None,
+        traffic_access_token: rec.traffic_token,
         domain: domain.to_string(),
     }
 }
@@ -414,6 +429,8 @@ mod tests {
             end_at_ms: 0,
             auto_pause: false,
             error: None,
+            network: Default::default(),
+            traffic_token: None,
         }
     }
 }

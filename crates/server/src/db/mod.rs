@@ -126,6 +126,10 @@ CREATE TABLE template_tags (
     r#"
 ALTER TABLE snapshots ADD COLUMN used_ms INTEGER;
 "#,
+    r#"
+ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '{}';
+ALTER TABLE sandboxes ADD COLUMN traffic_token TEXT;
+"#,
 ];
 
 impl Db {

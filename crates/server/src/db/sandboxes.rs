@@ -9,12 +9,14 @@ use crate::model::{SandboxRecord, SandboxState};
 
 const COLUMNS: &str =
     "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
-     disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error";
+     disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error, \
+     network, traffic_token";
 
 fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
     let state: String = row.get(4)?;
     let metadata: String = row.get(5)?;
     let env_vars: String = row.get(6)?;
+    let network: String = row.get(16)?;
     let id: String = row.get(0)?;
     let parse_map = |s: &str, what: &str| {
         serde_json::from_str::<BTreeMap<String, String>>(s)
@@ -39,6 +41,9 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
             end_at_ms: row.get(13)?,
             auto_pause: row.get(14)?,
             error: row.get(15)?,
+            network: serde_json::from_str(&network)
+                .map_err(|_| DbError::Corrupt(format!("network of {id}")))?,
+            traffic_token: row.get(17)?,
         })
     };
     Ok(build())
@@ -60,7 +65,7 @@ pub struct ListFilter {
 impl Db {
     pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16)"),
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18)"),
             params![
                 s.id,
                 s.template_id,
@@ -78,6 +83,8 @@ impl Db {
                 s.end_at_ms,
                 s.auto_pause,
                 s.error,
+                serde_json::to_string(&s.network).expect("a policy serializes"),
+                s.traffic_token,
             ],
         )?;
         Ok(())
@@ -126,6 +133,18 @@ impl Db {
         self.conn().execute(
             "UPDATE sandboxes SET started_at_ms = ?2, end_at_ms = ?3 WHERE id = ?1",
             params![id, started_at_ms, end_at_ms],
+        )?;
+        Ok(())
+    }
+
+    /// Replace `id`'s network policy.
+    pub fn set_network(&self, id: &str, network: &crate::network::NetworkPolicy) -> Result<()> {
+        self.conn().execute(
+            "UPDATE sandboxes SET network = ?2 WHERE id = ?1",
+            params![
+                id,
+                serde_json::to_string(network).expect("a policy serializes")
+            ],
         )?;
         Ok(())
     }

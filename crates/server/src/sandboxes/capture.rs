@@ -281,6 +281,8 @@ impl Manager {
             metadata: source_rec.metadata.clone(),
             env_vars: source_rec.env_vars.clone(),
             auto_pause: source_rec.auto_pause,
+            // Children inherit the policy (and get their own traffic token).
+            network: Some(source_rec.network.clone()),
             ..Default::default()
         };
         let machine = source.snapshot.info().machine;

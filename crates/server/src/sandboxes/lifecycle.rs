@@ -19,6 +19,9 @@ pub struct CreateRequest {
     pub auto_pause: bool,
     pub cpu_count: Option<u32>,
     pub memory_mb: Option<u32>,
+    /// Its network policy (checked already); `None` takes the default, or
+    /// the policy of the sandbox a snapshot was taken of.
+    pub network: Option<crate::network::NetworkPolicy>,
 }
 
 impl Manager {
@@ -83,6 +86,13 @@ impl Manager {
             }
         };
         let guest = vm.guest();
+        if let Err(source) = self.network.apply(&rec.id, &guest, &rec.network).await {
+            let _ = vm.kill().await;
+            return Err(SandboxError::Network {
+                id: rec.id.clone(),
+                source,
+            });
+        }
         let init = agent::init(
             &guest,
             &rec.id,
@@ -135,6 +145,21 @@ impl Manager {
         Ok((source, m))
     }
 
+    /// The network policy of the sandbox snapshot `snapshot_id` was taken of.
+    fn snapshot_policy(
+        &self,
+        snapshot_id: Option<&str>,
+    ) -> Result<Option<crate::network::NetworkPolicy>, SandboxError> {
+        let Some(row) = snapshot_id
+            .map(|s| self.db.get_snapshot(s))
+            .transpose()?
+            .flatten()
+        else {
+            return Ok(None);
+        };
+        Ok(self.db.get_sandbox(&row.sandbox_id)?.map(|r| r.network))
+    }
+
     pub(super) fn new_record(
         &self,
         template_id: &str,
@@ -161,17 +186,26 @@ impl Manager {
             end_at_ms: now + (timeout as i64) * 1000,
             auto_pause: req.auto_pause,
             error: None,
+            traffic_token: req
+                .network
+                .as_ref()
+                .is_some_and(|n| n.private_traffic())
+                .then(|| crate::ids::random_hex(24)),
+            network: req.network.clone().unwrap_or_default(),
         }
     }
 
     /// Create a sandbox: restore the template (or snapshot), give the guest
     /// its env vars, access token, clock and fresh entropy, and start its
     /// timeout.
-    pub async fn create(&self, req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
+    pub async fn create(&self, mut req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
         let machine = limits::machine(&self.config, req.cpu_count, req.memory_mb)?;
         let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
         self.check_capacity(1)?;
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
+        if req.network.is_none() && !source.template {
+            req.network = self.snapshot_policy(source.snapshot_id.as_deref())?;
+        }
         let mut rec = self.new_record(&req.template_id, machine, &req, timeout);
         // Template creates take a pre-restored VM when one is ready.
         let pooled = if source.template {
@@ -268,6 +302,35 @@ impl Manager {
         let rec = self.get(id)?;
         self.db.set_end_at(&rec.id, now_ms() + secs as i64 * 1000)?;
         self.event(id, "timeout", &format!("{secs} s from now"));
+        Ok(())
+    }
+
+    /// Replace the egress part of sandbox `id`'s network policy: at once in
+    /// its running VM, and in the record a resume or restart applies.
+    pub async fn update_network(
+        &self,
+        id: &str,
+        mut policy: crate::network::NetworkPolicy,
+    ) -> Result<(), SandboxError> {
+        let _op = self.lock(id).await;
+        let rec = self.get(id)?;
+        policy.allow_public_traffic = rec.network.allow_public_traffic;
+        policy.mask_request_host = rec.network.mask_request_host.clone();
+        if let Some(live) = self.live(id) {
+            self.network
+                .apply(id, &live.guest, &policy)
+                .await
+                .map_err(|source| SandboxError::Network {
+                    id: id.to_string(),
+                    source,
+                })?;
+        }
+        self.db.set_network(id, &policy)?;
+        self.event(
+            id,
+            "network",
+            &serde_json::to_string(&policy).unwrap_or_default(),
+        );
         Ok(())
     }
 

@@ -49,6 +49,12 @@ pub enum SandboxError {
     Template(#[from] TemplateError),
     #[error("{0}")]
     InvalidArgument(String),
+    #[error("sandbox {id}: {source}")]
+    Network {
+        id: String,
+        #[source]
+        source: crate::network::NetworkError,
+    },
     #[error("{0}")]
     Conflict(String),
     #[error("capacity reached: {0} sandboxes are running (max_sandboxes)")]
@@ -104,6 +110,11 @@ pub struct Live {
     /// For the proxy: reach guest ports without locking the VM.
     pub guest: Guest,
     pub access_token: String,
+    /// Required of `get_host` traffic (`allowPublicTraffic: false`).
+    pub traffic_token: Option<String>,
+    /// The Host the guest's services see (`maskRequestHost`, `${PORT}`
+    /// replaced by the port).
+    pub mask_host: Option<String>,
     /// Differs for every VM process the sandbox runs in (new on resume and
     /// after a capture that moved it), so the proxy never reuses a
     /// connection to an earlier one.
@@ -131,6 +142,7 @@ pub struct Manager {
     db: Arc<Db>,
     driver: Arc<dyn Driver>,
     templates: Arc<Templates>,
+    network: Arc<crate::network::Network>,
     live: RwLock<HashMap<String, Arc<Live>>>,
     /// One lock per sandbox: lifecycle operations on it run one at a time.
     ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -166,12 +178,14 @@ impl Manager {
         db: Arc<Db>,
         driver: Arc<dyn Driver>,
         templates: Arc<Templates>,
+        network: Arc<crate::network::Network>,
     ) -> Self {
         let pool = Arc::new(pool::WarmPool::new(config.pool_size, driver.clone()));
         Self {
             db,
             driver,
             templates,
+            network,
             live: RwLock::new(HashMap::new()),
             ops: std::sync::Mutex::new(HashMap::new()),
             pool,
@@ -219,6 +233,8 @@ impl Manager {
             guest: vm.guest(),
             vm: tokio::sync::Mutex::new(Some(vm)),
             access_token: rec.envd_access_token.clone(),
+            traffic_token: rec.traffic_token.clone(),
+            mask_host: rec.network.mask_request_host.clone(),
             incarnation: next_incarnation().into(),
         });
         self.live
@@ -228,6 +244,7 @@ impl Manager {
     }
 
     fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
+        self.network.release(id);
         self.live
             .write()
             .unwrap_or_else(|e| e.into_inner())

@@ -26,6 +26,12 @@ impl Manager {
             match adopted {
                 // (VM directories that belong to no sandbox are removed below.)
                 Ok(vm) => {
+                    // The firewall lives in the namespace; the egress proxy
+                    // (if any) lived in the previous process.
+                    let guest = vm.guest();
+                    if let Err(e) = self.network.apply(&rec.id, &guest, &rec.network).await {
+                        tracing::warn!(sandbox = %rec.id, "re-applying its network policy: {e}");
+                    }
                     self.add_live(&rec, vm);
                     self.event(&rec.id, "adopted", "after a server restart");
                     tracing::info!(sandbox = %rec.id, "adopted after restart");

@@ -43,6 +43,8 @@ pub struct BuildEnv {
     pub ready_timeout: Duration,
     /// How long one step may run.
     pub step_timeout: Duration,
+    /// Build VMs get the default policy (the internet, not the host).
+    pub network: Arc<crate::network::Network>,
 }
 
 /// Where a build starts.
@@ -289,6 +291,7 @@ impl Runner<'_> {
                     .await
                     .map_err(|e| fail("base", format!("booting {reference}: {e}")))?;
                 self.vm = Some(vm);
+                self.open_network("base").await?;
                 let spec = crate::templates::BuildSpec {
                     name: self.plan.template.clone(),
                     machine,
@@ -361,6 +364,7 @@ impl Runner<'_> {
             .await
             .map_err(|e| fail(num, format!("restoring layer {parent}: {e}")))?;
         self.vm = Some(vm);
+        self.open_network(num).await?;
         // The clock of a restored guest is the capture's.
         self.init(
             InitRequest {
@@ -370,6 +374,15 @@ impl Runner<'_> {
             num,
         )
         .await
+    }
+
+    /// Let the build VM out to the internet (steps run `apt`, `pip`…).
+    async fn open_network(&self, step: impl ToString + Copy) -> Result<(), Failure> {
+        self.env
+            .network
+            .apply_default(&self.vm().guest())
+            .await
+            .map_err(|e| fail(step, e))
     }
 
     async fn init(&self, req: InitRequest, step: impl ToString + Copy) -> Result<(), Failure> {

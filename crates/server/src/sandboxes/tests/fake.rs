@@ -169,6 +169,21 @@ impl GuestNet for FakeGuest {
     fn connect(&self, _port: u16) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
         Box::pin(tokio::net::TcpStream::connect(self.0))
     }
+    fn set_egress<'a>(
+        &'a self,
+        _rules: &'a tine_vmm::EgressRules,
+    ) -> BoxFuture<'a, tine_vmm::Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn listen(&self, _port: u16) -> std::io::Result<tokio::net::TcpListener> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
+    fn connect_out(
+        &self,
+        _addr: std::net::SocketAddrV4,
+    ) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
+        Box::pin(async { Err(std::io::ErrorKind::Unsupported.into()) })
+    }
 }
 
 #[async_trait::async_trait]

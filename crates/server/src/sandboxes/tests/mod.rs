@@ -32,6 +32,10 @@ fn config() -> Config {
     }
 }
 
+fn network() -> Arc<crate::network::Network> {
+    Arc::new(crate::network::Network::new(&Default::default()).unwrap())
+}
+
 fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
     let artifacts = Artifacts {
         kernel: "/fake/kernel".into(),
@@ -40,7 +44,7 @@ fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
     };
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
     let templates = Templates::new(driver.clone(), artifacts, db.clone());
-    Manager::new(config(), db.clone(), driver, templates.into())
+    Manager::new(config(), db.clone(), driver, templates.into(), network())
 }
 
 async fn setup() -> Setup {
@@ -241,7 +245,7 @@ async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
         pool_size: 1,
         ..config()
     };
-    let manager = Manager::new(config, db.clone(), driver, templates.into());
+    let manager = Manager::new(config, db.clone(), driver, templates.into(), network());
     let sandbox = manager.create(base()).await.unwrap();
     let snapshot = db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

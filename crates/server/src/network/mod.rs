@@ -1,0 +1,196 @@
+//! Sandbox networking: what each sandbox may reach (its E2B network
+//! policy, enforced by its namespace's firewall and, for rules by name, an
+//! egress proxy), and the operator's settings every policy sits on.
+//!
+//! - `policy`: the E2B policy, its checks, and what it compiles to;
+//! - `egress`: the per-sandbox proxy that matches domains by SNI / Host;
+//! - `sniff`: reading those names from a connection's first bytes.
+//!
+//! The firewall itself is `tine_vmm::firewall`; this module decides what
+//! goes in it. A VM's namespace is closed until [`Network::apply`] runs.
+
+mod egress;
+pub mod policy;
+mod sniff;
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex};
+
+use serde::Deserialize;
+use tine_vmm::{Guest, Net4};
+
+pub use policy::{Compiled, NetworkPolicy, Site};
+
+use egress::EgressProxy;
+
+/// The `[network]` section of the server's configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// Ranges that are not the internet (private, link-local…) which
+    /// sandboxes may reach anyway, e.g. a package mirror on the LAN.
+    pub allow_private: Vec<String>,
+    /// The resolver sandboxes' DNS goes to (default: the host's first IPv4
+    /// nameserver that is not on loopback).
+    pub dns: Option<String>,
+    /// Addresses for the veth pairs between the host and each sandbox (a
+    /// /31 per sandbox); must not overlap a network the host uses.
+    pub veth_pool: String,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            allow_private: Vec::new(),
+            dns: None,
+            veth_pool: tine_vmm::netns::DEFAULT_POOL.to_string(),
+        }
+    }
+}
+
+impl NetworkConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        self.site().map(|_| ())?;
+        self.pool().map(|_| ())
+    }
+
+    pub fn pool(&self) -> Result<Net4, String> {
+        Net4::parse(&self.veth_pool)
+            .filter(|n| n.prefix <= 30)
+            .ok_or_else(|| {
+                format!(
+                    "network.veth_pool {:?} is not an IPv4 CIDR of /30 or wider",
+                    self.veth_pool
+                )
+            })
+    }
+
+    fn site(&self) -> Result<Site, String> {
+        let opened = self
+            .allow_private
+            .iter()
+            .map(|s| {
+                Net4::parse(s)
+                    .ok_or_else(|| format!("network.allow_private: {s:?} is not an IPv4 CIDR"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let resolver = match &self.dns {
+            Some(s) => Some(
+                s.parse::<Ipv4Addr>()
+                    .map_err(|_| format!("network.dns: {s:?} is not an IPv4 address"))?,
+            ),
+            None => host_resolver(),
+        };
+        Ok(Site { opened, resolver })
+    }
+}
+
+/// The host's first IPv4 nameserver off loopback (systemd-resolved's
+/// upstream list when `/etc/resolv.conf` names only its stub).
+fn host_resolver() -> Option<Ipv4Addr> {
+    ["/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .flat_map(|text| {
+            text.lines()
+                .filter_map(|l| l.trim().strip_prefix("nameserver"))
+                .filter_map(|v| v.trim().parse::<Ipv4Addr>().ok())
+                .collect::<Vec<_>>()
+        })
+        .find(|ip| !ip.is_loopback() && !ip.is_unspecified())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("setting the sandbox's firewall: {0}")]
+    Firewall(#[from] tine_vmm::Error),
+    #[error("starting the sandbox's egress proxy: {0}")]
+    Proxy(std::io::Error),
+}
+
+/// Applies policies to sandboxes' namespaces and runs their egress proxies.
+pub struct Network {
+    site: Arc<Site>,
+    proxies: Mutex<HashMap<String, EgressProxy>>,
+}
+
+impl Network {
+    pub fn new(config: &NetworkConfig) -> Result<Self, String> {
+        let site = config.site()?;
+        if site.resolver.is_none() {
+            tracing::warn!(
+                "no IPv4 nameserver off loopback in /etc/resolv.conf: sandboxes get no DNS \
+                 (set network.dns)"
+            );
+        }
+        tine_vmm::netns::set_pool(config.pool()?);
+        Ok(Self {
+            site: Arc::new(site),
+            proxies: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn site(&self) -> &Site {
+        &self.site
+    }
+
+    /// Give sandbox `id`'s VM (its network is `guest`) the firewall of
+    /// `policy`, with an egress proxy when the policy names domains.
+    /// Replaces whatever it had.
+    pub async fn apply(
+        &self,
+        id: &str,
+        guest: &Guest,
+        policy: &NetworkPolicy,
+    ) -> Result<(), NetworkError> {
+        let compiled = policy.compile().map_err(NetworkError::Invalid)?;
+        let rules = compiled.rules(&self.site);
+        let old = self.take(id);
+        if let Some(old) = old {
+            old.stop().await;
+        }
+        if compiled.by_name() {
+            // Listening before the redirect exists, so no connection is refused.
+            let listener = guest
+                .listen(policy::PROXY_PORT)
+                .map_err(NetworkError::Proxy)?;
+            let proxy = EgressProxy::start(
+                id.to_string(),
+                listener,
+                guest.clone(),
+                self.site.clone(),
+                compiled,
+            );
+            self.proxies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id.to_string(), proxy);
+        }
+        guest.set_egress(&rules).await?;
+        Ok(())
+    }
+
+    /// The default policy, for VMs that belong to no sandbox (build VMs).
+    pub async fn apply_default(&self, guest: &Guest) -> Result<(), NetworkError> {
+        let compiled = NetworkPolicy::default()
+            .compile()
+            .map_err(NetworkError::Invalid)?;
+        guest.set_egress(&compiled.rules(&self.site)).await?;
+        Ok(())
+    }
+
+    fn take(&self, id: &str) -> Option<EgressProxy> {
+        self.proxies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)
+    }
+
+    /// Sandbox `id`'s VM is gone: stop its egress proxy.
+    pub fn release(&self, id: &str) {
+        drop(self.take(id));
+    }
+}

@@ -1,0 +1,351 @@
+//! The egress firewall of each VM, enforced on the host with nftables.
+//!
+//! Two tables:
+//! - `inet tine_host` in the host's namespace, set once per process
+//!   ([`host_setup`]): nothing arriving from a VM's veth (`tnv*`) may reach
+//!   the host itself (every address it has, the tine API included) or
+//!   another VM's veth; traffic leaving through another interface is
+//!   masqueraded. IPv4 forwarding is switched on.
+//! - `inet tine` inside each VM's namespace ([`render`], replaced atomically
+//!   by [`EgressRules`] on every policy change): what the guest (behind
+//!   `tap0`) may reach through `veth0`. Packets to the gateway's port 53
+//!   are DNAT-ed to the resolver; TCP to ports 80/443 can be redirected to
+//!   an egress proxy listening in the namespace, which decides by name
+//!   (SNI / Host).
+//!
+//! Rule order in the namespace: blocked ranges (private, loopback,
+//! link-local, multicast…) minus the ranges the operator opened; then the
+//! allow list; then the deny list; then accept. A VM's namespace starts
+//! closed ([`EgressRules::closed`]) until its owner sets a policy.
+//!
+//! `nft -f` is used rather than a netlink crate: one spawn applies a whole
+//! ruleset in one transaction, and operators inspect it with the same tool.
+
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+
+use nix::sched::{setns, CloneFlags};
+use tokio::io::AsyncWriteExt;
+
+use crate::error::{Error, Result};
+use crate::netns::{HOST_IP, TAP_NAME, VETH_HOST_PREFIX, VETH_NAME};
+
+/// An IPv4 network (address and prefix length), the unit of every rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Net4 {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Net4 {
+    pub const fn new(addr: Ipv4Addr, prefix: u8) -> Self {
+        Self { addr, prefix }
+    }
+    /// Everything.
+    pub const ALL: Net4 = Net4::new(Ipv4Addr::UNSPECIFIED, 0);
+
+    fn mask(self) -> u32 {
+        if self.prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(self.prefix.min(32)))
+        }
+    }
+    /// The network address (host bits cleared).
+    pub fn network(self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.addr) & self.mask())
+    }
+    pub fn contains(self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & self.mask() == u32::from(self.network())
+    }
+    /// Parse `a.b.c.d` or `a.b.c.d/n`; host bits are cleared.
+    pub fn parse(s: &str) -> Option<Net4> {
+        let (ip, prefix) = match s.split_once('/') {
+            Some((ip, p)) => (ip, p.parse::<u8>().ok().filter(|p| *p <= 32)?),
+            None => (s, 32),
+        };
+        let addr: Ipv4Addr = ip.parse().ok()?;
+        let n = Net4::new(addr, prefix);
+        Some(Net4::new(n.network(), prefix))
+    }
+}
+
+impl std::fmt::Display for Net4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// Ranges no sandbox reaches unless the operator opens them: "this
+/// network", RFC 1918, CGNAT, loopback, link-local (cloud metadata),
+/// IETF protocol assignments, benchmarking, multicast, reserved and
+/// broadcast.
+pub const NOT_INTERNET: &[Net4] = &[
+    Net4::new(Ipv4Addr::new(0, 0, 0, 0), 8),
+    Net4::new(Ipv4Addr::new(10, 0, 0, 0), 8),
+    Net4::new(Ipv4Addr::new(100, 64, 0, 0), 10),
+    Net4::new(Ipv4Addr::new(127, 0, 0, 0), 8),
+    Net4::new(Ipv4Addr::new(169, 254, 0, 0), 16),
+    Net4::new(Ipv4Addr::new(172, 16, 0, 0), 12),
+    Net4::new(Ipv4Addr::new(192, 0, 0, 0), 24),
+    Net4::new(Ipv4Addr::new(192, 168, 0, 0), 16),
+    Net4::new(Ipv4Addr::new(198, 18, 0, 0), 15),
+    Net4::new(Ipv4Addr::new(224, 0, 0, 0), 4),
+    Net4::new(Ipv4Addr::new(240, 0, 0, 0), 4),
+];
+
+/// TCP ports whose connections go to the egress proxy when one is set.
+pub const INTERCEPTED_PORTS: [u16; 2] = [80, 443];
+
+/// What one VM's guest may reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressRules {
+    /// Never reached (checked first)…
+    pub blocked: Vec<Net4>,
+    /// …except these (the operator's own networks).
+    pub opened: Vec<Net4>,
+    /// Reached even when `deny` covers them.
+    pub allow: Vec<Net4>,
+    pub deny: Vec<Net4>,
+    /// Where the guest's DNS (to its gateway, port 53) goes; `None` refuses.
+    pub resolver: Option<SocketAddrV4>,
+    /// New TCP connections to [`INTERCEPTED_PORTS`] go to this port of the
+    /// gateway, where an egress proxy decides by name.
+    pub proxy_port: Option<u16>,
+}
+
+impl EgressRules {
+    /// Nothing goes out (a namespace's state until its policy is set).
+    pub fn closed() -> Self {
+        Self {
+            blocked: NOT_INTERNET.to_vec(),
+            opened: Vec::new(),
+            allow: Vec::new(),
+            deny: vec![Net4::ALL],
+            resolver: None,
+            proxy_port: None,
+        }
+    }
+}
+
+fn set(out: &mut String, name: &str, nets: &[Net4]) {
+    let _ = write!(
+        out,
+        "  set {name} {{ type ipv4_addr; flags interval; auto-merge;"
+    );
+    if !nets.is_empty() {
+        let list: Vec<String> = nets.iter().map(|n| n.to_string()).collect();
+        let _ = write!(out, " elements = {{ {} }};", list.join(", "));
+    }
+    out.push_str(" }\n");
+}
+
+/// The namespace's ruleset for `r`, replacing any earlier one atomically.
+pub fn render(r: &EgressRules) -> String {
+    let mut o = String::from("table inet tine\ndelete table inet tine\ntable inet tine {\n");
+    set(&mut o, "blocked", &r.blocked);
+    set(&mut o, "opened", &r.opened);
+    set(&mut o, "allow", &r.allow);
+    set(&mut o, "deny", &r.deny);
+    let tap = TAP_NAME;
+    let gw = HOST_IP;
+    o.push_str("  chain pre {\n    type nat hook prerouting priority dstnat; policy accept;\n");
+    if let Some(res) = r.resolver {
+        for proto in ["udp", "tcp"] {
+            let _ = writeln!(
+                o,
+                "    iifname \"{tap}\" ip daddr {gw} {proto} dport 53 dnat ip to {res}"
+            );
+        }
+    }
+    if let Some(port) = r.proxy_port {
+        let ports: Vec<String> = INTERCEPTED_PORTS.iter().map(|p| p.to_string()).collect();
+        let _ = writeln!(
+            o,
+            "    iifname \"{tap}\" ip daddr != {gw} tcp dport {{ {} }} redirect to :{port}",
+            ports.join(", ")
+        );
+    }
+    o.push_str("  }\n");
+    let _ = writeln!(
+        o,
+        "  chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname \"{VETH_NAME}\" masquerade\n  }}"
+    );
+    o.push_str("  chain fwd {\n    type filter hook forward priority filter; policy drop;\n");
+    o.push_str("    ct state established,related accept\n");
+    let _ = writeln!(o, "    iifname != \"{tap}\" drop");
+    o.push_str("    meta nfproto != ipv4 drop\n");
+    if r.resolver.is_some() {
+        // Only the gateway's port 53 is DNAT-ed towards the forward path.
+        o.push_str("    ct status dnat accept\n");
+    }
+    o.push_str("    ip daddr @blocked ip daddr != @opened drop\n");
+    o.push_str("    ip daddr @allow accept\n");
+    o.push_str("    ip daddr @deny drop\n");
+    o.push_str("    accept\n  }\n");
+    o.push_str("  chain in {\n    type filter hook input priority filter; policy accept;\n");
+    let _ = writeln!(
+        o,
+        "    iifname \"{tap}\" ct state established,related accept"
+    );
+    if let Some(port) = r.proxy_port {
+        let _ = writeln!(o, "    iifname \"{tap}\" tcp dport {port} accept");
+    }
+    let _ = writeln!(o, "    iifname \"{tap}\" drop\n  }}\n}}");
+    o
+}
+
+/// The host's table (see the module docs); `pool` holds every VM's veth
+/// addresses.
+pub fn render_host(pool: Net4) -> String {
+    let v = VETH_HOST_PREFIX;
+    format!(
+        "table inet tine_host\n\
+         delete table inet tine_host\n\
+         table inet tine_host {{\n\
+         \x20 chain in {{\n\
+         \x20   type filter hook input priority filter - 5; policy accept;\n\
+         \x20   iifname \"{v}*\" ct state established,related accept\n\
+         \x20   iifname \"{v}*\" drop\n\
+         \x20 }}\n\
+         \x20 chain fwd {{\n\
+         \x20   type filter hook forward priority filter - 5; policy accept;\n\
+         \x20   iifname \"{v}*\" oifname \"{v}*\" drop\n\
+         \x20 }}\n\
+         \x20 chain post {{\n\
+         \x20   type nat hook postrouting priority srcnat; policy accept;\n\
+         \x20   ip saddr {pool} oifname != \"{v}*\" masquerade\n\
+         \x20 }}\n\
+         }}\n"
+    )
+}
+
+fn fw_err(name: &str, detail: impl Into<String>) -> Error {
+    Error::Netns {
+        name: name.to_string(),
+        detail: detail.into(),
+    }
+}
+
+/// Run `nft -f -` with `script`, inside the namespace open as `ns` (or the
+/// host's when `None`).
+pub(crate) async fn nft(label: &str, ns: Option<&std::fs::File>, script: &str) -> Result<()> {
+    let mut cmd = std::process::Command::new("nft");
+    cmd.args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(ns) = ns {
+        let fd = ns.as_raw_fd();
+        // SAFETY: the closure runs in the forked child before exec and
+        // makes one async-signal-safe system call (setns).
+        unsafe {
+            cmd.pre_exec(move || {
+                // SAFETY: `fd` is the namespace file the caller holds open
+                // for the whole spawn; fork copied the descriptor.
+                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+                setns(fd, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+            });
+        }
+    }
+    let mut child = tokio::process::Command::from(cmd)
+        .spawn()
+        .map_err(|e| fw_err(label, format!("running nft: {e}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .await
+            .map_err(|e| fw_err(label, format!("writing to nft: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| fw_err(label, format!("waiting for nft: {e}")))?;
+    if !out.status.success() {
+        return Err(fw_err(
+            label,
+            format!(
+                "nft failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Switch on IPv4 forwarding and install the host's table, once per
+/// process (later calls return the first result).
+pub async fn host_setup(pool: Net4) -> Result<()> {
+    static DONE: tokio::sync::OnceCell<std::result::Result<(), String>> =
+        tokio::sync::OnceCell::const_new();
+    DONE.get_or_init(|| async move {
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+            .map_err(|e| format!("enabling IPv4 forwarding: {e}"))?;
+        nft("host", None, &render_host(pool))
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .clone()
+    .map_err(|detail| fw_err("host", detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nets_parse_and_contain() {
+        let n = Net4::parse("10.1.2.3/8").unwrap();
+        assert_eq!(n.to_string(), "10.0.0.0/8");
+        assert!(n.contains(Ipv4Addr::new(10, 200, 0, 1)));
+        assert!(!n.contains(Ipv4Addr::new(11, 0, 0, 1)));
+        assert_eq!(Net4::parse("1.2.3.4").unwrap().to_string(), "1.2.3.4/32");
+        assert!(Net4::ALL.contains(Ipv4Addr::new(8, 8, 8, 8)));
+        for bad in ["", "1.2.3", "1.2.3.4/33", "::1", "a.b.c.d", "1.2.3.4/"] {
+            assert_eq!(Net4::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn closed_rules_deny_everything_and_resolve_nothing() {
+        let s = render(&EgressRules::closed());
+        assert!(s.contains(
+            "set deny { type ipv4_addr; flags interval; auto-merge; elements = { 0.0.0.0/0 }; }"
+        ));
+        assert!(s.contains("set allow { type ipv4_addr; flags interval; auto-merge; }"));
+        assert!(!s.contains("dnat"), "{s}");
+        assert!(!s.contains("redirect"), "{s}");
+        assert!(s.starts_with("table inet tine\ndelete table inet tine\n"));
+    }
+
+    #[test]
+    fn dns_and_proxy_rules_appear_when_asked() {
+        let mut r = EgressRules::closed();
+        r.resolver = Some("10.255.255.53:53".parse().unwrap());
+        r.proxy_port = Some(15080);
+        let s = render(&r);
+        assert!(
+            s.contains("udp dport 53 dnat ip to 10.255.255.53:53"),
+            "{s}"
+        );
+        assert!(
+            s.contains("tcp dport { 80, 443 } redirect to :15080"),
+            "{s}"
+        );
+        assert!(s.contains("iifname \"tap0\" tcp dport 15080 accept"), "{s}");
+        assert!(s.contains("ct status dnat accept"));
+        // Blocked ranges come before the allow list.
+        assert!(s.find("@blocked").unwrap() < s.find("@allow accept").unwrap());
+    }
+
+    #[test]
+    fn host_table_closes_the_host_to_vms() {
+        let s = render_host(Net4::parse("10.233.0.0/16").unwrap());
+        assert!(s.contains("iifname \"tnv*\" drop"));
+        assert!(s.contains("ip saddr 10.233.0.0/16 oifname != \"tnv*\" masquerade"));
+    }
+}
