@@ -72,6 +72,11 @@ pub async fn build(paths: &Paths, db: Arc<Db>, a: Args) -> anyhow::Result<()> {
         registries: a.registry.options()?,
         ready_timeout: a.ready_timeout,
         step_timeout: Duration::from_secs(3600),
+        // The default policy with default settings (a server's [network]
+        // section does not apply to a build run from the CLI).
+        network: Arc::new(
+            tine_server::network::Network::new(&Default::default()).map_err(anyhow::Error::msg)?,
+        ),
     };
     let row = builds::new_build(&db, &a.name, Vec::new(), a.machine, BuildStatus::Building)
         .map_err(anyhow::Error::msg)?;

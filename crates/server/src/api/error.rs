@@ -77,10 +77,11 @@ impl From<SandboxError> for ApiError {
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
             SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,
             SandboxError::Vm { source, .. } => vm_status(source.kind()),
-            SandboxError::Network {
-                source: crate::network::NetworkError::Invalid(_),
-                ..
-            } => StatusCode::BAD_REQUEST,
+            SandboxError::Network { source, .. }
+                if matches!(**source, crate::network::NetworkError::Invalid(_)) =>
+            {
+                StatusCode::BAD_REQUEST
+            }
             SandboxError::Agent { .. }
             | SandboxError::Network { .. }
             | SandboxError::Inconsistent { .. }

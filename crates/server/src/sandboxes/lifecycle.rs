@@ -90,7 +90,7 @@ impl Manager {
             let _ = vm.kill().await;
             return Err(SandboxError::Network {
                 id: rec.id.clone(),
-                source,
+                source: Box::new(source),
             });
         }
         let init = agent::init(
@@ -322,7 +322,7 @@ impl Manager {
                 .await
                 .map_err(|source| SandboxError::Network {
                     id: id.to_string(),
-                    source,
+                    source: Box::new(source),
                 })?;
         }
         self.db.set_network(id, &policy)?;

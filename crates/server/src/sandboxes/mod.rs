@@ -53,7 +53,7 @@ pub enum SandboxError {
     Network {
         id: String,
         #[source]
-        source: crate::network::NetworkError,
+        source: Box<crate::network::NetworkError>,
     },
     #[error("{0}")]
     Conflict(String),
