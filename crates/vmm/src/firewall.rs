@@ -152,7 +152,9 @@ pub fn render(r: &EgressRules) -> String {
     set(&mut o, "deny", &r.deny);
     let tap = TAP_NAME;
     let gw = HOST_IP;
-    o.push_str("  chain pre {\n    type nat hook prerouting priority dstnat; policy accept;\n");
+    o.push_str(
+        "  chain prerouting {\n    type nat hook prerouting priority dstnat; policy accept;\n",
+    );
     if let Some(res) = r.resolver {
         for proto in ["udp", "tcp"] {
             let _ = writeln!(
@@ -172,9 +174,9 @@ pub fn render(r: &EgressRules) -> String {
     o.push_str("  }\n");
     let _ = writeln!(
         o,
-        "  chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname \"{VETH_NAME}\" masquerade\n  }}"
+        "  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname \"{VETH_NAME}\" masquerade\n  }}"
     );
-    o.push_str("  chain fwd {\n    type filter hook forward priority filter; policy drop;\n");
+    o.push_str("  chain forward {\n    type filter hook forward priority filter; policy drop;\n");
     o.push_str("    ct state established,related accept\n");
     let _ = writeln!(o, "    iifname != \"{tap}\" drop");
     o.push_str("    meta nfproto != ipv4 drop\n");
@@ -182,11 +184,15 @@ pub fn render(r: &EgressRules) -> String {
         // Only the gateway's port 53 is DNAT-ed towards the forward path.
         o.push_str("    ct status dnat accept\n");
     }
-    o.push_str("    ip daddr @blocked ip daddr != @opened drop\n");
+    // Refused at once (not dropped): a denied connection fails fast in
+    // the guest instead of hanging until its timeout.
+    o.push_str(
+        "    ip daddr @blocked ip daddr != @opened reject with icmpx type admin-prohibited\n",
+    );
     o.push_str("    ip daddr @allow accept\n");
-    o.push_str("    ip daddr @deny drop\n");
+    o.push_str("    ip daddr @deny reject with icmpx type admin-prohibited\n");
     o.push_str("    accept\n  }\n");
-    o.push_str("  chain in {\n    type filter hook input priority filter; policy accept;\n");
+    o.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
     let _ = writeln!(
         o,
         "    iifname \"{tap}\" ct state established,related accept"
@@ -206,16 +212,16 @@ pub fn render_host(pool: Net4) -> String {
         "table inet tine_host\n\
          delete table inet tine_host\n\
          table inet tine_host {{\n\
-         \x20 chain in {{\n\
+         \x20 chain input {{\n\
          \x20   type filter hook input priority filter - 5; policy accept;\n\
          \x20   iifname \"{v}*\" ct state established,related accept\n\
-         \x20   iifname \"{v}*\" drop\n\
+         \x20   iifname \"{v}*\" reject with icmpx type admin-prohibited\n\
          \x20 }}\n\
-         \x20 chain fwd {{\n\
+         \x20 chain forward {{\n\
          \x20   type filter hook forward priority filter - 5; policy accept;\n\
          \x20   iifname \"{v}*\" oifname \"{v}*\" drop\n\
          \x20 }}\n\
-         \x20 chain post {{\n\
+         \x20 chain postrouting {{\n\
          \x20   type nat hook postrouting priority srcnat; policy accept;\n\
          \x20   ip saddr {pool} oifname != \"{v}*\" masquerade\n\
          \x20 }}\n\
@@ -342,10 +348,58 @@ mod tests {
         assert!(s.find("@blocked").unwrap() < s.find("@allow accept").unwrap());
     }
 
+    /// `nft -c` (check only, nothing applied) accepts what we render,
+    /// where the tool is present and we may use netlink (root).
+    #[test]
+    fn nft_accepts_the_rulesets() {
+        if !nix::unistd::geteuid().is_root()
+            || std::process::Command::new("nft")
+                .arg("-v")
+                .output()
+                .is_err()
+        {
+            eprintln!("skipped: needs root and nft");
+            return;
+        }
+        let mut full = EgressRules::closed();
+        full.resolver = Some("10.255.255.53:53".parse().unwrap());
+        full.proxy_port = Some(15080);
+        full.allow = vec![
+            Net4::parse("203.0.113.10").unwrap(),
+            Net4::parse("203.0.113.0/24").unwrap(),
+        ];
+        full.opened = vec![Net4::parse("10.99.1.0/24").unwrap()];
+        for script in [
+            render(&EgressRules::closed()),
+            render(&full),
+            render_host(Net4::parse("10.233.0.0/16").unwrap()),
+        ] {
+            use std::io::Write;
+            let mut child = std::process::Command::new("nft")
+                .args(["-c", "-f", "-"])
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(script.as_bytes())
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}\n{script}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
     #[test]
     fn host_table_closes_the_host_to_vms() {
         let s = render_host(Net4::parse("10.233.0.0/16").unwrap());
-        assert!(s.contains("iifname \"tnv*\" drop"));
+        assert!(s.contains("iifname \"tnv*\" reject"));
         assert!(s.contains("ip saddr 10.233.0.0/16 oifname != \"tnv*\" masquerade"));
     }
 }

@@ -63,6 +63,10 @@ max_body_bytes = $TINE_E2E_MAX_BODY
 build_ready_timeout_secs = 20
 max_concurrent_builds = 1
 build_context_max_bytes = 8388608
+
+[network]
+# The stand-in internet's "operator mirror" (tests/e2e/net/inet.sh).
+allow_private = ["10.99.1.0/24"]
 EOF
 
 export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT"
@@ -79,6 +83,7 @@ cleanup() {
     "$HERE/server.sh" start >/dev/null 2>&1
     "$VENV/bin/python" "$HERE/cleanup.py"
     "$HERE/server.sh" stop TERM
+    "$ROOT/tests/e2e/net/inet.sh" down
     sleep 0.5
     local left
     left="$(pgrep -f "qemu-system.*$TINE_DATA_DIR/vms/" || true)"
@@ -105,6 +110,8 @@ finish() {
 trap finish EXIT
 trap 'status=130; exit' INT TERM
 
+log "the stand-in internet: namespace e2e-inet (203.0.113.10/.20, 10.99.0.10, 10.99.1.10)"
+"$ROOT/tests/e2e/net/inet.sh" up
 log "starting tine serve on 127.0.0.1:$PORT (data dir $TINE_DATA_DIR, log $TINE_E2E_STATE/server.log)"
 "$HERE/server.sh" start
 # Sandboxes left by an earlier, interrupted run.

@@ -9,7 +9,7 @@ import urllib.request
 import uuid
 
 import pytest
-from e2b import NotFoundException, Sandbox, SandboxQuery, SandboxState
+from e2b import ALL_TRAFFIC, NotFoundException, Sandbox, SandboxQuery, SandboxState
 
 from conftest import API, HERE, RUN, http
 
@@ -31,7 +31,15 @@ def server_up():
 
 @pytest.mark.parametrize("signal", ["TERM", "KILL"])
 def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
-    s = fresh(timeout=600, envs={"TINE_E2E_ENV": "restart"}, metadata={"group": f"restart-{signal}"})
+    s = fresh(
+        timeout=600,
+        envs={"TINE_E2E_ENV": "restart"},
+        metadata={"group": f"restart-{signal}"},
+        # A policy by name: its firewall is in the sandbox's namespace, its
+        # egress proxy in the server process, which the restart replaces.
+        network={"allow_out": ["allowed.test"], "deny_out": [ALL_TRAFFIC]},
+    )
+    s.commands.run("echo '203.0.113.10 allowed.test' >> /etc/hosts", user="root")
     mark = uuid.uuid4().hex
     s.files.write("/tmp/tine-e2e-restart", mark)
     bg = s.commands.run("sleep 3600", background=True)
@@ -52,6 +60,11 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     assert s.files.read("/tmp/tine-e2e-restart") == mark
     assert bg.pid in [p.pid for p in s.commands.list()]
     assert s.commands.run("echo $TINE_E2E_ENV").stdout == "restart\n"
+    # Its network policy holds: the name passes, the raw address does not.
+    web = s.commands.run("curl -sS -m 6 http://allowed.test/", timeout=30).stdout
+    assert web == "inet 203.0.113.10 host=allowed.test\n"
+    raw = s.commands.run("curl -s --fail -m 6 http://203.0.113.10/; echo rc=$?", timeout=30).stdout
+    assert not raw.endswith("rc=0\n"), raw
     # The session's shared sandbox made it through as well.
     assert sbx.commands.run("true").exit_code == 0
     # And the new server manages them as usual.

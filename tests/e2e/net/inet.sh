@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# inet.sh up|down: the network tests' stand-in for the internet, entirely
+# inside a namespace this script creates (`e2e-inet`), reached from the host
+# through a veth: 203.0.113.10 and .20 (TEST-NET-3, "the internet"),
+# 10.99.0.10 (a private network sandboxes must not reach) and 10.99.1.10 (a
+# private network the test server's config opens). HTTP on 80, HTTPS with a
+# self-signed certificate on 443 (tests/e2e/net/inet_server.py).
+# No traffic leaves this machine: the host gets routes for 203.0.113.0/24
+# and 10.99.0.0/16 to the namespace only. Idempotent.
+set -euo pipefail
+NS=e2e-inet
+HOSTIF=e2e-inet0
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+STATE=/run/tine-e2e-inet
+
+down() {
+    if [[ -f $STATE/pid ]]; then kill "$(cat "$STATE/pid")" 2>/dev/null || true; fi
+    ip netns delete "$NS" 2>/dev/null || true
+    ip link delete "$HOSTIF" 2>/dev/null || true
+    rm -rf "$STATE"
+}
+
+up() {
+    down
+    mkdir -p "$STATE"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=e2e-inet" \
+        -keyout "$STATE/key.pem" -out "$STATE/cert.pem" >/dev/null 2>&1
+    ip netns add "$NS"
+    ip link add "$HOSTIF" type veth peer name eth0 netns "$NS"
+    ip addr add 203.0.113.1/24 dev "$HOSTIF"
+    ip link set "$HOSTIF" up
+    ip route add 10.99.0.0/16 via 203.0.113.10 dev "$HOSTIF"
+    ip -n "$NS" link set lo up
+    for a in 203.0.113.10/24 203.0.113.20/24 10.99.0.10/24 10.99.1.10/24; do
+        ip -n "$NS" addr add "$a" dev eth0
+    done
+    ip -n "$NS" link set eth0 up
+    ip -n "$NS" route add default via 203.0.113.1
+    ip netns exec "$NS" python3 "$HERE/inet_server.py" "$STATE/cert.pem" "$STATE/key.pem" \
+        >"$STATE/log" 2>&1 &
+    echo $! >"$STATE/pid"
+    for _ in $(seq 100); do
+        grep -q ready "$STATE/log" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    echo "error: the stand-in internet server did not start: $(cat "$STATE/log")" >&2
+    exit 1
+}
+
+case "${1:-}" in
+    up) up ;;
+    down) down ;;
+    *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac

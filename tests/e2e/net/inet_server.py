@@ -1,0 +1,63 @@
+"""The stand-in "internet" host of the network tests, run inside the test's
+own network namespace: HTTP on port 80 and HTTPS (self-signed) on 443, on
+every address of the namespace. Each answer names the address it arrived
+at and the Host it was sent with; `/bytes?n=N` streams N zero bytes.
+
+Usage: inet_server.py CERT KEY
+"""
+
+import http.server
+import socketserver
+import ssl
+import sys
+import threading
+import urllib.parse
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        url = urllib.parse.urlparse(self.path)
+        if url.path == "/bytes":
+            n = int(urllib.parse.parse_qs(url.query).get("n", ["0"])[0])
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            chunk = bytes(1 << 16)
+            while n > 0:
+                k = min(n, len(chunk))
+                self.wfile.write(chunk[:k])
+                n -= k
+            return
+        local = self.connection.getsockname()[0]
+        body = f"inet {local} host={self.headers.get('Host', '')}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def main():
+    cert, key = sys.argv[1], sys.argv[2]
+    plain = Server(("0.0.0.0", 80), Handler)
+    tls = Server(("0.0.0.0", 443), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+    threading.Thread(target=tls.serve_forever, daemon=True).start()
+    print("ready", flush=True)
+    plain.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

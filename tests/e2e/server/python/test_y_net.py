@@ -1,0 +1,257 @@
+"""Sandbox networking through the real SDK (issue "Sandbox networking"):
+egress to a stand-in internet with the host, private networks and other
+sandboxes closed, E2B's network policy (allow_internet_access, allow_out /
+deny_out with IPs, CIDRs and domains, update_network), its persistence
+across pause, fork and snapshots, and inbound traffic tokens.
+
+The internet is tests/e2e/net/inet.sh's namespace (started by ../run.sh):
+203.0.113.10 and .20 answer "inet <address> host=<Host>" on 80 and 443;
+10.99.0.10 is a private host; 10.99.1.10 is private but opened by the test
+server's config (`[network] allow_private`). No traffic leaves the machine.
+"""
+
+import http.server as httpserver
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from e2b import ALL_TRAFFIC, Sandbox
+
+from conftest import PORT, assert_error, http
+
+INET = "203.0.113.10"
+INET2 = "203.0.113.20"
+PRIVATE = "10.99.0.10"
+OPENED = "10.99.1.10"
+
+
+def fetch(s, url, extra=""):
+    """curl `url` in the sandbox: (exit code, body)."""
+    r = s.commands.run(
+        f"curl -sS --connect-timeout 3 -m 6 {extra} {url}; echo \"rc=$?\"", timeout=30
+    )
+    body, _, rc = r.stdout.rpartition("rc=")
+    return int(rc.strip()), body
+
+
+def reaches(s, url, extra=""):
+    return fetch(s, url, extra)[0] == 0
+
+
+def reachable(s, urls):
+    """The ones of `urls` the sandbox reaches (one command for all)."""
+    loop = "; ".join(
+        f"curl -s -o /dev/null --connect-timeout 3 -m 6 {u} && echo {u}" for u in urls
+    )
+    return set(s.commands.run(loop + "; true", timeout=120).stdout.split())
+
+
+def test_default_sandbox_reaches_the_internet_only(fresh):
+    s = fresh()
+    code, body = fetch(s, f"http://{INET}/")
+    assert code == 0 and body.startswith(f"inet {INET} "), body
+    assert reaches(s, f"https://{INET}/", "-k")
+    assert reaches(s, f"http://{OPENED}/"), "the operator opened 10.99.1.0/24"
+    assert not reaches(s, f"http://{PRIVATE}/")
+    assert not reaches(s, "http://169.254.169.254/")
+    # DNS goes to the gateway (which forwards it to the host's resolver).
+    assert "nameserver 10.11.0.1" in s.files.read("/etc/resolv.conf")
+    info = s.get_info()
+    assert info.allow_internet_access is True
+
+
+@pytest.fixture
+def host_listener():
+    """An HTTP server on every address of the host (the host ns)."""
+
+    class Quiet(httpserver.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"host\n")
+
+        def log_message(self, *a):
+            pass
+
+    srv = httpserver.ThreadingHTTPServer(("0.0.0.0", 0), Quiet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+
+
+def host_addresses():
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    addrs = [line.split()[3].split("/")[0] for line in out.splitlines()]
+    return [a for a in addrs if not a.startswith("127.")]
+
+
+def test_the_host_and_other_sandboxes_are_closed(fresh, host_listener):
+    a, b = fresh(), fresh()
+    # Control: the listener answers on the host's side of the stand-in
+    # internet, seen from the stand-in itself.
+    ctl = subprocess.run(
+        ["ip", "netns", "exec", "e2e-inet", "curl", "-sS", "-m", "5", f"http://203.0.113.1:{host_listener}/"],
+        capture_output=True, text=True,
+    )
+    assert ctl.stdout == "host\n", ctl.stderr
+    addrs = host_addresses()
+    assert "203.0.113.1" in addrs
+    urls = [f"http://{addr}:{port}/" for addr in addrs for port in (host_listener, PORT)]
+    assert reachable(a, urls) == set(), "the host is open to a sandbox"
+    # Another sandbox: a server in b's namespace, on its side of b's veth.
+    ns = f"tine-{b.sandbox_id}"
+    out = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "veth0"], capture_output=True, text=True)
+    b_addr = out.stdout.split()[3].split("/")[0]
+    srv = subprocess.Popen(
+        ["ip", "netns", "exec", ns, "python3", "-m", "http.server", "18081", "--bind", b_addr],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(50):
+            try:
+                with socket.create_connection((b_addr, 18081), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the control server in b's namespace did not start")
+        assert not reaches(a, f"http://{b_addr}:18081/")
+    finally:
+        srv.kill()
+
+
+def test_internet_access_false_and_update_network(fresh):
+    s = fresh(allow_internet_access=False)
+    assert not reaches(s, f"http://{INET}/")
+    assert s.get_info().allow_internet_access is False
+
+    s.update_network({"allow_out": [INET], "deny_out": [ALL_TRAFFIC]})
+    assert reaches(s, f"http://{INET}/")
+    assert not reaches(s, f"http://{INET2}/")
+    assert not reaches(s, f"http://{OPENED}/"), "deny_out all covers the opened range too"
+    info = s.get_info()
+    assert info.network["allow_out"] == [INET]
+    assert info.network["deny_out"] == [ALL_TRAFFIC]
+
+    # A CIDR, and deny_out alone.
+    s.update_network({"deny_out": ["203.0.113.16/28"]})
+    assert reaches(s, f"http://{INET}/")
+    assert not reaches(s, f"http://{INET2}/")
+
+    # Omitted fields are cleared: the default policy again.
+    s.update_network({})
+    assert reaches(s, f"http://{INET2}/")
+    assert s.get_info().network.get("deny_out") in (None, [])
+
+
+def test_domains_pass_by_name_and_survive_pause_and_fork(fresh):
+    s = fresh(network={"allow_out": ["allowed.test"], "deny_out": [ALL_TRAFFIC]}, timeout=600)
+    s.commands.run(
+        f"printf '{INET} allowed.test\\n{INET} other.test\\n' >> /etc/hosts", user="root"
+    )
+
+    def check(box):
+        code, body = fetch(box, "http://allowed.test/")
+        assert code == 0 and body == f"inet {INET} host=allowed.test\n", body
+        code, body = fetch(box, "https://allowed.test/", "-k")
+        assert code == 0 and body == f"inet {INET} host=allowed.test\n", body
+        # Another name, and the raw address, are refused.
+        code, body = fetch(box, "http://other.test/", "--fail")
+        assert code != 0, body
+        assert not reaches(box, "https://other.test/", "-k")
+        assert not reaches(box, f"http://{INET}/", "--fail")
+        # Other ports are not by name: the IP rules (deny all) hold.
+        assert not reaches(box, f"http://allowed.test:8080/")
+
+    check(s)
+    assert s.pause() is True
+    s = Sandbox.connect(s.sandbox_id)
+    check(s)
+    kids = s.fork(count=1, timeout=600)
+    try:
+        assert len(kids) == 1
+        check(kids[0])
+        assert kids[0].get_info().network["allow_out"] == ["allowed.test"]
+    finally:
+        for k in kids:
+            k.kill()
+
+
+def test_snapshot_keeps_the_policy(fresh):
+    s = fresh(allow_internet_access=False)
+    snap = s.create_snapshot()
+    try:
+        child = fresh(template=snap.snapshot_id)
+        assert not reaches(child, f"http://{INET}/")
+        assert child.get_info().allow_internet_access is False
+    finally:
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+ECHO_HOST = (
+    "import http.server as h\n"
+    "class H(h.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        b = self.headers.get('Host', '').encode()\n"
+    "        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers(); self.wfile.write(b)\n"
+    "h.HTTPServer(('0.0.0.0', 8000), H).serve_forever()\n"
+)
+
+
+def get_until_up(host, headers=None):
+    status, body = None, b""
+    for _ in range(100):
+        status, _, body = http("GET", "/", headers={"Host": host, **(headers or {})}, key=None)
+        if status != 502:
+            break
+        time.sleep(0.1)
+    return status, body
+
+
+def test_private_traffic_needs_the_token_and_host_is_masked(fresh):
+    s = fresh(network={"allow_public_traffic": False, "mask_request_host": "app.internal:${PORT}"})
+    token = s.traffic_access_token
+    assert token
+    s.files.write("/tmp/echo_host.py", ECHO_HOST)
+    s.commands.run("python3 /tmp/echo_host.py", background=True)
+    host = s.get_host(8000)
+    status, body = get_until_up(host, {"e2b-traffic-access-token": token})
+    assert status == 200, body
+    assert body == b"app.internal:8000"
+    status, _, body = http("GET", "/", headers={"Host": host}, key=None)
+    assert status == 403 and b"e2b-traffic-access-token" in body
+    status, _, _ = http("GET", "/", headers={"Host": host, "e2b-traffic-access-token": "x" * len(token)}, key=None)
+    assert status == 403
+    # The agent's port still takes the access token, not the traffic token.
+    assert s.commands.run("true").exit_code == 0
+
+    # A public sandbox has no traffic token and needs none.
+    p = fresh()
+    assert p.traffic_access_token is None
+
+
+def test_bad_network_input_is_a_clear_400(sbx):
+    def create(body):
+        return http("POST", "/v2/sandboxes", {"templateID": "base", **body})
+
+    cases = [
+        ({"network": {"allowOut": ["10.0.0.0/33"]}}, "not a valid IPv4"),
+        ({"network": {"denyOut": [""]}}, "empty entry"),
+        ({"network": {"allowOut": ["bad domain!"]}}, "not a valid domain"),
+        ({"network": {"denyOut": [f"1.2.{i // 256}.{i % 256}" for i in range(300)]}}, "at most 256"),
+        ({"network": {"dnsServers": ["dns.test"]}}, "not an IPv4"),
+        ({"network": {"egressProxy": {"address": "p.test:1080"}}}, "egress_proxy"),
+        ({"network": {"rules": {"api.test": [{"transform": {"headers": {"a": "b"}}}]}}}, "header transforms"),
+        ({"network": {"allowOut": "1.2.3.4"}}, "invalid network"),
+    ]
+    for body, words in cases:
+        doc = assert_error(create(body), 400)
+        assert words in doc["message"], (body, doc)
+    doc = assert_error(http("PUT", f"/sandboxes/{sbx.sandbox_id}/network", {"allowOut": ["::1"]}), 400)
+    assert "IPv6" in doc["message"]
+    assert_error(http("PUT", "/sandboxes/no-such-sandbox/network", {}), 404)
+    # A bad update changes nothing.
+    assert reaches(sbx, f"http://{INET}/")
