@@ -154,6 +154,7 @@ impl Netns {
         firewall::host_setup(pool()).await?;
         ip(&name, &["netns", "add", &name], None).await?;
         let made = async {
+            let t = std::time::Instant::now();
             let ns = Self::open(&name)?;
             // Closed before anything can route.
             firewall::nft(
@@ -162,7 +163,9 @@ impl Netns {
                 &firewall::render(&EgressRules::closed()),
             )
             .await?;
+            let t_firewall = t.elapsed();
             let (host_ip, ns_ip) = Self::add_veth(&name).await?;
+            let t_veth = t.elapsed();
             let batch = format!(
                 "link set lo up\n\
                  tuntap add dev {TAP_NAME} mode tap\n\
@@ -174,6 +177,14 @@ impl Netns {
             );
             ip(&name, &["-n", &name, "-batch", "-"], Some(&batch)).await?;
             ns.enable_forwarding()?;
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            tracing::debug!(
+                ns = %name,
+                firewall_ms = ms(t_firewall),
+                veth_ms = ms(t_veth - t_firewall),
+                devices_ms = ms(t.elapsed() - t_veth),
+                "namespace devices"
+            );
             Ok(ns)
         }
         .await;
@@ -301,9 +312,14 @@ impl Netns {
 
     /// Listen on `port` of the gateway address inside this namespace.
     pub fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+        self.listen_at(SocketAddr::from((HOST_IP, port)))
+    }
+
+    /// Listen on `addr` inside this namespace.
+    pub fn listen_at(&self, addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
         let s = self.socket()?;
         s.set_reuse_address(true)?;
-        s.bind(&SocketAddr::from((HOST_IP, port)).into())?;
+        s.bind(&addr.into())?;
         s.listen(128)?;
         tokio::net::TcpListener::from_std(std::net::TcpListener::from(s))
     }

@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P9 (docs/benchmarks.md), each with
+//! `tine bench`: the performance scenarios P1–P10 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
@@ -7,7 +7,7 @@
 //! (restores by hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
-//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9).
+//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9), [`net`] (P10).
 
 mod build;
 mod capture;
@@ -17,6 +17,7 @@ mod fork;
 mod image;
 mod mem;
 mod memory;
+mod net;
 mod proxy;
 mod report;
 mod sdk;
@@ -47,10 +48,11 @@ pub enum Scenario {
     P7,
     P8,
     P9,
+    P10,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 9] = [
+    const ALL: [Scenario; 10] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -60,6 +62,7 @@ impl Scenario {
         Self::P7,
         Self::P8,
         Self::P9,
+        Self::P10,
     ];
 
     fn id(self) -> &'static str {
@@ -73,6 +76,7 @@ impl Scenario {
             Self::P7 => "P7",
             Self::P8 => "P8",
             Self::P9 => "P9",
+            Self::P10 => "P10",
         }
     }
 
@@ -87,17 +91,18 @@ impl Scenario {
             Self::P7 => "commands.run through the proxy",
             Self::P8 => "first sandbox of a never-seen image (lazy vs full pull)",
             Self::P9 => "template build: cached and last-step-changed vs cold",
+            Self::P10 => "100 MiB download through the egress path vs the host",
         }
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P9).
+    /// Scenarios to run (default: all of P1–P10).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
-    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1, P9 3).
+    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1, P9 3, P10 3).
     #[arg(long)]
     iterations: Option<usize>,
     /// P6: sandboxes created (and commands run) at once.
@@ -220,6 +225,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P7 => proxy::p7(ctx, out).await,
         Scenario::P8 => image::p8(ctx, out).await,
         Scenario::P9 => build::p9(ctx, out).await,
+        Scenario::P10 => net::p10(ctx, out).await,
     }
 }
 

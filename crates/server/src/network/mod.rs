@@ -146,6 +146,7 @@ impl Network {
         guest: &Guest,
         policy: &NetworkPolicy,
     ) -> Result<(), NetworkError> {
+        let t = std::time::Instant::now();
         let compiled = policy.compile().map_err(NetworkError::Invalid)?;
         let rules = compiled.rules(&self.site);
         let old = self.take(id);
@@ -170,6 +171,11 @@ impl Network {
                 .insert(id.to_string(), proxy);
         }
         guest.set_egress(&rules).await?;
+        tracing::debug!(
+            sandbox = id,
+            apply_ms = t.elapsed().as_secs_f64() * 1e3,
+            "network policy"
+        );
         Ok(())
     }
 
