@@ -15,8 +15,8 @@
 //!
 //! Rule order in the namespace: blocked ranges (private, loopback,
 //! link-local, multicast…) minus the ranges the operator opened; then the
-//! allow list; then the deny list; then accept. A VM's namespace starts
-//! closed ([`EgressRules::closed`]) until its owner sets a policy.
+//! allow list; then the deny list; then accept. A VM's namespace forwards
+//! nothing until its owner sets a policy ([`crate::netns::Netns::set_egress`]).
 //!
 //! `nft -f` is used rather than a netlink crate: one spawn applies a whole
 //! ruleset in one transaction, and operators inspect it with the same tool.
@@ -118,7 +118,7 @@ pub struct EgressRules {
 }
 
 impl EgressRules {
-    /// Nothing goes out (a namespace's state until its policy is set).
+    /// Nothing goes out.
     pub fn closed() -> Self {
         Self {
             blocked: NOT_INTERNET.to_vec(),
@@ -192,6 +192,10 @@ pub fn render(r: &EgressRules) -> String {
     o.push_str("    ip daddr @allow accept\n");
     o.push_str("    ip daddr @deny reject with icmpx type admin-prohibited\n");
     o.push_str("    accept\n  }\n");
+    // The guest opens nothing to the namespace itself but the proxy. The
+    // host's own connections to the guest may predate this table (conntrack
+    // then meets their replies mid-stream, a SYN-ACK first), so refusals are
+    // by what a packet is, not by conntrack's view: a bare SYN, or not TCP.
     o.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
     let _ = writeln!(
         o,
@@ -200,7 +204,10 @@ pub fn render(r: &EgressRules) -> String {
     if let Some(port) = r.proxy_port {
         let _ = writeln!(o, "    iifname \"{tap}\" tcp dport {port} accept");
     }
-    let _ = writeln!(o, "    iifname \"{tap}\" drop\n  }}\n}}");
+    let _ = writeln!(
+        o,
+        "    iifname \"{tap}\" tcp flags & (syn | ack) == syn drop\n    iifname \"{tap}\" meta l4proto != tcp drop\n  }}\n}}"
+    );
     o
 }
 

@@ -17,8 +17,9 @@
 //! The guest's way out is a veth pair with a /31 from the pool
 //! ([`set_pool`], default [`DEFAULT_POOL`]), NAT-ed twice (in the namespace
 //! to its veth address, on the host to the host's own); what it may reach is
-//! the namespace's firewall ([`crate::firewall`]), closed until a policy is
-//! set ([`Netns::set_egress`]).
+//! the namespace's firewall ([`crate::firewall`]). A new namespace is
+//! closed (forwarding off: nothing leaves it) until a policy is set
+//! ([`Netns::set_egress`]), which costs no `nft` run on the create path.
 //!
 //! Creation uses iproute2 (`ip netns add` sets up the `/run/netns` bind
 //! mount that other tools such as `ip netns exec` understand, and `ip
@@ -148,7 +149,8 @@ async fn ip(name: &str, args: &[&str], stdin: Option<&str>) -> Result<()> {
 
 impl Netns {
     /// Create namespace `tine-<vm_id>` with `lo` up, a tap device that has
-    /// the gateway address, a veth pair to the host, and a closed firewall.
+    /// the gateway address, and a veth pair to the host; closed until
+    /// [`Netns::set_egress`].
     pub async fn create(vm_id: &str) -> Result<Self> {
         let name = format!("{NAME_PREFIX}{vm_id}");
         firewall::host_setup(pool()).await?;
@@ -156,14 +158,9 @@ impl Netns {
         let made = async {
             let t = std::time::Instant::now();
             let ns = Self::open(&name)?;
-            // Closed before anything can route.
-            firewall::nft(
-                &name,
-                Some(&ns.file),
-                &firewall::render(&EgressRules::closed()),
-            )
-            .await?;
-            let t_firewall = t.elapsed();
+            // Closed until a policy is set: a new namespace inherits the
+            // host's forwarding (on), so switch it off before any route.
+            ns.set_forwarding(false)?;
             let (host_ip, ns_ip) = Self::add_veth(&name).await?;
             let t_veth = t.elapsed();
             let batch = format!(
@@ -176,12 +173,10 @@ impl Netns {
                  route add default via {host_ip}\n"
             );
             ip(&name, &["-n", &name, "-batch", "-"], Some(&batch)).await?;
-            ns.enable_forwarding()?;
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             tracing::debug!(
                 ns = %name,
-                firewall_ms = ms(t_firewall),
-                veth_ms = ms(t_veth - t_firewall),
+                veth_ms = ms(t_veth),
                 devices_ms = ms(t.elapsed() - t_veth),
                 "namespace devices"
             );
@@ -227,25 +222,28 @@ impl Netns {
         Err(netns_err(name, "no free veth index after 64 tries"))
     }
 
-    /// Forwarding is per namespace; `/proc/sys/net` shows the namespace of
-    /// the thread that opens it.
-    fn enable_forwarding(&self) -> Result<()> {
+    /// Switch the namespace's IPv4 forwarding (the guest's only way out)
+    /// on or off. `/proc/sys/net` shows the namespace of the thread that
+    /// opens it.
+    fn set_forwarding(&self, on: bool) -> Result<()> {
         let ns = self
             .file
             .try_clone()
             .map_err(|e| netns_err(&self.name, e.to_string()))?;
         std::thread::spawn(move || -> std::io::Result<()> {
             setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", if on { "1" } else { "0" })
         })
         .join()
         .map_err(|_| netns_err(&self.name, "forwarding thread panicked"))?
-        .map_err(|e| netns_err(&self.name, format!("enabling forwarding: {e}")))
+        .map_err(|e| netns_err(&self.name, format!("setting forwarding: {e}")))
     }
 
-    /// Replace the namespace's egress firewall with `rules` (atomically).
+    /// Replace the namespace's egress firewall with `rules` (atomically),
+    /// then let the guest out (the first time).
     pub async fn set_egress(&self, rules: &EgressRules) -> Result<()> {
-        firewall::nft(&self.name, Some(&self.file), &firewall::render(rules)).await
+        firewall::nft(&self.name, Some(&self.file), &firewall::render(rules)).await?;
+        self.set_forwarding(true)
     }
 
     /// Open an existing namespace by name (e.g. when adopting a VM).

@@ -86,21 +86,25 @@ impl Manager {
             }
         };
         let guest = vm.guest();
-        if let Err(source) = self.network.apply(&rec.id, &guest, &rec.network).await {
+        // The guest forwards nothing until its policy is in place, so the
+        // firewall and the guest's identity can be set at once.
+        let (network, init) = tokio::join!(
+            self.network.apply(&rec.id, &guest, &rec.network),
+            agent::init(
+                &guest,
+                &rec.id,
+                guest_env(rec),
+                &rec.envd_access_token,
+                previous_token.as_deref(),
+            )
+        );
+        if let Err(source) = network {
             let _ = vm.kill().await;
             return Err(SandboxError::Network {
                 id: rec.id.clone(),
                 source: Box::new(source),
             });
         }
-        let init = agent::init(
-            &guest,
-            &rec.id,
-            guest_env(rec),
-            &rec.envd_access_token,
-            previous_token.as_deref(),
-        )
-        .await;
         if let Err(e) = init {
             let _ = vm.kill().await;
             return Err(SandboxError::agent(

@@ -121,6 +121,18 @@ def test_the_host_and_other_sandboxes_are_closed(fresh, host_listener):
         assert not reaches(a, f"http://{b_addr}:18081/")
     finally:
         srv.kill()
+        srv.wait()
+    # Killing a sandbox removes its namespace and both ends of its veth.
+    host_end = ".".join(b_addr.split(".")[:3] + [str(int(b_addr.split(".")[3]) - 1)])
+    assert host_end in host_addresses()
+    b.kill()
+    for _ in range(100):
+        gone = ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        if gone and host_end not in host_addresses():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"{ns} or its veth ({host_end}) outlived the sandbox")
 
 
 def test_internet_access_false_and_update_network(fresh):
