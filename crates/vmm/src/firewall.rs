@@ -195,7 +195,8 @@ pub fn render(r: &EgressRules) -> String {
     // The guest opens nothing to the namespace itself but the proxy. The
     // host's own connections to the guest may predate this table (conntrack
     // then meets their replies mid-stream, a SYN-ACK first), so refusals are
-    // by what a packet is, not by conntrack's view: a bare SYN, or not TCP.
+    // by what a packet is, not by conntrack's view: a bare SYN, or not TCP
+    // (refused, so a denied DNS query fails at once).
     o.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
     let _ = writeln!(
         o,
@@ -206,7 +207,7 @@ pub fn render(r: &EgressRules) -> String {
     }
     let _ = writeln!(
         o,
-        "    iifname \"{tap}\" tcp flags & (syn | ack) == syn drop\n    iifname \"{tap}\" meta l4proto != tcp drop\n  }}\n}}"
+        "    iifname \"{tap}\" tcp flags & (syn | ack) == syn reject with tcp reset\n    iifname \"{tap}\" meta l4proto != tcp reject with icmpx type admin-prohibited\n  }}\n}}"
     );
     o
 }
@@ -299,7 +300,9 @@ pub async fn host_setup(pool: Net4) -> Result<()> {
             .map_err(|e| format!("enabling IPv4 forwarding: {e}"))?;
         nft("host", None, &render_host(pool))
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        crate::netns::remove_dangling_veths().await;
+        Ok(())
     })
     .await
     .clone()

@@ -324,11 +324,72 @@ impl Netns {
 }
 
 /// Delete namespace `name`; a namespace that is already gone is fine.
+///
+/// Its veth pair goes at once, with its host end deleted by name: the
+/// namespace itself can outlive its bind mount for minutes while sockets
+/// the host opened in it (to a guest that is gone) time out.
 pub async fn delete_by_name(name: &str) -> Result<()> {
     if !Netns::path_of(name).exists() {
         return Ok(());
     }
-    ip(name, &["netns", "delete", name], None).await
+    let mut batch = String::new();
+    for (link, _) in host_veths()
+        .await
+        .iter()
+        .filter(|(_, peer)| peer.as_deref() == Some(name))
+    {
+        batch += &format!("link delete {link}\n");
+    }
+    batch += &format!("netns delete {name}\n");
+    ip(name, &["-batch", "-"], Some(&batch)).await
+}
+
+/// The host ends of veth pairs (`tnv*`), each with the name of its peer's
+/// namespace (`None` once that namespace has lost its name).
+async fn host_veths() -> Vec<(String, Option<String>)> {
+    let Ok(out) = tokio::process::Command::new("ip")
+        .args(["-o", "link", "show"])
+        .stderr(Stdio::null())
+        .output()
+        .await
+    else {
+        return Vec::new();
+    };
+    parse_host_veths(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn parse_host_veths(text: &str) -> Vec<(String, Option<String>)> {
+    text.lines()
+        .filter_map(|line| {
+            let name = line.split_whitespace().nth(1)?.split('@').next()?;
+            let name = name.trim_end_matches(':');
+            if !name.starts_with(VETH_HOST_PREFIX) {
+                return None;
+            }
+            let mut words = line.split_whitespace();
+            let peer = words
+                .by_ref()
+                .find(|w| *w == "link-netns")
+                .and_then(|_| words.next())
+                .map(str::to_string);
+            Some((name.to_string(), peer))
+        })
+        .collect()
+}
+
+/// Delete host ends of veth pairs whose namespace has no name any more
+/// (left by VMs of an earlier process, their namespaces still draining).
+pub async fn remove_dangling_veths() {
+    let dangling: Vec<String> = host_veths()
+        .await
+        .into_iter()
+        .filter(|(_, peer)| peer.is_none())
+        .map(|(link, _)| link)
+        .collect();
+    for link in dangling {
+        tracing::info!(link, "removing a veth whose namespace is gone");
+        let _ = ip(&link, &["link", "delete", &link], None).await;
+    }
 }
 
 /// Names of all namespaces tine created (for cleanup and leak checks).
@@ -370,6 +431,21 @@ impl crate::driver::GuestNet for Netns {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_veths_name_their_peer_namespace() {
+        let text = "1: lo: <LOOPBACK,UP> mtu 65536 qdisc noqueue\\    link/loopback 00:00:00:00:00:00\n\
+                    441: tnv25@if2: <BROADCAST,UP> mtu 1500 qdisc noqueue\\    link/ether ae:ff brd ff:ff link-netnsid 26\n\
+                    442: tnv3@if2: <BROADCAST,UP> mtu 1500 qdisc noqueue\\    link/ether ae:ff brd ff:ff link-netns tine-iabc\n\
+                    443: e2e-inet0@if2: <BROADCAST,UP> mtu 1500\\    link/ether ae:ff link-netns e2e-inet\n";
+        assert_eq!(
+            parse_host_veths(text),
+            vec![
+                ("tnv25".to_string(), None),
+                ("tnv3".to_string(), Some("tine-iabc".to_string()))
+            ]
+        );
+    }
 
     #[test]
     fn veth_pairs_are_slash_31s_inside_the_pool() {

@@ -1,12 +1,14 @@
 """The stand-in "internet" host of the network tests, run inside the test's
 own network namespace: HTTP on port 80 and HTTPS (self-signed) on 443, on
 every address of the namespace. Each answer names the address it arrived
-at and the Host it was sent with; `/bytes?n=N` streams N zero bytes.
+at and the Host it was sent with; `/bytes?n=N` streams N zero bytes. A DNS
+server on UDP port 53 answers every A query with 203.0.113.10.
 
 Usage: inet_server.py CERT KEY
 """
 
 import http.server
+import socket
 import socketserver
 import ssl
 import sys
@@ -42,6 +44,37 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def dns_answer(query):
+    """A reply to a DNS query: the same question, one A record 203.0.113.10."""
+    if len(query) < 12:
+        return None
+    qid, qdcount = query[:2], int.from_bytes(query[4:6], "big")
+    end = 12
+    while end < len(query) and query[end] != 0:
+        end += 1 + query[end]
+    question = query[12 : end + 5]
+    if qdcount != 1 or len(question) < 5:
+        return None
+    qtype = int.from_bytes(question[-4:-2], "big")
+    answers = b""
+    if qtype == 1:
+        answers = b"\xc0\x0c" + (1).to_bytes(2, "big") + (1).to_bytes(2, "big") \
+            + (60).to_bytes(4, "big") + (4).to_bytes(2, "big") + bytes([203, 0, 113, 10])
+    header = qid + b"\x81\x80" + (1).to_bytes(2, "big") + (1 if answers else 0).to_bytes(2, "big") \
+        + b"\x00\x00\x00\x00"
+    return header + question + answers
+
+
+def serve_dns():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", 53))
+    while True:
+        query, peer = sock.recvfrom(4096)
+        reply = dns_answer(query)
+        if reply:
+            sock.sendto(reply, peer)
+
+
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -55,6 +88,7 @@ def main():
     ctx.load_cert_chain(cert, key)
     tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
     threading.Thread(target=tls.serve_forever, daemon=True).start()
+    threading.Thread(target=serve_dns, daemon=True).start()
     print("ready", flush=True)
     plain.serve_forever()
 

@@ -65,8 +65,10 @@ max_concurrent_builds = 1
 build_context_max_bytes = 8388608
 
 [network]
-# The stand-in internet's "operator mirror" (tests/e2e/net/inet.sh).
+# The stand-in internet's "operator mirror" and its DNS server
+# (tests/e2e/net/inet.sh).
 allow_private = ["10.99.1.0/24"]
+dns = "203.0.113.10"
 EOF
 
 export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT"

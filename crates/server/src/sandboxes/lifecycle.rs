@@ -99,6 +99,7 @@ impl Manager {
             )
         );
         if let Err(source) = network {
+            self.network.release(&rec.id);
             let _ = vm.kill().await;
             return Err(SandboxError::Network {
                 id: rec.id.clone(),
@@ -106,6 +107,7 @@ impl Manager {
             });
         }
         if let Err(e) = init {
+            self.network.release(&rec.id);
             let _ = vm.kill().await;
             return Err(SandboxError::agent(
                 &rec.id,

@@ -15,9 +15,10 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 
 import pytest
-from e2b import ALL_TRAFFIC, Sandbox
+from e2b import ALL_TRAFFIC, Sandbox, Template
 
 from conftest import PORT, assert_error, http
 
@@ -40,12 +41,23 @@ def reaches(s, url, extra=""):
     return fetch(s, url, extra)[0] == 0
 
 
-def reachable(s, urls):
-    """The ones of `urls` the sandbox reaches (one command for all)."""
-    loop = "; ".join(
-        f"curl -s -o /dev/null --connect-timeout 3 -m 6 {u} && echo {u}" for u in urls
-    )
-    return set(s.commands.run(loop + "; true", timeout=120).stdout.split())
+PROBE = """
+import socket, sys
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        print(target)
+    except OSError:
+        pass
+"""
+
+
+def reachable(s, targets):
+    """The `host:port`s the sandbox can connect to (one process for all)."""
+    s.files.write("/tmp/tine-probe.py", PROBE)
+    out = s.commands.run("python3 /tmp/tine-probe.py " + " ".join(targets), timeout=120).stdout
+    return set(out.split())
 
 
 def test_default_sandbox_reaches_the_internet_only(fresh):
@@ -56,8 +68,11 @@ def test_default_sandbox_reaches_the_internet_only(fresh):
     assert reaches(s, f"http://{OPENED}/"), "the operator opened 10.99.1.0/24"
     assert not reaches(s, f"http://{PRIVATE}/")
     assert not reaches(s, "http://169.254.169.254/")
-    # DNS goes to the gateway (which forwards it to the host's resolver).
+    # DNS goes to the gateway, which forwards it to the configured resolver
+    # (the stand-in's, which answers 203.0.113.10 for every name).
     assert "nameserver 10.11.0.1" in s.files.read("/etc/resolv.conf")
+    code, body = fetch(s, "http://any-name.example/")
+    assert code == 0 and body == f"inet {INET} host=any-name.example\n", body
     info = s.get_info()
     assert info.allow_internet_access is True
 
@@ -99,8 +114,9 @@ def test_the_host_and_other_sandboxes_are_closed(fresh, host_listener):
     assert ctl.stdout == "host\n", ctl.stderr
     addrs = host_addresses()
     assert "203.0.113.1" in addrs
-    urls = [f"http://{addr}:{port}/" for addr in addrs for port in (host_listener, PORT)]
-    assert reachable(a, urls) == set(), "the host is open to a sandbox"
+    targets = [f"{addr}:{port}" for addr in addrs for port in (host_listener, PORT)]
+    assert reachable(a, targets) == set(), "the host is open to a sandbox"
+    assert reachable(a, [f"{INET}:80"]) == {f"{INET}:80"}  # the probe works
     # Another sandbox: a server in b's namespace, on its side of b's veth.
     ns = f"tine-{b.sandbox_id}"
     out = subprocess.run(["ip", "-n", ns, "-4", "-o", "addr", "show", "veth0"], capture_output=True, text=True)
@@ -139,6 +155,10 @@ def test_internet_access_false_and_update_network(fresh):
     s = fresh(allow_internet_access=False)
     assert not reaches(s, f"http://{INET}/")
     assert s.get_info().allow_internet_access is False
+    # The resolver is denied with everything else.
+    assert "Could not resolve" in s.commands.run(
+        "curl -sS -m 6 http://any-name.example/ 2>&1; true", timeout=30
+    ).stdout
 
     s.update_network({"allow_out": [INET], "deny_out": [ALL_TRAFFIC]})
     assert reaches(s, f"http://{INET}/")
@@ -267,3 +287,16 @@ def test_bad_network_input_is_a_clear_400(sbx):
     assert_error(http("PUT", "/sandboxes/no-such-sandbox/network", {}), 404)
     # A bad update changes nothing.
     assert reaches(sbx, f"http://{INET}/")
+
+
+def test_builds_reach_the_internet(fresh):
+    name = f"e2e-net-build-{uuid.uuid4().hex[:6]}"
+    t = Template().from_template("base").run_cmd(
+        f"curl -sS -m 10 http://{INET}/ > /tmp/from-build && echo {name} >> /tmp/from-build"
+    )
+    Template.build(t, name, cpu_count=1, memory_mb=256)
+    try:
+        s = fresh(template=name)
+        assert s.files.read("/tmp/from-build") == f"inet {INET} host={INET}\n{name}\n"
+    finally:
+        http("DELETE", f"/templates/{name}")
