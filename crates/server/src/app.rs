@@ -27,6 +27,10 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     // Before any VM exists: it sets where veth addresses come from.
     let network =
         Arc::new(crate::network::Network::new(&config.network).map_err(anyhow::Error::msg)?);
+    // Fail now, not at the first create, when the host cannot take it.
+    tine_vmm::firewall::host_setup(tine_vmm::netns::pool())
+        .await
+        .context("setting up the host's firewall for sandboxes (nftables, IPv4 forwarding)")?;
     let artifacts = paths
         .current_artifacts()
         .resolve()

@@ -4,7 +4,9 @@
 //! authority names the sandbox *and* the VM process it runs in
 //! (`<id>-<incarnation>.vm:<port>`), so a connection to a VM that was
 //! paused, captured or replaced is never reused; [`GuestConnector`]
-//! resolves it through the sandbox's guest network (the VM driver's).
+//! resolves it through the sandbox's guest network (the VM driver's). An
+//! `https` URI (a port in the sandbox's `httpsPorts`) gets TLS on top
+//! (`crate::guest_tls`).
 
 use std::time::Duration;
 
@@ -35,7 +37,20 @@ pub struct GuestConnector {
 }
 
 /// A connection into a sandbox, as hyper-util's client wants it.
-pub struct GuestStream(TokioIo<tokio::net::TcpStream>);
+pub enum GuestStream {
+    Plain(TokioIo<tokio::net::TcpStream>),
+    Tls(Box<TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>>),
+}
+
+/// Call `$method` on whichever stream `$s` holds.
+macro_rules! either {
+    ($s:expr, $method:ident($($arg:expr),*)) => {
+        match $s.get_mut() {
+            GuestStream::Plain(io) => std::pin::Pin::new(io).$method($($arg),*),
+            GuestStream::Tls(io) => std::pin::Pin::new(&mut **io).$method($($arg),*),
+        }
+    };
+}
 
 impl hyper_util::client::legacy::connect::Connection for GuestStream {
     fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
@@ -45,33 +60,33 @@ impl hyper_util::client::legacy::connect::Connection for GuestStream {
 
 impl hyper::rt::Read for GuestStream {
     fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
+        self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: hyper::rt::ReadBufCursor<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+        either!(self, poll_read(cx, buf))
     }
 }
 
 impl hyper::rt::Write for GuestStream {
     fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
+        self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+        either!(self, poll_write(cx, buf))
     }
     fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
+        self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+        either!(self, poll_flush(cx))
     }
     fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
+        self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+        either!(self, poll_shutdown(cx))
     }
 }
 
@@ -107,7 +122,20 @@ impl tower_service::Service<http::Uri> for GuestConnector {
                 .map_err(|_| {
                     std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
                 })??;
-            Ok(GuestStream(TokioIo::new(stream)))
+            if uri.scheme() != Some(&http::uri::Scheme::HTTPS) {
+                return Ok(GuestStream::Plain(TokioIo::new(stream)));
+            }
+            let name = tokio_rustls::rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            let tls = tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                crate::guest_tls::connector().connect(name, stream),
+            )
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")
+            })??;
+            Ok(GuestStream::Tls(Box::new(TokioIo::new(tls))))
         })
     }
 }

@@ -16,6 +16,7 @@ pub mod builds;
 pub mod config;
 pub mod db;
 pub mod guest_client;
+mod guest_tls;
 pub mod ids;
 pub mod metrics;
 pub mod model;

@@ -12,7 +12,8 @@
 //! anything reaches the guest. Requests to any other port of a sandbox
 //! created with `allowPublicTraffic: false` must carry its
 //! `e2b-traffic-access-token` (removed before the request goes on), and
-//! see the Host its `maskRequestHost` gives, if it gave one.
+//! see the Host its `maskRequestHost` gives, if it gave one. Ports in its
+//! `httpsPorts` are reached over TLS.
 //!
 //! Connections into sandboxes are pooled: see [`crate::guest_client`].
 
@@ -219,8 +220,13 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
         );
     }
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let scheme = if live.https_ports.contains(&t.port) {
+        "https"
+    } else {
+        "http"
+    };
     let uri = format!(
-        "http://{}-{}.vm:{}{path}",
+        "{scheme}://{}-{}.vm:{}{path}",
         t.sandbox,
         live.incarnation(),
         t.port

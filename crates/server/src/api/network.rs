@@ -61,6 +61,7 @@ pub async fn update(
     // Inbound settings are not part of an update.
     policy.allow_public_traffic = None;
     policy.mask_request_host = None;
+    policy.https_ports = None;
     let (policy, _) = policy
         .from_request(b.allow_internet_access, &unsupported)
         .map_err(ApiError::bad_request)?;

@@ -20,6 +20,9 @@ use super::sniff::{sniff, Sniffed, MAX_HEAD};
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long dialling the destination may take.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
+/// Connections one sandbox may have through its proxy at once; more are
+/// closed on arrival.
+const MAX_CONNECTIONS: usize = 1024;
 
 /// A running proxy; dropping it stops accepting (connections already
 /// spliced go on until they end).
@@ -37,6 +40,7 @@ impl EgressProxy {
         policy: Compiled,
     ) -> Self {
         let shared = Arc::new(policy);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let task = tokio::spawn(async move {
             loop {
                 let conn = match listener.accept().await {
@@ -47,9 +51,17 @@ impl EgressProxy {
                         continue;
                     }
                 };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    tracing::warn!(
+                        sandbox,
+                        "egress proxy: {MAX_CONNECTIONS} connections open; closing a new one"
+                    );
+                    continue;
+                };
                 let (guest, site, policy, sandbox) =
                     (guest.clone(), site.clone(), shared.clone(), sandbox.clone());
                 tokio::spawn(async move {
+                    let _slot = slot;
                     if let Err(e) = serve(conn, &guest, &site, &policy).await {
                         tracing::debug!(sandbox, "egress proxy: {e}");
                     }

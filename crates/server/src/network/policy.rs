@@ -25,6 +25,8 @@ use tine_vmm::{EgressRules, Net4};
 pub const MAX_ENTRIES: usize = 256;
 /// `dnsServers` entries (the SDK documents 10).
 pub const MAX_DNS_SERVERS: usize = 10;
+/// `httpsPorts` entries.
+pub const MAX_HTTPS_PORTS: usize = 64;
 /// What `allow_internet_access = false` adds to `denyOut`.
 pub const ALL_TRAFFIC: &str = "0.0.0.0/0";
 
@@ -46,6 +48,10 @@ pub struct NetworkPolicy {
     /// Per-host rules; only rules without transforms are accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rules: Option<BTreeMap<String, Vec<serde_json::Value>>>,
+    /// Sandbox ports that serve TLS themselves: the proxy speaks HTTPS to
+    /// them (without verifying their certificates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub https_ports: Option<Vec<u16>>,
 }
 
 /// What a create or update request may carry besides the policy fields we
@@ -55,8 +61,6 @@ pub struct NetworkPolicy {
 pub struct Unsupported {
     #[serde(default)]
     pub egress_proxy: Option<serde_json::Value>,
-    #[serde(default)]
-    pub https_ports: Option<Vec<serde_json::Value>>,
 }
 
 /// A domain pattern: `example.com`, or `*.example.com` for its subdomains.
@@ -192,15 +196,6 @@ impl NetworkPolicy {
                 "network.egress_proxy (a SOCKS5 proxy for egress) is not supported by tine".into(),
             );
         }
-        if unsupported
-            .https_ports
-            .as_ref()
-            .is_some_and(|p| !p.is_empty())
-        {
-            return Err(
-                "network.https_ports (HTTPS to sandbox ports) is not supported by tine".into(),
-            );
-        }
         if allow_internet_access == Some(false) {
             let deny = self.deny_out.get_or_insert_with(Vec::new);
             if !deny.iter().any(|d| d == ALL_TRAFFIC) {
@@ -244,6 +239,13 @@ impl NetworkPolicy {
             if transforms {
                 return Err(format!(
                     "network.rules[{host:?}]: header transforms are not supported by tine"
+                ));
+            }
+        }
+        if let Some(ports) = &self.https_ports {
+            if ports.len() > MAX_HTTPS_PORTS || ports.contains(&0) {
+                return Err(format!(
+                    "network.https_ports takes at most {MAX_HTTPS_PORTS} ports, each 1-65535"
                 ));
             }
         }
@@ -430,9 +432,13 @@ mod tests {
             vec![serde_json::json!({"transform": {"headers": {"a": "b"}}})],
         )]));
         assert!(err(p).contains("header transforms"));
+        let p = NetworkPolicy {
+            https_ports: Some(vec![0]),
+            ..Default::default()
+        };
+        assert!(err(p).contains("https_ports"));
         let unsupported = Unsupported {
             egress_proxy: Some(serde_json::json!({"address": "p:1080"})),
-            https_ports: None,
         };
         assert!(NetworkPolicy::default()
             .from_request(None, &unsupported)

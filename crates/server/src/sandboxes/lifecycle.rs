@@ -322,6 +322,7 @@ impl Manager {
         let rec = self.get(id)?;
         policy.allow_public_traffic = rec.network.allow_public_traffic;
         policy.mask_request_host = rec.network.mask_request_host.clone();
+        policy.https_ports = rec.network.https_ports.clone();
         if let Some(live) = self.live(id) {
             self.network
                 .apply(id, &live.guest, &policy)

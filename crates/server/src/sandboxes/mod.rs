@@ -115,6 +115,8 @@ pub struct Live {
     /// The Host the guest's services see (`maskRequestHost`, `${PORT}`
     /// replaced by the port).
     pub mask_host: Option<String>,
+    /// Ports whose servers speak TLS (`httpsPorts`).
+    pub https_ports: Vec<u16>,
     /// Differs for every VM process the sandbox runs in (new on resume and
     /// after a capture that moved it), so the proxy never reuses a
     /// connection to an earlier one.
@@ -235,6 +237,7 @@ impl Manager {
             access_token: rec.envd_access_token.clone(),
             traffic_token: rec.traffic_token.clone(),
             mask_host: rec.network.mask_request_host.clone(),
+            https_ports: rec.network.https_ports.clone().unwrap_or_default(),
             incarnation: next_incarnation().into(),
         });
         self.live

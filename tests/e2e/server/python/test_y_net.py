@@ -265,6 +265,43 @@ def test_private_traffic_needs_the_token_and_host_is_masked(fresh):
     assert p.traffic_access_token is None
 
 
+TLS_SERVER = (
+    "import http.server as h, ssl\n"
+    "class H(h.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.send_header('Content-Length', '3'); self.end_headers(); self.wfile.write(b'tls')\n"
+    "srv = h.HTTPServer(('0.0.0.0', 8443), H)\n"
+    "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain('/tmp/cert.pem', '/tmp/key.pem')\n"
+    "srv.socket = ctx.wrap_socket(srv.socket, server_side=True)\n"
+    "srv.serve_forever()\n"
+)
+
+
+def test_https_ports_reach_a_tls_server_in_the_sandbox(fresh, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=sandbox", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    s = fresh(network={"https_ports": [8443]})
+    s.files.write("/tmp/key.pem", key.read_text())
+    s.files.write("/tmp/cert.pem", cert.read_text())
+    s.files.write("/tmp/tls_server.py", TLS_SERVER)
+    s.commands.run("python3 /tmp/tls_server.py", background=True)
+    status, body = get_until_up(s.get_host(8443))
+    assert status == 200 and body == b"tls", body
+    assert s.get_info().network["https_ports"] == [8443]
+    # Without https_ports the same server gets plain HTTP and fails.
+    p = fresh()
+    p.files.write("/tmp/key.pem", key.read_text())
+    p.files.write("/tmp/cert.pem", cert.read_text())
+    p.files.write("/tmp/tls_server.py", TLS_SERVER)
+    p.commands.run("python3 /tmp/tls_server.py", background=True)
+    status, _ = get_until_up(p.get_host(8443))
+    assert status != 200
+
+
 def test_bad_network_input_is_a_clear_400(sbx):
     def create(body):
         return http("POST", "/v2/sandboxes", {"templateID": "base", **body})
@@ -276,6 +313,7 @@ def test_bad_network_input_is_a_clear_400(sbx):
         ({"network": {"denyOut": [f"1.2.{i // 256}.{i % 256}" for i in range(300)]}}, "at most 256"),
         ({"network": {"dnsServers": ["dns.test"]}}, "not an IPv4"),
         ({"network": {"egressProxy": {"address": "p.test:1080"}}}, "egress_proxy"),
+        ({"network": {"httpsPorts": [0]}}, "https_ports"),
         ({"network": {"rules": {"api.test": [{"transform": {"headers": {"a": "b"}}}]}}}, "header transforms"),
         ({"network": {"allowOut": "1.2.3.4"}}, "invalid network"),
     ]
