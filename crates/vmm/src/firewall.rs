@@ -143,9 +143,14 @@ fn set(out: &mut String, name: &str, nets: &[Net4]) {
     out.push_str(" }\n");
 }
 
-/// The namespace's ruleset for `r`, replacing any earlier one atomically.
-pub fn render(r: &EgressRules) -> String {
-    let mut o = String::from("table inet tine\ndelete table inet tine\ntable inet tine {\n");
+/// The namespace's ruleset for `r`; with `replace`, replacing an earlier
+/// one atomically (without, for a namespace that has none yet).
+pub fn render(r: &EgressRules, replace: bool) -> String {
+    let mut o = String::new();
+    if replace {
+        o.push_str("table inet tine\ndelete table inet tine\n");
+    }
+    o.push_str("table inet tine {\n");
     set(&mut o, "blocked", &r.blocked);
     set(&mut o, "opened", &r.opened);
     set(&mut o, "allow", &r.allow);
@@ -328,7 +333,7 @@ mod tests {
 
     #[test]
     fn closed_rules_deny_everything_and_resolve_nothing() {
-        let s = render(&EgressRules::closed());
+        let s = render(&EgressRules::closed(), true);
         assert!(s.contains(
             "set deny { type ipv4_addr; flags interval; auto-merge; elements = { 0.0.0.0/0 }; }"
         ));
@@ -336,6 +341,7 @@ mod tests {
         assert!(!s.contains("dnat"), "{s}");
         assert!(!s.contains("redirect"), "{s}");
         assert!(s.starts_with("table inet tine\ndelete table inet tine\n"));
+        assert!(render(&EgressRules::closed(), false).starts_with("table inet tine {\n"));
     }
 
     #[test]
@@ -343,7 +349,7 @@ mod tests {
         let mut r = EgressRules::closed();
         r.resolver = Some("10.255.255.53:53".parse().unwrap());
         r.proxy_port = Some(15080);
-        let s = render(&r);
+        let s = render(&r, true);
         assert!(
             s.contains("udp dport 53 dnat ip to 10.255.255.53:53"),
             "{s}"
@@ -380,8 +386,9 @@ mod tests {
         ];
         full.opened = vec![Net4::parse("10.99.1.0/24").unwrap()];
         for script in [
-            render(&EgressRules::closed()),
-            render(&full),
+            render(&EgressRules::closed(), true),
+            render(&full, true),
+            render(&full, false),
             render_host(Net4::parse("10.233.0.0/16").unwrap()),
         ] {
             use std::io::Write;
