@@ -25,8 +25,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// guest's way out and its firewall.
 pub trait GuestNet: Send + Sync {
     fn connect(&self, port: u16) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>>;
-    /// Replace what the guest may reach (atomically).
-    fn set_egress<'a>(&'a self, rules: &'a EgressRules) -> BoxFuture<'a, Result<()>>;
+    /// Replace what the guest may reach (atomically); with `open` false
+    /// the rules are loaded but nothing is forwarded yet (a later call with
+    /// the same rules and `open` only lets the guest out).
+    fn set_egress<'a>(&'a self, rules: &'a EgressRules, open: bool) -> BoxFuture<'a, Result<()>>;
     /// Listen on `port` of the guest's gateway (an egress proxy's end of
     /// [`EgressRules::proxy_port`]).
     fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener>;

@@ -106,6 +106,8 @@ pub struct Netns {
     /// Made by this handle and given no firewall yet: the first ruleset
     /// need not replace one (which costs `nft` a cache fetch, ≈ 12 ms).
     fresh: std::sync::atomic::AtomicBool,
+    /// The ruleset this handle last applied (serialising changes).
+    applied: tokio::sync::Mutex<Option<EgressRules>>,
 }
 
 fn netns_err(name: &str, detail: impl Into<String>) -> Error {
@@ -243,24 +245,33 @@ impl Netns {
         .map_err(|e| netns_err(&self.name, format!("setting forwarding: {e}")))
     }
 
-    /// Replace the namespace's egress firewall with `rules` (atomically),
-    /// then let the guest out (the first time).
-    pub async fn set_egress(&self, rules: &EgressRules) -> Result<()> {
-        let first = self.fresh.swap(false, std::sync::atomic::Ordering::AcqRel);
-        let applied = if first {
-            firewall::nft(
-                &self.name,
-                Some(&self.file),
-                &firewall::render(rules, false),
-            )
-            .await
-        } else {
-            Err(netns_err(&self.name, "not fresh"))
-        };
-        if applied.is_err() {
-            firewall::nft(&self.name, Some(&self.file), &firewall::render(rules, true)).await?;
+    /// Replace the namespace's egress firewall with `rules` (atomically;
+    /// nothing to do when they are the rules it has), then, if `open`, let
+    /// the guest out.
+    pub async fn set_egress(&self, rules: &EgressRules, open: bool) -> Result<()> {
+        let mut applied = self.applied.lock().await;
+        if applied.as_ref() != Some(rules) {
+            let first =
+                applied.is_none() && self.fresh.swap(false, std::sync::atomic::Ordering::AcqRel);
+            let added = if first {
+                firewall::nft(
+                    &self.name,
+                    Some(&self.file),
+                    &firewall::render(rules, false),
+                )
+                .await
+            } else {
+                Err(netns_err(&self.name, "not fresh"))
+            };
+            if added.is_err() {
+                firewall::nft(&self.name, Some(&self.file), &firewall::render(rules, true)).await?;
+            }
+            *applied = Some(rules.clone());
         }
-        self.set_forwarding(true)
+        if open {
+            self.set_forwarding(true)?;
+        }
+        Ok(())
     }
 
     /// Open an existing namespace by name (e.g. when adopting a VM).
@@ -271,6 +282,7 @@ impl Netns {
             name: name.to_string(),
             file,
             fresh: false.into(),
+            applied: Default::default(),
         })
     }
 
@@ -285,6 +297,7 @@ impl Netns {
             name: self.name.clone(),
             file: self.file.try_clone()?,
             fresh: false.into(),
+            applied: Default::default(),
         })
     }
 
@@ -433,8 +446,9 @@ impl crate::driver::GuestNet for Netns {
     fn set_egress<'a>(
         &'a self,
         rules: &'a EgressRules,
+        open: bool,
     ) -> crate::driver::BoxFuture<'a, Result<()>> {
-        Box::pin(Netns::set_egress(self, rules))
+        Box::pin(Netns::set_egress(self, rules, open))
     }
     fn listen(&self, port: u16) -> std::io::Result<tokio::net::TcpListener> {
         Netns::listen(self, port)

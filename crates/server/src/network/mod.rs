@@ -170,7 +170,7 @@ impl Network {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(id.to_string(), proxy);
         }
-        guest.set_egress(&rules).await?;
+        guest.set_egress(&rules, true).await?;
         tracing::debug!(
             sandbox = id,
             apply_ms = t.elapsed().as_secs_f64() * 1e3,
@@ -179,12 +179,14 @@ impl Network {
         Ok(())
     }
 
-    /// The default policy, for VMs that belong to no sandbox (build VMs).
-    pub async fn apply_default(&self, guest: &Guest) -> Result<(), NetworkError> {
+    /// The default policy, for VMs that belong to no sandbox (build VMs),
+    /// or (with `open` false) loaded ahead for a pooled VM, which then
+    /// costs its sandbox no `nft` run if it keeps the default.
+    pub async fn apply_default(&self, guest: &Guest, open: bool) -> Result<(), NetworkError> {
         let compiled = NetworkPolicy::default()
             .compile()
             .map_err(NetworkError::Invalid)?;
-        guest.set_egress(&compiled.rules(&self.site)).await?;
+        guest.set_egress(&compiled.rules(&self.site), open).await?;
         Ok(())
     }
 

@@ -182,7 +182,11 @@ impl Manager {
         templates: Arc<Templates>,
         network: Arc<crate::network::Network>,
     ) -> Self {
-        let pool = Arc::new(pool::WarmPool::new(config.pool_size, driver.clone()));
+        let pool = Arc::new(pool::WarmPool::new(
+            config.pool_size,
+            driver.clone(),
+            network.clone(),
+        ));
         Self {
             db,
             driver,

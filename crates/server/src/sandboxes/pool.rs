@@ -25,15 +25,21 @@ pub struct Pooled {
 pub struct WarmPool {
     size: usize,
     driver: Arc<dyn Driver>,
+    network: Arc<crate::network::Network>,
     ready: Mutex<HashMap<String, Vec<Pooled>>>,
     filling: Mutex<HashSet<String>>,
 }
 
 impl WarmPool {
-    pub fn new(size: usize, driver: Arc<dyn Driver>) -> Self {
+    pub fn new(
+        size: usize,
+        driver: Arc<dyn Driver>,
+        network: Arc<crate::network::Network>,
+    ) -> Self {
         Self {
             size,
             driver,
+            network,
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
         }
@@ -79,7 +85,7 @@ impl WarmPool {
         tokio::spawn(async move {
             while pool.count(&key) < pool.size {
                 let id = crate::ids::sandbox_id();
-                match warm(pool.driver.as_ref(), &id, &snapshot).await {
+                match warm(pool.driver.as_ref(), &pool.network, &id, &snapshot).await {
                     Ok(vm) => pool
                         .ready
                         .lock()
@@ -149,14 +155,25 @@ impl WarmPool {
     }
 }
 
-/// Restore, run until the agent answered a `/init`, pause.
-async fn warm(driver: &dyn Driver, id: &str, snapshot: &SnapshotRef) -> Result<Pooled, String> {
+/// Restore, run until the agent answered a `/init`, pause. The default
+/// network policy is loaded but not opened (the guest forwards nothing
+/// until its sandbox's policy is applied).
+async fn warm(
+    driver: &dyn Driver,
+    network: &crate::network::Network,
+    id: &str,
+    snapshot: &SnapshotRef,
+) -> Result<Pooled, String> {
     let mut vm = driver
         .restore_paused(id, snapshot)
         .await
         .map_err(|e| e.to_string())?;
     let token = crate::ids::random_hex(24);
     let warmed = async {
+        network
+            .apply_default(&vm.guest(), false)
+            .await
+            .map_err(|e| e.to_string())?;
         vm.start().await.map_err(|e| e.to_string())?;
         super::agent::init(&vm.guest(), id, Default::default(), &token, None)
             .await

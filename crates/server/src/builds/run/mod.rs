@@ -380,7 +380,7 @@ impl Runner<'_> {
     async fn open_network(&self, step: impl ToString + Copy) -> Result<(), Failure> {
         self.env
             .network
-            .apply_default(&self.vm().guest())
+            .apply_default(&self.vm().guest(), true)
             .await
             .map_err(|e| fail(step, e))
     }

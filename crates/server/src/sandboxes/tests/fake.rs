@@ -172,6 +172,7 @@ impl GuestNet for FakeGuest {
     fn set_egress<'a>(
         &'a self,
         _rules: &'a tine_vmm::EgressRules,
+        _open: bool,
     ) -> BoxFuture<'a, tine_vmm::Result<()>> {
         Box::pin(async { Ok(()) })
     }
