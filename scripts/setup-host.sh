@@ -34,6 +34,7 @@ HOST_PACKAGES=(
     mmdebstrap     # rootfs
     musl-tools     # musl-gcc for crates with C code in the static agent
     nftables       # egress policy
+    openssl        # self-signed certificates for the network tests
     python3-venv   # E2B SDK tests
     tar
     util-linux     # flock
