@@ -103,11 +103,18 @@ static ALLOCATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 pub struct Netns {
     name: String,
     file: File,
+    /// What this handle knows of the namespace's firewall (the lock
+    /// serialises changes).
+    egress: tokio::sync::Mutex<Egress>,
+}
+
+#[derive(Debug, Default)]
+struct Egress {
     /// Made by this handle and given no firewall yet: the first ruleset
     /// need not replace one (which costs `nft` a cache fetch, ≈ 12 ms).
-    fresh: std::sync::atomic::AtomicBool,
-    /// The ruleset this handle last applied (serialising changes).
-    applied: tokio::sync::Mutex<Option<EgressRules>>,
+    fresh: bool,
+    /// The ruleset this handle last applied.
+    applied: Option<EgressRules>,
 }
 
 fn netns_err(name: &str, detail: impl Into<String>) -> Error {
@@ -162,8 +169,8 @@ impl Netns {
         ip(&name, &["netns", "add", &name], None).await?;
         let made = async {
             let t = std::time::Instant::now();
-            let ns = Self::open(&name)?;
-            ns.fresh.store(true, std::sync::atomic::Ordering::Release);
+            let mut ns = Self::open(&name)?;
+            ns.egress.get_mut().fresh = true;
             // Closed until a policy is set: a new namespace inherits the
             // host's forwarding (on), so switch it off before any route.
             ns.set_forwarding(false)?;
@@ -249,24 +256,21 @@ impl Netns {
     /// nothing to do when they are the rules it has), then, if `open`, let
     /// the guest out.
     pub async fn set_egress(&self, rules: &EgressRules, open: bool) -> Result<()> {
-        let mut applied = self.applied.lock().await;
-        if applied.as_ref() != Some(rules) {
-            let first =
-                applied.is_none() && self.fresh.swap(false, std::sync::atomic::Ordering::AcqRel);
-            let added = if first {
-                firewall::nft(
+        let mut egress = self.egress.lock().await;
+        if egress.applied.as_ref() != Some(rules) {
+            let first = std::mem::take(&mut egress.fresh);
+            let added = first
+                && firewall::nft(
                     &self.name,
                     Some(&self.file),
                     &firewall::render(rules, false),
                 )
                 .await
-            } else {
-                Err(netns_err(&self.name, "not fresh"))
-            };
-            if added.is_err() {
+                .is_ok();
+            if !added {
                 firewall::nft(&self.name, Some(&self.file), &firewall::render(rules, true)).await?;
             }
-            *applied = Some(rules.clone());
+            egress.applied = Some(rules.clone());
         }
         if open {
             self.set_forwarding(true)?;
@@ -281,8 +285,7 @@ impl Netns {
         Ok(Self {
             name: name.to_string(),
             file,
-            fresh: false.into(),
-            applied: Default::default(),
+            egress: Default::default(),
         })
     }
 
@@ -296,8 +299,7 @@ impl Netns {
         Ok(Self {
             name: self.name.clone(),
             file: self.file.try_clone()?,
-            fresh: false.into(),
-            applied: Default::default(),
+            egress: Default::default(),
         })
     }
 

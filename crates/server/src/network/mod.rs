@@ -133,10 +133,6 @@ impl Network {
         })
     }
 
-    pub fn site(&self) -> &Site {
-        &self.site
-    }
-
     /// Give sandbox `id`'s VM (its network is `guest`) the firewall of
     /// `policy`, with an egress proxy when the policy names domains.
     /// Replaces whatever it had.
