@@ -1,13 +1,20 @@
-//! API keys. Only a SHA-256 of each key is stored: keys are 32 random
+//! API keys. Only a SHA-256 of each key is stored: keys are 20 random
 //! bytes, so a fast unsalted hash is safe and lets lookups use an index.
+//!
+//! A key looks like E2B's own, `e2b_` and 40 hex digits, because some SDK
+//! versions refuse any other shape on the client before sending a request.
+//! Keys made by older tine versions (`tine_` and 64 hex digits) keep
+//! working until they are revoked.
 
 use rusqlite::{params, OptionalExtension};
 use sha2::{Digest, Sha256};
 
 use super::{now_ms, Db, Result};
 
-/// Every key starts with this, so leaked keys are easy to recognise.
-pub const KEY_PREFIX: &str = "tine_";
+/// Every new key starts with this (E2B's prefix, which SDKs check).
+pub const KEY_PREFIX: &str = "e2b_";
+/// Random bytes in a key: 40 hex digits, the length E2B's keys have.
+const KEY_BYTES: usize = 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiKey {
@@ -46,7 +53,7 @@ fn hash(key: &str) -> String {
 
 impl Db {
     pub fn create_key(&self, name: &str) -> Result<NewKey> {
-        let plaintext = format!("{KEY_PREFIX}{}", crate::ids::random_hex(32));
+        let plaintext = format!("{KEY_PREFIX}{}", crate::ids::random_hex(KEY_BYTES));
         let key = ApiKey {
             id: format!("key_{}", crate::ids::random_hex(6)),
             name: name.to_string(),
@@ -95,5 +102,33 @@ impl Db {
             params![id, now_ms()],
         )?;
         Ok(n == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_keys_look_like_e2b_keys_and_old_ones_still_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("t.db")).unwrap();
+        let new = db.create_key("k").unwrap();
+        let hex = new.plaintext.strip_prefix("e2b_").expect("e2b_ prefix");
+        assert_eq!(hex.len(), 40);
+        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_eq!(db.verify_key(&new.plaintext).unwrap().unwrap().id, new.key.id);
+        // A key an older tine made: only its hash is in the table.
+        let old = format!("tine_{}", "ab".repeat(32));
+        db.conn()
+            .execute(
+                "INSERT INTO api_keys (id, name, hash, prefix, created_ms) VALUES ('key_old', 'old', ?1, 'tine_ababab', 1)",
+                [hash(&old)],
+            )
+            .unwrap();
+        assert_eq!(db.verify_key(&old).unwrap().unwrap().id, "key_old");
+        assert!(db.revoke_key("key_old").unwrap());
+        assert!(db.verify_key(&old).unwrap().is_none());
+        assert!(db.verify_key("e2b_0000").unwrap().is_none());
     }
 }

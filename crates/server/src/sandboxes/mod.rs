@@ -117,6 +117,9 @@ pub struct Live {
     pub mask_host: Option<String>,
     /// Ports whose servers speak TLS (`httpsPorts`).
     pub https_ports: Vec<u16>,
+    /// Cancelled when the VM leaves (kill, pause): requests and streams
+    /// proxied into it end at once instead of hanging.
+    pub gone: tokio_util::sync::CancellationToken,
     /// Differs for every VM process the sandbox runs in (new on resume and
     /// after a capture that moved it), so the proxy never reuses a
     /// connection to an earlier one.
@@ -242,6 +245,7 @@ impl Manager {
             traffic_token: rec.traffic_token.clone(),
             mask_host: rec.network.mask_request_host.clone(),
             https_ports: rec.network.https_ports.clone().unwrap_or_default(),
+            gone: Default::default(),
             incarnation: next_incarnation().into(),
         });
         self.live
@@ -250,12 +254,27 @@ impl Manager {
             .insert(rec.id.clone(), live);
     }
 
+    /// The first live sandbox `pred` accepts (each is asked once).
+    pub fn find_live(&self, pred: impl Fn(&Live) -> bool) -> Option<String> {
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(_, live)| pred(live))
+            .map(|(id, _)| id.clone())
+    }
+
     fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
         self.network.release(id);
-        self.live
+        let live = self
+            .live
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(id)
+            .remove(id);
+        if let Some(l) = &live {
+            l.gone.cancel();
+        }
+        live
     }
 
     fn event(&self, id: &str, kind: &str, detail: &str) {

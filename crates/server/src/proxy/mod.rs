@@ -23,12 +23,16 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use base64::Engine as _;
 use http::{header, HeaderMap, StatusCode};
 use hyper_util::rt::TokioIo;
-use sha2::{Digest, Sha256};
 
 use crate::state::AppState;
+
+mod signed;
+mod stream_end;
+
+use signed::{Refusal, SignedQuery};
+use stream_end::EndsWithSandbox;
 
 /// The port `E2b-Sandbox-Port` defaults to: the agent's.
 pub const ENVD_PORT: u16 = tine_agent_client::AGENT_PORT;
@@ -75,8 +79,12 @@ pub fn target(headers: &HeaderMap, domain: &str) -> Option<Target> {
 /// Middleware in front of the REST router: sandbox traffic is proxied,
 /// everything else goes on to the API.
 pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    match target(req.headers(), &state.domain) {
-        Some(t) => proxy(state, t, req).await,
+    if let Some(t) = target(req.headers(), &state.domain) {
+        return proxy(state, t, req).await;
+    }
+    match signed_target(&state, &req) {
+        Some(Ok(t)) => proxy(state, t, req).await,
+        Some(Err(refusal)) => error(StatusCode::UNAUTHORIZED, refusal.message().into(), false),
         None => next.run(req).await,
     }
 }
@@ -108,25 +116,6 @@ fn is_rpc(path: &str) -> bool {
         .is_some_and(|s| s.contains('.'))
 }
 
-/// Signature of a `/files` URL as the SDK makes it: `v1_` + unpadded
-/// base64 of sha256(`path:operation:user:token[:expiration]`).
-pub fn file_signature(
-    path: &str,
-    operation: &str,
-    user: &str,
-    token: &str,
-    expiration: Option<i64>,
-) -> String {
-    let text = match expiration {
-        Some(exp) => format!("{path}:{operation}:{user}:{token}:{exp}"),
-        None => format!("{path}:{operation}:{user}:{token}"),
-    };
-    format!(
-        "v1_{}",
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(text.as_bytes()))
-    )
-}
-
 /// Compare secrets in time that depends on their lengths only.
 pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -153,44 +142,38 @@ fn admit_traffic(live: &crate::sandboxes::Live, port: u16, req: &mut Request) ->
     true
 }
 
-fn authorized(req: &Request, token: &str) -> bool {
+/// Whether a request to the agent may pass: it carries the sandbox's
+/// `X-Access-Token`, or is a `/files` request signed with it.
+fn authorized(req: &Request, token: &str) -> Result<(), &'static str> {
     if let Some(given) = req.headers().get("x-access-token") {
-        return same_secret(given.as_bytes(), token.as_bytes());
+        return if same_secret(given.as_bytes(), token.as_bytes()) {
+            Ok(())
+        } else {
+            Err("invalid access token")
+        };
     }
-    if req.uri().path() != "/files" {
-        return false;
+    match SignedQuery::of(req) {
+        None => Err("missing access token or file signature"),
+        Some(Err(refusal)) => Err(refusal.message()),
+        Some(Ok(q)) => q
+            .check(token, crate::db::now_ms() / 1000)
+            .map_err(Refusal::message),
     }
-    let query: Vec<(String, String)> =
-        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
-    let get = |k: &str| {
-        query
-            .iter()
-            .find(|(key, _)| key == k)
-            .map(|(_, v)| v.as_str())
+}
+
+/// A signed `/files` URL that names no sandbox (the SDK's URL against
+/// `E2B_SANDBOX_URL`): the sandbox whose token made the signature.
+fn signed_target(state: &AppState, req: &Request) -> Option<Result<Target, Refusal>> {
+    let q = match SignedQuery::of(req)? {
+        Ok(q) => q,
+        // No signature: not a sandbox request; the API answers.
+        Err(_) => return None,
     };
-    let (Some(sig), Some(path)) = (get("signature"), get("path")) else {
-        return false;
-    };
-    let expiration = match get("signature_expiration") {
-        Some(e) => match e.parse::<i64>() {
-            Ok(e) if e >= crate::db::now_ms() / 1000 => Some(e),
-            _ => return false,
-        },
-        None => None,
-    };
-    let operation = if req.method() == http::Method::GET {
-        "read"
-    } else {
-        "write"
-    };
-    let expected = file_signature(
-        path,
-        operation,
-        get("username").unwrap_or(""),
-        token,
-        expiration,
-    );
-    same_secret(expected.as_bytes(), sig.as_bytes())
+    let found = state.manager.find_live(|live| q.signed_with(&live.access_token));
+    Some(found.ok_or(Refusal::Invalid).map(|sandbox| Target {
+        sandbox,
+        port: ENVD_PORT,
+    }))
 }
 
 async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
@@ -202,12 +185,10 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
             rpc,
         );
     };
-    if t.port == ENVD_PORT && !authorized(&req, &live.access_token) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "missing or invalid X-Access-Token for this sandbox".into(),
-            rpc,
-        );
+    if t.port == ENVD_PORT {
+        if let Err(message) = authorized(&req, &live.access_token) {
+            return error(StatusCode::UNAUTHORIZED, message.into(), rpc);
+        }
     }
     if t.port != ENVD_PORT && !admit_traffic(&live, t.port, &mut req) {
         return error(
@@ -241,7 +222,17 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
         .then(|| hyper::upgrade::on(&mut req));
     let counter = state.metrics.proxy_bytes.clone();
     let req = req.map(|b| Body::new(crate::metrics::counted(b, counter.clone(), "in")));
-    let mut resp = match state.client.request(req).await {
+    let sent = tokio::select! {
+        r = state.client.request(req) => r,
+        _ = live.gone.cancelled() => {
+            return error(
+                StatusCode::BAD_GATEWAY,
+                format!("The sandbox {} was not found: it stopped while the request was in flight", t.sandbox),
+                rpc,
+            )
+        }
+    };
+    let mut resp = match sent {
         Ok(r) => r,
         Err(e) if e.is_connect() => {
             return error(
@@ -273,7 +264,12 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
             });
         }
     }
-    resp.map(|b| Body::new(crate::metrics::counted(b, counter, "out")))
+    let connect_stream = stream_end::is_connect_stream(resp.headers());
+    let gone = live.gone.clone();
+    resp.map(|b| {
+        let b = EndsWithSandbox::new(b, gone, t.sandbox.clone(), connect_stream);
+        Body::new(crate::metrics::counted(b, counter, "out"))
+    })
 }
 
 #[cfg(test)]
@@ -323,12 +319,4 @@ mod tests {
         assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), d), None);
     }
 
-    #[test]
-    fn signature_matches_the_sdk_formula() {
-        // Python SDK: "v1_" + base64(sha256(b"/a:read::tok")).rstrip("=").
-        assert_eq!(
-            file_signature("/a", "read", "", "tok", None),
-            "v1_2/gNbgFPxFSqkheS/SD0NHlzA121E/nxkOtc/ovxeoI"
-        );
-    }
 }
