@@ -70,11 +70,9 @@ fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// Stores the request's metadata on a written file (replacing any).
+/// Stores the request's metadata on a written file, replacing any: a
+/// write without metadata clears what an earlier write stored (as envd).
 async fn apply_metadata(user: &User, path: &Path, meta: &BTreeMap<String, String>) -> Result<()> {
-    if meta.is_empty() {
-        return Ok(());
-    }
     let (p, m) = (path.to_path_buf(), meta.clone());
     run_as(user, move || {
         super::xattr::replace_metadata(&p, &m).map_err(|e| match e.raw_os_error() {
@@ -248,6 +246,13 @@ async fn upload_multipart(
     Ok(written)
 }
 
+/// Sets a written file's owner, as envd does once a file is written: the
+/// owner is already the user (it was created as them), but a watch sees
+/// the `CHMOD` event that ends envd's create, write, chmod sequence.
+fn set_owner(file: &File, (uid, gid): (u32, u32)) -> std::io::Result<()> {
+    std::os::unix::fs::fchown(file, Some(uid), Some(gid))
+}
+
 /// A file being written by a blocking-pool thread.
 struct Sink {
     tx: Option<mpsc::Sender<Bytes>>,
@@ -271,6 +276,7 @@ impl Sink {
         })
         .await?;
         let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+        let owner = (user.uid, user.gid);
         let writer = tokio::task::spawn_blocking(move || {
             let fail = |e: std::io::Error| EnvdError::io(&e, path.display());
             if gzip {
@@ -287,14 +293,15 @@ impl Sink {
                     EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
                 })?;
                 dec.get_mut().flush().map_err(fail)?;
+                set_owner(dec.get_ref().get_ref(), owner).map_err(fail)
             } else {
                 let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
                 while let Some(chunk) = rx.blocking_recv() {
                     out.write_all(&chunk).map_err(fail)?;
                 }
                 out.flush().map_err(fail)?;
+                set_owner(out.get_ref(), owner).map_err(fail)
             }
-            Ok(())
         });
         Ok(Sink {
             tx: Some(tx),

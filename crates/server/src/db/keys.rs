@@ -116,8 +116,13 @@ mod tests {
         let new = db.create_key("k").unwrap();
         let hex = new.plaintext.strip_prefix("e2b_").expect("e2b_ prefix");
         assert_eq!(hex.len(), 40);
-        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
-        assert_eq!(db.verify_key(&new.plaintext).unwrap().unwrap().id, new.key.id);
+        assert!(hex
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_eq!(
+            db.verify_key(&new.plaintext).unwrap().unwrap().id,
+            new.key.id
+        );
         // A key an older tine made: only its hash is in the table.
         let old = format!("tine_{}", "ab".repeat(32));
         db.conn()

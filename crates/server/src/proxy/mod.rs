@@ -169,7 +169,9 @@ fn signed_target(state: &AppState, req: &Request) -> Option<Result<Target, Refus
         // No signature: not a sandbox request; the API answers.
         Err(_) => return None,
     };
-    let found = state.manager.find_live(|live| q.signed_with(&live.access_token));
+    let found = state
+        .manager
+        .find_live(|live| q.signed_with(&live.access_token));
     Some(found.ok_or(Refusal::Invalid).map(|sandbox| Target {
         sandbox,
         port: ENVD_PORT,
@@ -318,5 +320,4 @@ mod tests {
         );
         assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), d), None);
     }
-
 }

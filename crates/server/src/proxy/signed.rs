@@ -159,8 +159,14 @@ mod tests {
     fn signatures_are_checked_before_their_expiry() {
         let now = 1_000;
         let q = |m, u: &str| SignedQuery::of(&req(m, u)).unwrap().unwrap();
-        assert_eq!(q("GET", &url("read", "/a b", None)).check("tok", now), Ok(()));
-        assert_eq!(q("GET", &url("read", "/a", Some(2_000))).check("tok", now), Ok(()));
+        assert_eq!(
+            q("GET", &url("read", "/a b", None)).check("tok", now),
+            Ok(())
+        );
+        assert_eq!(
+            q("GET", &url("read", "/a", Some(2_000))).check("tok", now),
+            Ok(())
+        );
         assert_eq!(
             q("GET", &url("read", "/a", Some(999))).check("tok", now),
             Err(Refusal::Expired)

@@ -95,8 +95,9 @@ def test_missing_paths(sbx, tmpdir_in_sandbox):
         sbx.files.list(f"{tmpdir_in_sandbox}/missing")
     with pytest.raises((FileNotFoundException, NotFoundException)):
         sbx.files.rename(f"{tmpdir_in_sandbox}/missing", f"{tmpdir_in_sandbox}/x")
-    with pytest.raises((FileNotFoundException, NotFoundException)):
-        sbx.files.remove(f"{tmpdir_in_sandbox}/missing")
+    # Removing a path that does not exist succeeds, as in E2B.
+    sbx.files.remove(f"{tmpdir_in_sandbox}/missing")
+    sbx.files.remove(f"{tmpdir_in_sandbox}/missing/deeper")
 
 
 def test_reading_a_directory_is_invalid(sbx, tmpdir_in_sandbox):
@@ -186,3 +187,7 @@ def test_metadata_headers_become_entry_metadata(sbx, tmpdir_in_sandbox):
     assert sbx.files.get_info(p).metadata == {"only": "this"}
     listed = {e.name: e for e in sbx.files.list(tmpdir_in_sandbox)}
     assert listed["meta.txt"].metadata == {"only": "this"}
+    # A write without metadata clears what the last one stored.
+    sbx.files.write(p, "m3")
+    assert sbx.files.get_info(p).metadata in ({}, None)
+    assert sbx.files.read(p) == "m3"

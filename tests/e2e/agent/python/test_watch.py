@@ -43,6 +43,36 @@ def test_watch_dir_sync_recursive(sbx, tmpdir_in_sandbox):
         h.stop()
 
 
+def test_watch_sees_envds_sequence_for_a_new_file(sbx, tmpdir_in_sandbox):
+    h = sbx.files.watch_dir(tmpdir_in_sandbox)
+    try:
+        sbx.files.write(f"{tmpdir_in_sandbox}/seq.txt", "hello")
+        want = [FilesystemEventType.CREATE, FilesystemEventType.WRITE, FilesystemEventType.CHMOD]
+        seen = _wait_for(
+            lambda s: len([e for e in s if e.name == "seq.txt"]) >= 3, h.get_new_events
+        )
+        assert [e.type for e in seen if e.name == "seq.txt"][:3] == want
+    finally:
+        h.stop()
+
+
+def test_recursive_watch_reports_nested_paths_in_new_dirs(sbx, tmpdir_in_sandbox):
+    h = sbx.files.watch_dir(tmpdir_in_sandbox, recursive=True)
+    try:
+        # No wait between: the file may land before the new directories'
+        # watches are added, and must be reported all the same.
+        sbx.files.make_dir(f"{tmpdir_in_sandbox}/n1/n2")
+        sbx.files.write(f"{tmpdir_in_sandbox}/n1/n2/deep.txt", "x")
+        seen = _wait_for(
+            lambda s: any(e.name == "n1/n2/deep.txt" for e in s), h.get_new_events
+        )
+        names = {e.name for e in seen}
+        assert {"n1", "n1/n2", "n1/n2/deep.txt"} <= names, names
+        assert not any(n.startswith("/") for n in names)
+    finally:
+        h.stop()
+
+
 def test_watch_dir_sync_non_recursive_ignores_subdirs(sbx, tmpdir_in_sandbox):
     sbx.files.make_dir(f"{tmpdir_in_sandbox}/sub")
     h = sbx.files.watch_dir(tmpdir_in_sandbox)

@@ -178,17 +178,26 @@ async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
     .await
 }
 
+/// Removes a file or a whole tree. A path that does not exist is already
+/// removed: that succeeds, as in envd.
 async fn remove(ctx: Ctx, req: PathRequest) -> Result<Empty> {
     let path = resolve(&ctx, &req.path)?;
     run_as(&ctx.user, move || {
-        let meta =
-            std::fs::symlink_metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+        let meta = match std::fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            Err(e) if gone(&e) => return Ok(Empty {}),
+            Err(e) => return Err(EnvdError::io(&e, path.display())),
+        };
         let r = if meta.is_dir() {
             std::fs::remove_dir_all(&path)
         } else {
             std::fs::remove_file(&path)
         };
-        r.map_err(|e| EnvdError::io(&e, path.display()))?;
+        match r {
+            Err(e) if !gone(&e) => return Err(EnvdError::io(&e, path.display())),
+            _ => {}
+        }
         Ok(Empty {})
     })
     .await

@@ -8,7 +8,6 @@
 //! the ones created while it runs.
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -198,24 +197,39 @@ impl DirWatch {
             .map_err(|e| EnvdError::io(&e, root.display()))?;
         w.dirs.insert(wd, root.clone());
         if w.recursive {
-            w.add_tree(&root);
+            w.add_tree(&root, &mut Vec::new());
         }
         Ok(w)
     }
 
-    /// Watches every directory under `dir` (best effort).
-    fn add_tree(&mut self, dir: &Path) {
+    /// Watches every directory under `dir` (best effort); `found` gets
+    /// every entry seen under it.
+    fn add_tree(&mut self, dir: &Path, found: &mut Vec<PathBuf>) {
         let Ok(rd) = std::fs::read_dir(dir) else {
             return;
         };
         for child in rd.flatten() {
+            let p = child.path();
+            found.push(p.clone());
             if child.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                let p = child.path();
                 if let Ok(wd) = self.watches.add(&p, MASK) {
                     self.dirs.insert(wd, p.clone());
-                    self.add_tree(&p);
+                    self.add_tree(&p, found);
                 }
             }
+        }
+    }
+
+    fn event(&self, full: &Path, event_type: &'static str) -> FilesystemEvent {
+        let name = full.strip_prefix(&self.root).unwrap_or(Path::new(""));
+        FilesystemEvent {
+            name: name.to_string_lossy().into_owned(),
+            event_type,
+            entry: if self.include_entry {
+                entry_info(full, &mut Names::default()).ok()
+            } else {
+                None
+            },
         }
     }
 
@@ -248,37 +262,26 @@ impl DirWatch {
             if ev.mask.contains(EventMask::DELETE_SELF) && dir != self.root {
                 continue;
             }
+            // A directory made while the watch runs is watched too. What
+            // was made in it before its watch was added is reported as
+            // created, so nested paths are not lost to that race (one may
+            // then be reported twice).
+            let mut found = Vec::new();
             if self.recursive
                 && ev.mask.contains(EventMask::ISDIR)
                 && ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO)
             {
                 if let Ok(wd) = self.watches.add(&full, MASK) {
                     self.dirs.insert(wd, full.clone());
-                    self.add_tree(&full);
+                    self.add_tree(&full, &mut found);
                 }
             }
             let Some(event_type) = event_type(ev.mask) else {
                 continue;
             };
-            let name = full
-                .strip_prefix(&self.root)
-                .map(|p| p.to_path_buf())
-                .unwrap_or_default();
-            let name = if name.as_os_str().is_empty() {
-                OsString::new()
-            } else {
-                name.into_os_string()
-            };
-            let entry = if self.include_entry {
-                entry_info(&full, &mut Names::default()).ok()
-            } else {
-                None
-            };
-            return Ok(vec![FilesystemEvent {
-                name: name.to_string_lossy().into_owned(),
-                event_type,
-                entry,
-            }]);
+            let mut events = vec![self.event(&full, event_type)];
+            events.extend(found.iter().map(|p| self.event(p, "EVENT_TYPE_CREATE")));
+            return Ok(events);
         }
     }
 }
