@@ -97,6 +97,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         .await
         .context("recovering sandboxes of the previous run")?;
     tokio::spawn(manager.clone().sweep_loop());
+    tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
     manager.warm_up();
     let state = Arc::new(AppState {

@@ -211,13 +211,29 @@ pub async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Deserialize)]
+pub struct MetricsQuery {
+    /// Unix seconds.
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+/// `GET /sandboxes/{id}/metrics?start=&end=`: the samples in that range.
 pub async fn metrics(
     _: Authed,
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
+    q: Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let m = s.manager.metrics(&id).await?;
-    Ok(Json(vec![m]).into_response())
+    let Query(q) =
+        q.map_err(|e| ApiError::bad_request(format!("start and end are Unix seconds: {e}")))?;
+    if let (Some(a), Some(b)) = (q.start, q.end) {
+        if a > b {
+            return Err(ApiError::bad_request("start is after end"));
+        }
+    }
+    let m = s.manager.metrics(&id, q.start, q.end).await?;
+    Ok(Json(m).into_response())
 }
 
 #[derive(Deserialize)]
@@ -261,6 +277,7 @@ pub struct ListQuery {
     state: Option<String>,
     template: Option<String>,
     started_after: Option<String>,
+    started_before: Option<String>,
     order: Option<String>,
     limit: Option<usize>,
     next_token: Option<String>,
@@ -303,16 +320,12 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
         }
     }
     f.template = q.template.clone().filter(|t| !t.is_empty());
-    if let Some(t) = q.started_after.as_deref().filter(|t| !t.is_empty()) {
-        let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-            .map_err(|_| {
-                ApiError::bad_request(format!("startedAfter must be RFC 3339, got {t:?}"))
-            })?;
-        f.started_after_ms = Some((at.unix_timestamp_nanos() / 1_000_000) as i64);
-    }
+    f.started_after_ms = parse_time("startedAfter", q.started_after.as_deref())?;
+    f.started_before_ms = parse_time("startedBefore", q.started_before.as_deref())?;
+    // Newest first unless asked otherwise, as E2B lists.
     f.descending = match q.order.as_deref() {
-        None | Some("") | Some("asc") => false,
-        Some("desc") => true,
+        Some("asc") => false,
+        None | Some("") | Some("desc") => true,
         Some(o) => {
             return Err(ApiError::bad_request(format!(
                 "order must be asc or desc, got {o:?}"
@@ -324,6 +337,16 @@ fn parse_filter(q: &ListQuery, default_states: &[SandboxState]) -> Result<ListFi
             Some(decode_token(tok).ok_or_else(|| ApiError::bad_request("invalid nextToken"))?);
     }
     Ok(f)
+}
+
+/// An RFC 3339 time in a query, as Unix milliseconds.
+fn parse_time(name: &str, value: Option<&str>) -> Result<Option<i64>, ApiError> {
+    let Some(t) = value.filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+        .map_err(|_| ApiError::bad_request(format!("{name} must be RFC 3339, got {t:?}")))?;
+    Ok(Some((at.unix_timestamp_nanos() / 1_000_000) as i64))
 }
 
 fn encode_token(r: &SandboxRecord) -> String {
@@ -411,6 +434,33 @@ mod tests {
         assert!(parse_filter(&bad, &[]).is_err());
     }
 
+    #[test]
+    fn snapshot_names_match_with_or_without_their_tag() {
+        let names = vec!["snap:v1".to_string(), "other".to_string()];
+        assert!(has_name(&names, "snap"));
+        assert!(has_name(&names, "snap:v1"));
+        assert!(!has_name(&names, "snap:v2"));
+        assert!(has_name(&names, "other"));
+        assert!(!has_name(&names, "sna"));
+    }
+
+    #[test]
+    fn lists_are_newest_first_and_bounded_in_time() {
+        let q = ListQuery {
+            started_before: Some("2026-12-03T10:00:00Z".into()),
+            ..Default::default()
+        };
+        let f = parse_filter(&q, &[]).unwrap();
+        assert!(f.descending);
+        assert_eq!(f.started_before_ms, Some(1_796_292_000_000));
+        let asc = ListQuery {
+            order: Some("asc".into()),
+            started_after: Some("yesterday".into()),
+            ..Default::default()
+        };
+        assert!(parse_filter(&asc, &[]).is_err());
+    }
+
     fn test_record() -> SandboxRecord {
         SandboxRecord {
             id: String::new(),
@@ -494,8 +544,19 @@ pub async fn create_snapshot(
 pub struct SnapshotsQuery {
     #[serde(rename = "sandboxID")]
     sandbox_id: Option<String>,
+    /// Only snapshots with this name (with or without its `:tag`).
+    name: Option<String>,
     limit: Option<usize>,
     next_token: Option<String>,
+}
+
+/// Whether one of a snapshot's names is `wanted` (`name` also matches
+/// `name:tag`).
+fn has_name(names: &[String], wanted: &str) -> bool {
+    names.iter().any(|n| {
+        n == wanted
+            || (!wanted.contains(':') && n.split_once(':').is_some_and(|(base, _)| base == wanted))
+    })
 }
 
 pub async fn list_snapshots(
@@ -503,9 +564,12 @@ pub async fn list_snapshots(
     State(s): State<Arc<AppState>>,
     Query(q): Query<SnapshotsQuery>,
 ) -> Result<Response, ApiError> {
-    let rows = s
+    let mut rows = s
         .manager
         .list_snapshots(q.sandbox_id.as_deref().filter(|x| !x.is_empty()))?;
+    if let Some(name) = q.name.as_deref().filter(|n| !n.is_empty()) {
+        rows.retain(|r| has_name(&r.names, name));
+    }
     let skip = match q.next_token.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => t
             .parse::<usize>()

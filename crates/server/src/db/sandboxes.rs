@@ -56,6 +56,7 @@ pub struct ListFilter {
     pub metadata: BTreeMap<String, String>,
     pub template: Option<String>,
     pub started_after_ms: Option<i64>,
+    pub started_before_ms: Option<i64>,
     /// Continue after this `(started_at_ms, id)` (the paging token).
     pub after: Option<(i64, String)>,
     pub descending: bool,
@@ -178,6 +179,10 @@ impl Db {
         if let Some(ms) = f.started_after_ms {
             args.push(ms.into());
             sql += &format!(" AND started_at_ms > ?{}", args.len());
+        }
+        if let Some(ms) = f.started_before_ms {
+            args.push(ms.into());
+            sql += &format!(" AND started_at_ms < ?{}", args.len());
         }
         for (k, v) in &f.metadata {
             args.push(format!("$.\"{}\"", k.replace('"', "\"\"")).into());

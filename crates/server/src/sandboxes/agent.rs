@@ -48,13 +48,15 @@ pub struct Metrics {
 
 pub async fn metrics(guest: &Guest, token: &str) -> Result<Metrics, AgentError> {
     let m = tine_agent_client::metrics(guest.connect(AGENT_PORT), token).await?;
+    // Stamped with the host's clock: ranges are asked in it.
+    let now = crate::db::now_ms() / 1000;
     let ts =
-        time::OffsetDateTime::from_unix_timestamp(m.ts).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+        time::OffsetDateTime::from_unix_timestamp(now).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     Ok(Metrics {
         timestamp: ts
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
-        timestamp_unix: m.ts,
+        timestamp_unix: now,
         cpu_count: m.cpu_count,
         cpu_used_pct: m.cpu_used_pct,
         mem_used: m.mem_used,

@@ -297,6 +297,7 @@ impl Manager {
         }
         self.db
             .set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
+        self.samples.forget(id);
         self.event(id, "killed", reason);
         self.gc();
         Ok(())
@@ -348,13 +349,27 @@ impl Manager {
     }
 
     /// Usage of a live sandbox, from its agent.
-    pub async fn metrics(&self, id: &str) -> Result<agent::Metrics, SandboxError> {
+    /// The samples taken from `start` to `end` (Unix seconds, inclusive).
+    /// Without a range, a running sandbox with no sample yet is sampled
+    /// now, so a new sandbox shows one at once.
+    pub async fn metrics(
+        &self,
+        id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<Vec<agent::Metrics>, SandboxError> {
         let rec = self.get(id)?;
-        let live = self
-            .live(id)
-            .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is not running")))?;
-        agent::metrics(&live.guest, &rec.envd_access_token)
+        let samples = self.samples.range(id, start, end);
+        if !samples.is_empty() || start.is_some() || end.is_some() {
+            return Ok(samples);
+        }
+        let Some(live) = self.live(id) else {
+            return Ok(samples);
+        };
+        let m = agent::metrics(&live.guest, &rec.envd_access_token)
             .await
-            .map_err(SandboxError::agent(id, "reading metrics"))
+            .map_err(SandboxError::agent(id, "reading metrics"))?;
+        self.samples.record(id, m.clone());
+        Ok(vec![m])
     }
 }

@@ -10,7 +10,8 @@
 //! - `recover`: re-adopting VMs after a server restart;
 //! - `sweep`: timeouts, auto-pause and dead VMs, every half second;
 //! - `limits`: validation of timeouts, machine shapes, counts, capacity;
-//! - `pool`: the warm pool; `agent`: what the server asks of the agent.
+//! - `pool`: the warm pool; `agent`: what the server asks of the agent;
+//! - `samples`: metrics sampled every 5 s, for `get_metrics(start, end)`.
 
 pub mod agent;
 mod capture;
@@ -20,6 +21,7 @@ mod lifecycle;
 pub mod limits;
 mod pool;
 mod recover;
+mod samples;
 mod sweep;
 #[cfg(test)]
 mod tests;
@@ -164,6 +166,7 @@ pub struct Manager {
     /// A collection was skipped because chains were in use; the sweep
     /// runs it.
     gc_pending: AtomicBool,
+    samples: samples::Samples,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -202,6 +205,7 @@ impl Manager {
             compactions: Default::default(),
             chains: tokio::sync::RwLock::new(()),
             gc_pending: Default::default(),
+            samples: Default::default(),
             config,
         }
     }
