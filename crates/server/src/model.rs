@@ -67,6 +67,20 @@ impl SandboxState {
     }
 }
 
+/// What happens around a pause (E2B's `lifecycle`), stored as JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Lifecycle {
+    /// Traffic to the paused sandbox (an envd call or `get_host`) resumes
+    /// it (`autoResume.enabled`).
+    pub auto_resume: bool,
+    /// The pause at timeout keeps only the disk (`autoPauseMemory: false`).
+    pub auto_pause_disk_only: bool,
+    /// The sandbox is paused with only its disk: the next resume
+    /// cold-boots it.
+    pub paused_disk_only: bool,
+}
+
 /// One sandbox row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SandboxRecord {
@@ -92,6 +106,7 @@ pub struct SandboxRecord {
     pub network: crate::network::NetworkPolicy,
     /// Required by `get_host` traffic when the policy closes public traffic.
     pub traffic_token: Option<String>,
+    pub lifecycle: Lifecycle,
 }
 
 #[cfg(test)]

@@ -156,6 +156,9 @@ pub trait Driver: Send + Sync {
         machine: Machine,
         artifacts: &Artifacts,
     ) -> Result<Box<dyn VmHandle>>;
+    /// Cold-boot VM `id` over the disk of `snapshot`, with its kernel and
+    /// machine but not its memory; it runs and its guest is ready.
+    async fn boot_from_disk(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>>;
     /// Restore VM `id` from `snapshot` with its vCPUs stopped (a warm pool
     /// keeps VMs so); [`VmHandle::start`] runs it.
     async fn restore_paused(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>>;

@@ -68,6 +68,15 @@ struct DetailOut {
     domain: Option<String>,
     allow_internet_access: bool,
     network: crate::network::NetworkPolicy,
+    lifecycle: LifecycleOut,
+}
+
+/// `SandboxLifecycle` of a detail.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LifecycleOut {
+    on_timeout: &'static str,
+    auto_resume: bool,
 }
 
 fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
@@ -93,6 +102,10 @@ fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
             .flatten()
             .any(|d| d == crate::network::policy::ALL_TRAFFIC),
         network: r.network,
+        lifecycle: LifecycleOut {
+            on_timeout: if r.auto_pause { "pause" } else { "kill" },
+            auto_resume: r.lifecycle.auto_resume,
+        },
     }
 }
 
@@ -107,6 +120,9 @@ struct NewSandbox {
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
     auto_pause: Option<bool>,
+    /// False: the pause at timeout keeps only the disk.
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResume>,
     cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
     memory_mb: Option<u32>,
@@ -116,12 +132,35 @@ struct NewSandbox {
     network: Option<serde_json::Value>,
 }
 
+#[derive(Deserialize)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
+}
+
+/// The lifecycle a create asks for.
+fn lifecycle_of(req: &NewSandbox) -> Result<crate::model::Lifecycle, ApiError> {
+    let l = crate::model::Lifecycle {
+        auto_resume: req.auto_resume.as_ref().is_some_and(|a| a.enabled),
+        auto_pause_disk_only: req.auto_pause_memory == Some(false),
+        paused_disk_only: false,
+    };
+    if l.auto_resume && l.auto_pause_disk_only {
+        return Err(ApiError::bad_request(
+            "autoResume cannot be combined with autoPauseMemory: false: a sandbox paused \
+             without its memory must be resumed explicitly (connect)",
+        ));
+    }
+    Ok(l)
+}
+
 pub async fn create(
     _: Authed,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
+    let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
     let rec = s
         .manager
@@ -133,6 +172,7 @@ pub async fn create(
             metadata: req.metadata.unwrap_or_default(),
             env_vars: req.env_vars.unwrap_or_default(),
             auto_pause: req.auto_pause.unwrap_or(false),
+            lifecycle,
             cpu_count: req.cpu_count,
             memory_mb: req.memory_mb,
             network,
@@ -481,8 +521,16 @@ mod tests {
             error: None,
             network: Default::default(),
             traffic_token: None,
+            lifecycle: Default::default(),
         }
     }
+}
+
+/// `{memory?, requireHealthyGuest?}`: `memory: false` keeps only the
+/// disk. (The agent is always asked before a pause without memory.)
+#[derive(Deserialize)]
+struct PauseBody {
+    memory: Option<bool>,
 }
 
 pub async fn pause(
@@ -491,9 +539,8 @@ pub async fn pause(
     Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
-    // `{memory?, requireHealthyGuest?}`: tine always captures memory.
-    let _: serde_json::Value = json_body(body, s.manager.config.max_body_bytes).await?;
-    s.manager.pause(&id).await?;
+    let b: PauseBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    s.manager.pause_with(&id, b.memory.unwrap_or(true)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

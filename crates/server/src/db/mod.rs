@@ -130,6 +130,9 @@ ALTER TABLE snapshots ADD COLUMN used_ms INTEGER;
 ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '{}';
 ALTER TABLE sandboxes ADD COLUMN traffic_token TEXT;
 "#,
+    r#"
+ALTER TABLE sandboxes ADD COLUMN lifecycle TEXT NOT NULL DEFAULT '{}';
+"#,
 ];
 
 impl Db {

@@ -10,13 +10,14 @@ use crate::model::{SandboxRecord, SandboxState};
 const COLUMNS: &str =
     "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
      disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error, \
-     network, traffic_token";
+     network, traffic_token, lifecycle";
 
 fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
     let state: String = row.get(4)?;
     let metadata: String = row.get(5)?;
     let env_vars: String = row.get(6)?;
     let network: String = row.get(16)?;
+    let lifecycle: String = row.get(18)?;
     let id: String = row.get(0)?;
     let parse_map = |s: &str, what: &str| {
         serde_json::from_str::<BTreeMap<String, String>>(s)
@@ -44,6 +45,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
             network: serde_json::from_str(&network)
                 .map_err(|_| DbError::Corrupt(format!("network of {id}")))?,
             traffic_token: row.get(17)?,
+            lifecycle: serde_json::from_str(&lifecycle)
+                .map_err(|_| DbError::Corrupt(format!("lifecycle of {id}")))?,
         })
     };
     Ok(build())
@@ -66,7 +69,7 @@ pub struct ListFilter {
 impl Db {
     pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18)"),
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19)"),
             params![
                 s.id,
                 s.template_id,
@@ -86,6 +89,7 @@ impl Db {
                 s.error,
                 serde_json::to_string(&s.network).expect("a policy serializes"),
                 s.traffic_token,
+                serde_json::to_string(&s.lifecycle).expect("a lifecycle serializes"),
             ],
         )?;
         Ok(())
@@ -145,6 +149,18 @@ impl Db {
             params![
                 id,
                 serde_json::to_string(network).expect("a policy serializes")
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Replace `id`'s lifecycle settings.
+    pub fn set_lifecycle(&self, id: &str, lifecycle: &crate::model::Lifecycle) -> Result<()> {
+        self.conn().execute(
+            "UPDATE sandboxes SET lifecycle = ?2 WHERE id = ?1",
+            params![
+                id,
+                serde_json::to_string(lifecycle).expect("a lifecycle serializes")
             ],
         )?;
         Ok(())

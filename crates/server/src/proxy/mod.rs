@@ -178,14 +178,72 @@ fn signed_target(state: &AppState, req: &Request) -> Option<Result<Target, Refus
     }))
 }
 
+fn not_found(id: &str) -> (StatusCode, String) {
+    (
+        StatusCode::BAD_GATEWAY,
+        format!("The sandbox {id} was not found"),
+    )
+}
+
+/// Whether a request for a sandbox that is not running may resume it: it
+/// is paused with `autoResume` (with its memory), and the request carries
+/// what it would need to reach it. Otherwise the answer is E2B's "not
+/// found".
+fn may_wake(state: &AppState, t: &Target, req: &Request) -> Result<(), (StatusCode, String)> {
+    let not_found = || not_found(&t.sandbox);
+    let rec = state.manager.get(&t.sandbox).map_err(|_| not_found())?;
+    let wakes = rec.state == crate::model::SandboxState::Paused
+        && rec.lifecycle.auto_resume
+        && !rec.lifecycle.paused_disk_only;
+    if !wakes {
+        return Err(not_found());
+    }
+    if t.port == ENVD_PORT {
+        authorized(req, &rec.envd_access_token)
+            .map_err(|m| (StatusCode::UNAUTHORIZED, m.to_string()))?;
+    } else if let Some(token) = &rec.traffic_token {
+        let given = req.headers().get(TRAFFIC_TOKEN_HEADER);
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
+            return Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "sandbox {} accepts traffic only with its {TRAFFIC_TOKEN_HEADER}",
+                    t.sandbox
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Resume sandbox `id` for a request ([`may_wake`] said it may).
+async fn wake(
+    state: &AppState,
+    id: &str,
+) -> Result<Arc<crate::sandboxes::Live>, (StatusCode, String)> {
+    tracing::info!(sandbox = %id, "auto-resume on traffic");
+    state
+        .manager
+        .connect(id, None)
+        .await
+        .map_err(|e| (StatusCode::BAD_GATEWAY, format!("auto-resume of {id}: {e}")))?;
+    state.manager.live(id).ok_or_else(|| not_found(id))
+}
+
 async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     let rpc = is_rpc(req.uri().path());
-    let Some(live) = state.manager.live(&t.sandbox) else {
-        return error(
-            StatusCode::BAD_GATEWAY,
-            format!("The sandbox {} was not found", t.sandbox),
-            rpc,
-        );
+    let live = match state.manager.live(&t.sandbox) {
+        Some(live) => live,
+        None => {
+            let woken = match may_wake(&state, &t, &req) {
+                Ok(()) => wake(&state, &t.sandbox).await,
+                Err(e) => Err(e),
+            };
+            match woken {
+                Ok(live) => live,
+                Err((status, message)) => return error(status, message, rpc),
+            }
+        }
     };
     if t.port == ENVD_PORT {
         if let Err(message) = authorized(&req, &live.access_token) {

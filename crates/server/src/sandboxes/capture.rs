@@ -56,8 +56,40 @@ impl Manager {
 
     /// Capture the sandbox to disk and free its VM.
     pub async fn pause(&self, id: &str) -> Result<(), SandboxError> {
+        self.pause_with(id, true).await
+    }
+
+    /// Pause; without `keep_memory` only the disk counts (the guest's
+    /// file systems are synced first) and the next resume cold-boots
+    /// from it: processes and connections are gone, files stay.
+    ///
+    /// The capture itself is the same (tine has no disk-only capture):
+    /// its RAM is written and then never read.
+    pub async fn pause_with(&self, id: &str, keep_memory: bool) -> Result<(), SandboxError> {
         let _op = self.lock(id).await;
-        let (rec, live) = self.running(id, "pause it again")?;
+        let (mut rec, live) = self.running(id, "pause it again")?;
+        if !keep_memory {
+            // Refused while the agent does not answer (as E2B): without
+            // the sync, writes still in the page cache would be lost.
+            let out = tine_agent_client::process::exec(
+                live.guest.connect(tine_agent_client::AGENT_PORT),
+                "root",
+                "sync",
+                Some(&rec.envd_access_token),
+                std::time::Duration::from_secs(30),
+            )
+            .await
+            .map_err(SandboxError::agent(
+                id,
+                "syncing the disk before a pause without memory",
+            ))?;
+            if out.exit_code != 0 {
+                return Err(SandboxError::Conflict(format!(
+                    "sandbox {id}: sync before a pause without memory failed (exit {})",
+                    out.exit_code
+                )));
+            }
+        }
         let vm = live
             .vm
             .lock()
@@ -93,6 +125,10 @@ impl Manager {
         };
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
+        if rec.lifecycle.paused_disk_only != !keep_memory {
+            rec.lifecycle.paused_disk_only = !keep_memory;
+            self.db.set_lifecycle(id, &rec.lifecycle)?;
+        }
         self.db
             .set_state(id, &[SandboxState::Running], SandboxState::Paused, None)?;
         self.event(
@@ -136,11 +172,15 @@ impl Manager {
             .driver
             .open_snapshot(&snap_id)
             .map_err(SandboxError::vm(id, "cannot resume"))?;
+        // Paused without its memory: a cold boot over its disk, whose
+        // guest has no token yet.
+        let cold_boot = rec.lifecycle.paused_disk_only;
         let source = Source {
             snapshot,
             snapshot_id: Some(snap_id),
-            previous_token: Some(rec.envd_access_token.clone()),
+            previous_token: (!cold_boot).then(|| rec.envd_access_token.clone()),
             template: false,
+            cold_boot,
         };
         let t = Instant::now();
         let vm = self
@@ -156,11 +196,24 @@ impl Manager {
             })?;
         rec.end_at_ms = now_ms() + timeout * 1000;
         self.db.set_end_at(id, rec.end_at_ms)?;
+        if cold_boot {
+            rec.lifecycle.paused_disk_only = false;
+            self.db.set_lifecycle(id, &rec.lifecycle)?;
+        }
         self.db
             .set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
         rec.state = SandboxState::Running;
         self.add_live(&rec, vm);
-        self.event(id, "resumed", &format!("in {} ms", t.elapsed().as_millis()));
+        let how = if cold_boot {
+            "cold-booted from its disk"
+        } else {
+            "resumed"
+        };
+        self.event(
+            id,
+            "resumed",
+            &format!("{how} in {} ms", t.elapsed().as_millis()),
+        );
         Ok((rec, true))
     }
 
@@ -275,12 +328,14 @@ impl Manager {
             snapshot_id: Some(row.id.clone()),
             previous_token: Some(row.source_token.clone()),
             template: false,
+            cold_boot: false,
         };
         let req = CreateRequest {
             template_id: source_rec.template_id.clone(),
             metadata: source_rec.metadata.clone(),
             env_vars: source_rec.env_vars.clone(),
             auto_pause: source_rec.auto_pause,
+            lifecycle: source_rec.lifecycle,
             // Children inherit the policy (and get their own traffic token).
             network: Some(source_rec.network.clone()),
             ..Default::default()

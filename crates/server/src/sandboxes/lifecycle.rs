@@ -17,6 +17,8 @@ pub struct CreateRequest {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub auto_pause: bool,
+    /// `autoResume` and `autoPauseMemory: false`.
+    pub lifecycle: crate::model::Lifecycle,
     pub cpu_count: Option<u32>,
     pub memory_mb: Option<u32>,
     /// Its network policy (checked already); `None` takes the default, or
@@ -77,6 +79,13 @@ impl Manager {
                     return Err(SandboxError::vm(&rec.id, "starting a pooled VM")(e));
                 }
             },
+            None if source.cold_boot => {
+                let _chains = self.chains.read().await;
+                self.driver
+                    .boot_from_disk(&rec.id, &source.snapshot)
+                    .await
+                    .map_err(SandboxError::vm(&rec.id, "boot from disk"))?
+            }
             None => {
                 let _chains = self.chains.read().await;
                 self.driver
@@ -136,6 +145,7 @@ impl Manager {
                     snapshot_id: Some(row.id),
                     previous_token: Some(row.source_token),
                     template: false,
+                    cold_boot: false,
                 };
                 return Ok((source, m));
             }
@@ -147,6 +157,7 @@ impl Manager {
             snapshot_id: Some(row.id),
             previous_token: None,
             template: true,
+            cold_boot: false,
         };
         Ok((source, m))
     }
@@ -198,6 +209,10 @@ impl Manager {
                 .is_some_and(|n| n.private_traffic())
                 .then(|| crate::ids::random_hex(24)),
             network: req.network.clone().unwrap_or_default(),
+            lifecycle: crate::model::Lifecycle {
+                paused_disk_only: false,
+                ..req.lifecycle
+            },
         }
     }
 

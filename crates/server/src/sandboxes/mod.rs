@@ -178,6 +178,9 @@ struct Source {
     previous_token: Option<String>,
     /// A template: the warm pool serves it.
     template: bool,
+    /// Boot over the snapshot's disk instead of restoring its memory (a
+    /// sandbox paused without memory).
+    cold_boot: bool,
 }
 
 impl Manager {

@@ -32,12 +32,15 @@ impl Manager {
             let rec = self.db.get_sandbox(&id).ok().flatten();
             let expired = rec.as_ref().is_some_and(|r| r.end_at_ms <= now);
             let auto_pause = rec.as_ref().is_some_and(|r| r.auto_pause);
+            let keep_memory = !rec
+                .as_ref()
+                .is_some_and(|r| r.lifecycle.auto_pause_disk_only);
             let died = match live.vm.try_lock() {
                 Ok(guard) => guard.as_ref().and_then(|vm| vm.exit_status()),
                 Err(_) => None, // busy: someone is working on it
             };
             if expired && auto_pause {
-                if let Err(e) = self.pause(&id).await {
+                if let Err(e) = self.pause_with(&id, keep_memory).await {
                     tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
                     let _ = self
                         .kill(&id, &format!("timeout (auto-pause failed: {e})"))

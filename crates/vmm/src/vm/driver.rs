@@ -77,6 +77,12 @@ impl Driver for QemuDriver {
         Ok(Box::new(vm))
     }
 
+    async fn boot_from_disk(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>> {
+        let snapshot = qemu_snapshot(snapshot)?;
+        let vm = Vm::boot_from_disk(&self.paths, id, snapshot, self.options()).await?;
+        Ok(Box::new(vm))
+    }
+
     async fn restore_paused(&self, id: &str, snapshot: &SnapshotRef) -> Result<Box<dyn VmHandle>> {
         let snapshot = qemu_snapshot(snapshot)?;
         let vm = Vm::restore_paused(&self.paths, id, snapshot, self.probe.clone()).await?;

@@ -257,6 +257,42 @@ impl Vm {
         artifacts: &Artifacts,
         opts: StartOptions,
     ) -> Result<Vm> {
+        Vm::boot_over(paths, id, machine, artifacts, None, opts).await
+    }
+
+    /// Cold-boot a VM over the disk of `snapshot` (its memory is not
+    /// used): what a sandbox paused without its memory resumes as.
+    pub async fn boot_from_disk(
+        paths: &Paths,
+        id: &str,
+        snapshot: &crate::snapshot::Snapshot,
+        opts: StartOptions,
+    ) -> Result<Vm> {
+        let opts = StartOptions {
+            extra_cmdline: snapshot.meta.extra_cmdline.clone(),
+            ..opts
+        };
+        Vm::boot_over(
+            paths,
+            id,
+            snapshot.meta.machine,
+            &snapshot.meta.artifacts,
+            Some(&snapshot.disk_path()),
+            opts,
+        )
+        .await
+    }
+
+    /// Cold-boot with a new overlay over `disk` (a qcow2 image), or over
+    /// the artifacts' rootfs when there is none.
+    async fn boot_over(
+        paths: &Paths,
+        id: &str,
+        machine: Machine,
+        artifacts: &Artifacts,
+        disk: Option<&Path>,
+        opts: StartOptions,
+    ) -> Result<Vm> {
         let artifacts = artifacts.resolve()?;
         let files = VmFiles {
             dir: paths.vm_dir(id),
@@ -265,12 +301,15 @@ impl Vm {
         prepare_dirs(&files.dir, &ram_dir)?;
         let ram = ram_dir.join("ram");
         let result = async {
-            match &artifacts.rootfs {
-                RootDisk::File(p) => {
+            match (disk, &artifacts.rootfs) {
+                (Some(qcow2), _) => {
+                    disk::create_overlay(qcow2, BackingFormat::Qcow2, &files.disk()).await?
+                }
+                (None, RootDisk::File(p)) => {
                     disk::create_overlay(p, BackingFormat::Raw, &files.disk()).await?
                 }
                 // Not opened here: the daemon may start later than this.
-                nbd => {
+                (None, nbd) => {
                     let size = nbd.size().unwrap_or_default();
                     disk::create_overlay_unchecked(
                         nbd.backing(),

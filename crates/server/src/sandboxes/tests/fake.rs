@@ -199,6 +199,15 @@ impl Driver for FakeDriver {
         Ok(self.vm(id, machine, None))
     }
 
+    async fn boot_from_disk(
+        &self,
+        id: &str,
+        snapshot: &SnapshotRef,
+    ) -> tine_vmm::Result<Box<dyn VmHandle>> {
+        self.enter("boot", format!("boot_from_disk {id} {}", snapshot.id()))?;
+        Ok(self.vm(id, snapshot.info().machine, None))
+    }
+
     async fn restore_paused(
         &self,
         id: &str,
