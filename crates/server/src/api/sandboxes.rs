@@ -130,12 +130,27 @@ struct NewSandbox {
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     network: Option<serde_json::Value>,
+    /// Features tine does not have: refused rather than ignored, so a
+    /// sandbox never starts without what it was asked to have.
+    volume_mounts: Option<serde_json::Value>,
+    mcp: Option<serde_json::Value>,
+    iam: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
 struct AutoResume {
     #[serde(default)]
     enabled: bool,
+}
+
+/// `null`, `{}` or `[]`: what an SDK sends for an unset option.
+fn is_empty_json(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Null => true,
+        serde_json::Value::Object(m) => m.is_empty(),
+        serde_json::Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
 }
 
 /// The lifecycle a create asks for.
@@ -160,6 +175,15 @@ pub async fn create(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
+    for (field, value, why) in [
+        ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
+        ("mcp", &req.mcp, "tine has no MCP gateway"),
+        ("iam", &req.iam, "tine has no secrets or header transforms"),
+    ] {
+        if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
+            return Err(ApiError::bad_request(format!("{field} is not supported: {why}")));
+        }
+    }
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
     let rec = s
@@ -547,6 +571,9 @@ pub async fn pause(
 #[derive(Deserialize)]
 struct ConnectBody {
     timeout: Option<i64>,
+    /// False (`on_resume="reboot"`): cold-boot a paused sandbox from its
+    /// disk instead of restoring its memory.
+    memory: Option<bool>,
 }
 
 /// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
@@ -557,7 +584,9 @@ pub async fn connect(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let (rec, resumed) = s.manager.connect(&id, b.timeout).await?;
+    let (rec, resumed) = s.manager
+        .connect(&id, b.timeout, b.memory.unwrap_or(true))
+        .await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {

@@ -194,7 +194,7 @@ impl Db {
         }
         if let Some(ms) = f.started_after_ms {
             args.push(ms.into());
-            sql += &format!(" AND started_at_ms > ?{}", args.len());
+            sql += &format!(" AND started_at_ms >= ?{}", args.len());
         }
         if let Some(ms) = f.started_before_ms {
             args.push(ms.into());

@@ -100,9 +100,14 @@ fn error(status: StatusCode, message: String, connect_style: bool) -> Response {
     } else {
         serde_json::json!({ "code": status.as_u16(), "message": message })
     };
+    // The request's body was not read: the connection cannot carry
+    // another request, and a client that is not told would reuse it.
     (
         status,
-        [(header::CONTENT_TYPE, "application/json")],
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CONNECTION, "close"),
+        ],
         body.to_string(),
     )
         .into_response()
@@ -224,7 +229,7 @@ async fn wake(
     tracing::info!(sandbox = %id, "auto-resume on traffic");
     state
         .manager
-        .connect(id, None)
+        .connect(id, None, true)
         .await
         .map_err(|e| (StatusCode::BAD_GATEWAY, format!("auto-resume of {id}: {e}")))?;
     state.manager.live(id).ok_or_else(|| not_found(id))

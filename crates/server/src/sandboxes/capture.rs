@@ -144,10 +144,14 @@ impl Manager {
     /// `connect`: a running sandbox is returned as is (its timeout moved to
     /// `timeout_secs` from now if given); a paused one is restored.
     /// Returns the record and whether it was resumed.
+    ///
+    /// Without `memory` (the SDK's `on_resume="reboot"`), or when it was
+    /// paused without its memory, a paused sandbox cold-boots over its disk.
     pub async fn connect(
         &self,
         id: &str,
         timeout_secs: Option<i64>,
+        memory: bool,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
         let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
         let _op = self.lock(id).await;
@@ -174,7 +178,7 @@ impl Manager {
             .map_err(SandboxError::vm(id, "cannot resume"))?;
         // Paused without its memory: a cold boot over its disk, whose
         // guest has no token yet.
-        let cold_boot = rec.lifecycle.paused_disk_only;
+        let cold_boot = rec.lifecycle.paused_disk_only || !memory;
         let source = Source {
             snapshot,
             snapshot_id: Some(snap_id),
@@ -196,7 +200,7 @@ impl Manager {
             })?;
         rec.end_at_ms = now_ms() + timeout * 1000;
         self.db.set_end_at(id, rec.end_at_ms)?;
-        if cold_boot {
+        if rec.lifecycle.paused_disk_only {
             rec.lifecycle.paused_disk_only = false;
             self.db.set_lifecycle(id, &rec.lifecycle)?;
         }

@@ -195,7 +195,7 @@ async fn pause_then_connect_restores_from_the_pause_capture() {
         s.manager.pause(&sb.id).await,
         Err(SandboxError::Conflict(_))
     ));
-    let (rec, resumed) = s.manager.connect(&sb.id, Some(60)).await.unwrap();
+    let (rec, resumed) = s.manager.connect(&sb.id, Some(60), true).await.unwrap();
     assert!(resumed);
     assert_eq!(rec.state, SandboxState::Running);
     let restore = s.driver.calls(&format!("restore {}", sb.id));
@@ -206,7 +206,7 @@ async fn pause_then_connect_restores_from_the_pause_capture() {
     );
     let last = s.driver.inits().pop().unwrap();
     assert_eq!(last.token.as_deref(), Some(sb.envd_access_token.as_str()));
-    let (_, again) = s.manager.connect(&sb.id, None).await.unwrap();
+    let (_, again) = s.manager.connect(&sb.id, None, true).await.unwrap();
     assert!(!again, "a running sandbox is not resumed twice");
 }
 
