@@ -19,6 +19,17 @@ pub struct ServeArgs {
     /// Domain returned to SDKs for get_host(): <port>-<id>.<domain>.
     #[arg(long)]
     domain: Option<String>,
+    /// Serve HTTPS for the domain and `*.<domain>` (domain mode: SDKs need
+    /// only E2B_DOMAIN). Without --tls-cert/--tls-key, tine's own CA signs
+    /// the certificate; its path is printed, to be trusted by clients.
+    #[arg(long)]
+    tls: bool,
+    /// PEM certificate chain for the domain and its wildcard.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -41,6 +52,27 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<i32> {
     }
     if let Some(d) = a.domain {
         config.domain = Some(d);
+    }
+    if a.tls || a.tls_cert.is_some() {
+        config.tls.enabled = true;
+    }
+    if a.tls_cert.is_some() {
+        config.tls.cert = a.tls_cert;
+        config.tls.key = a.tls_key;
+    }
+    if config.tls.enabled {
+        let domain = config.domain();
+        let data_dir = Paths::from_env().data_dir;
+        eprintln!("domain mode over HTTPS: point the SDKs at it with");
+        eprintln!("  export E2B_DOMAIN={domain}");
+        if config.tls.cert.is_none() {
+            let ca = data_dir.join("tls/ca.crt");
+            eprintln!("  export SSL_CERT_FILE={0} NODE_EXTRA_CA_CERTS={0}", ca.display());
+        }
+        eprintln!(
+            "  (names under {} must resolve to this host: see docs/domain-mode.md)",
+            tine_server::tls::domain_host(&domain)
+        );
     }
     tine_server::serve(config, Paths::from_env()).await?;
     Ok(0)

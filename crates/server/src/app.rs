@@ -51,6 +51,20 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
     let domain = config.domain();
+    let tls = if config.tls.enabled {
+        let t = crate::tls::setup(&config.tls, &paths.data_dir, &domain)
+            .context("setting up TLS for the domain")?;
+        match &t.ca {
+            Some(ca) => tracing::info!(
+                ca = %ca.display(),
+                "HTTPS with tine's local CA: clients trust it with SSL_CERT_FILE / NODE_EXTRA_CA_CERTS"
+            ),
+            None => tracing::info!("HTTPS with the configured certificate"),
+        }
+        Some(t)
+    } else {
+        None
+    };
     // Image-based sandboxes read their root disks through the image
     // daemon: keep it up as long as this server runs.
     // (Not fatal: sandboxes on `base` need no daemon; the watchdog below
@@ -115,10 +129,20 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
     // open indefinitely, and sandboxes outlive the server anyway.
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = stopping.clone();
-    let serve = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+    let stop = async move {
         shutdown_signal().await;
         notify.notify_one();
-    });
+    };
+    let app = router(state);
+    let serve = async move {
+        match tls {
+            Some(t) => {
+                crate::tls::serve(listener, t.acceptor, app, stop).await;
+                Ok(())
+            }
+            None => axum::serve(listener, app).with_graceful_shutdown(stop).await,
+        }
+    };
     tokio::select! {
         r = serve => r?,
         _ = async {

@@ -40,6 +40,8 @@ pub struct Config {
     /// Returned as `domain` so the SDK's `get_host(port)` names
     /// `<port>-<id>.<domain>`; `None` means `localhost:<listen port>`.
     pub domain: Option<String>,
+    /// Domain mode over HTTPS (`[tls]`).
+    pub tls: crate::tls::TlsConfig,
     pub default_timeout_secs: u64,
     pub max_timeout_secs: u64,
     pub default_cpu_count: u32,
@@ -90,6 +92,7 @@ impl Default for Config {
         Self {
             listen: ([127, 0, 0, 1], 3000).into(),
             domain: None,
+            tls: Default::default(),
             default_timeout_secs: 300,
             max_timeout_secs: 24 * 3600,
             default_cpu_count: 2,

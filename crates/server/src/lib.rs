@@ -25,6 +25,7 @@ pub mod proxy;
 pub mod sandboxes;
 pub mod state;
 pub mod templates;
+pub mod tls;
 
 pub use app::serve;
 pub use config::Config;
