@@ -62,6 +62,22 @@ else
     fi
 fi
 
+# ---- names under *.localhost (the domain-mode tests) ----
+# The SDKs in domain mode reach https://api.tine.localhost:PORT and
+# https://<port>-<id>.tine.localhost:PORT; nss-myhostname resolves every
+# name under localhost to loopback (as systemd-resolved does elsewhere).
+log "nss-myhostname (*.localhost resolves to loopback, for the domain-mode tests)"
+if getent hosts api.tine.localhost >/dev/null 2>&1; then
+    info "already resolving"
+else
+    dpkg -s libnss-myhostname >/dev/null 2>&1 || apt_install libnss-myhostname
+    if ! grep -Eq '^hosts:.*\bmyhostname\b' /etc/nsswitch.conf; then
+        sed -i -E 's/^(hosts:[[:space:]]+files)/\1 myhostname/' /etc/nsswitch.conf
+    fi
+    getent hosts api.tine.localhost >/dev/null || { echo "error: api.tine.localhost does not resolve after installing libnss-myhostname" >&2; exit 1; }
+    info "installed"
+fi
+
 # ---- JS SDK ----
 log "JS E2B SDK (tests/e2e/js, pinned by package-lock.json)"
 if ! command -v npm >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then

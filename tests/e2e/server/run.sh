@@ -130,6 +130,27 @@ else
     (cd "$HERE/js" && node --test --test-concurrency=1) || status=1
 fi
 
+if [[ "${TINE_E2E_SKIP_DOMAIN:-0}" == 1 ]]; then
+    log "domain mode skipped (TINE_E2E_SKIP_DOMAIN=1)"
+else
+    # The same server, restarted as `tine serve --domain tine.localhost:PORT
+    # --tls`: the SDKs get only E2B_DOMAIN and tine's CA. Names under
+    # tine.localhost resolve to loopback through nss-myhostname (setup.sh).
+    log "domain mode over HTTPS: E2B_DOMAIN=tine.localhost:$PORT only"
+    "$HERE/server.sh" stop TERM
+    TINE_E2E_TLS=1 "$HERE/server.sh" start || status=1
+    ca="$TINE_DATA_DIR/tls/ca.crt"
+    domain_env=(env -u E2B_API_URL -u E2B_SANDBOX_URL E2B_DOMAIN="tine.localhost:$PORT"
+        SSL_CERT_FILE="$ca" NODE_EXTRA_CA_CERTS="$ca")
+    (cd "$HERE/domain" && "${domain_env[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider) || status=1
+    if [[ "${TINE_E2E_SKIP_JS:-0}" != 1 ]]; then
+        ln -sfn ../../js/node_modules "$HERE/domain/node_modules"
+        (cd "$HERE/domain" && "${domain_env[@]}" node --test --test-concurrency=1) || status=1
+    fi
+    "$HERE/server.sh" stop TERM
+    "$HERE/server.sh" start || status=1
+fi
+
 if ! (cd "$HERE" && "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('$E2B_API_URL/health', timeout=5)"); then
     echo "error: the server does not answer /health after the suites" >&2
     status=1

@@ -16,8 +16,21 @@ set -euo pipefail
 PIDFILE="$TINE_E2E_STATE/server.pid"
 LOG="$TINE_E2E_STATE/server.log"
 
+# TINE_E2E_TLS=1: domain mode over HTTPS, for tine.localhost:$TINE_E2E_PORT.
+TLS_DOMAIN="tine.localhost:$TINE_E2E_PORT"
+SERVE_ARGS=()
+if [[ "${TINE_E2E_TLS:-0}" == 1 ]]; then
+    SERVE_ARGS=(--tls --domain "$TLS_DOMAIN")
+fi
+
 health() {
-    curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$TINE_E2E_PORT/health" 2>/dev/null | grep -q '^2'
+    if [[ "${TINE_E2E_TLS:-0}" == 1 ]]; then
+        curl -s -o /dev/null -w '%{http_code}' --max-time 2 \
+            --cacert "$TINE_DATA_DIR/tls/ca.crt" \
+            --resolve "api.$TLS_DOMAIN:127.0.0.1" "https://api.$TLS_DOMAIN/health" 2>/dev/null | grep -q '^2'
+    else
+        curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$TINE_E2E_PORT/health" 2>/dev/null | grep -q '^2'
+    fi
 }
 
 running_pid() {
@@ -40,7 +53,7 @@ start)
     # setsid: a server started by the restart test must outlive pytest's
     # subprocess; the pid file is how run.sh finds it at the end.
     TINE_LOG="${TINE_LOG:-info}" setsid "$TINE_BIN" serve \
-        --listen "127.0.0.1:$TINE_E2E_PORT" -c "$TINE_E2E_STATE/config.toml" \
+        --listen "127.0.0.1:$TINE_E2E_PORT" -c "$TINE_E2E_STATE/config.toml" "${SERVE_ARGS[@]}" \
         >>"$LOG" 2>&1 </dev/null &
     pid=$!
     echo "$pid" >"$PIDFILE"
