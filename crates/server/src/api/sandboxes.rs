@@ -282,6 +282,16 @@ pub struct MetricsQuery {
     end: Option<i64>,
 }
 
+/// SDKs before 2.12 send milliseconds: no time in seconds is that large
+/// (1e11 s is in the year 5138).
+fn unix_seconds(t: i64) -> i64 {
+    if t.abs() >= 100_000_000_000 {
+        t / 1000
+    } else {
+        t
+    }
+}
+
 /// `GET /sandboxes/{id}/metrics?start=&end=`: the samples in that range.
 pub async fn metrics(
     _: Authed,
@@ -291,6 +301,10 @@ pub async fn metrics(
 ) -> Result<Response, ApiError> {
     let Query(q) =
         q.map_err(|e| ApiError::bad_request(format!("start and end are Unix seconds: {e}")))?;
+    let q = MetricsQuery {
+        start: q.start.map(unix_seconds),
+        end: q.end.map(unix_seconds),
+    };
     if let (Some(a), Some(b)) = (q.start, q.end) {
         if a > b {
             return Err(ApiError::bad_request("start is after end"));

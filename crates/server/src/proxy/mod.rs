@@ -43,9 +43,21 @@ pub struct Target {
     pub port: u16,
 }
 
-/// Which sandbox port, if any, a request is for.
-pub fn target(headers: &HeaderMap, domain: &str) -> Option<Target> {
-    if let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) {
+/// Paths of the REST API. Some SDK versions (2.7 to 2.25) send the
+/// sandbox headers on API calls too (`POST /sandboxes/{id}/connect`):
+/// those stay with the API. envd has none of these paths.
+fn is_api_path(path: &str) -> bool {
+    const API: [&str; 6] = ["/sandboxes", "/v2/", "/v3/", "/templates", "/snapshots", "/build-files"];
+    API.iter().any(|p| path.starts_with(p))
+}
+
+/// Which sandbox port, if any, a request for `path` is for.
+pub fn target(headers: &HeaderMap, path: &str, domain: &str) -> Option<Target> {
+    let by_header = headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|_| !is_api_path(path));
+    if let Some(id) = by_header {
         let port = headers
             .get("e2b-sandbox-port")
             .and_then(|v| v.to_str().ok())
@@ -79,7 +91,7 @@ pub fn target(headers: &HeaderMap, domain: &str) -> Option<Target> {
 /// Middleware in front of the REST router: sandbox traffic is proxied,
 /// everything else goes on to the API.
 pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if let Some(t) = target(req.headers(), &state.domain) {
+    if let Some(t) = target(req.headers(), req.uri().path(), &state.domain) {
         return proxy(state, t, req).await;
     }
     match signed_target(&state, &req) {
@@ -353,7 +365,7 @@ mod tests {
     fn targets_from_headers_and_hosts() {
         let d = "localhost:3000";
         assert_eq!(
-            target(&headers(&[("e2b-sandbox-id", "iabc")]), d),
+            target(&headers(&[("e2b-sandbox-id", "iabc")]), "/health", d),
             Some(Target {
                 sandbox: "iabc".into(),
                 port: 49983
@@ -362,6 +374,7 @@ mod tests {
         assert_eq!(
             target(
                 &headers(&[("e2b-sandbox-id", "iabc"), ("e2b-sandbox-port", "8080")]),
+                "/",
                 d
             ),
             Some(Target {
@@ -370,17 +383,22 @@ mod tests {
             })
         );
         assert_eq!(
-            target(&headers(&[("host", "8000-iabc.localhost:3000")]), d),
+            target(&headers(&[("host", "8000-iabc.localhost:3000")]), "/sandboxes", d),
             Some(Target {
                 sandbox: "iabc".into(),
                 port: 8000
             })
         );
-        assert_eq!(target(&headers(&[("host", "127.0.0.1:3000")]), d), None);
+        assert_eq!(target(&headers(&[("host", "127.0.0.1:3000")]), "/", d), None);
         assert_eq!(
-            target(&headers(&[("host", "8000-iabc.example.com")]), d),
+            target(&headers(&[("host", "8000-iabc.example.com")]), "/", d),
             None
         );
-        assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), d), None);
+        assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), "/", d), None);
+        // An API call that carries the sandbox headers stays with the API.
+        let h = headers(&[("e2b-sandbox-id", "iabc"), ("e2b-sandbox-port", "49983")]);
+        assert_eq!(target(&h, "/sandboxes/iabc/connect", d), None);
+        assert_eq!(target(&h, "/v2/sandboxes/iabc/connect", d), None);
+        assert!(target(&h, "/process.Process/Start", d).is_some());
     }
 }

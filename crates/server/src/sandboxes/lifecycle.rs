@@ -322,6 +322,11 @@ impl Manager {
     pub fn set_timeout(&self, id: &str, secs: i64) -> Result<(), SandboxError> {
         let secs = limits::timeout(&self.config, secs)?;
         let rec = self.get(id)?;
+        // As E2B: only a running sandbox has a timeout to move (SDKs before
+        // 2.3 resume a sandbox when this fails).
+        if rec.state != SandboxState::Running {
+            return Err(SandboxError::NotFound(id.to_string()));
+        }
         self.db.set_end_at(&rec.id, now_ms() + secs as i64 * 1000)?;
         self.event(id, "timeout", &format!("{secs} s from now"));
         Ok(())
