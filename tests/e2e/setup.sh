@@ -11,10 +11,15 @@ set -euo pipefail
 
 E2B_PY_VERSION=2.63.0
 PY_PACKAGES=("e2b==${E2B_PY_VERSION}" "pytest==9.2.0" "pytest-asyncio==1.5.0")
+# The oldest 2.x release that installs. It reads neither E2B_API_URL nor
+# E2B_SANDBOX_URL (2.3 and 2.7 added them): it runs the agent suite (debug
+# mode) and the domain-mode suite (E2B_DOMAIN over HTTPS).
+E2B_PY_OLDEST=2.0.0
 
 TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$TINE_DATA_DIR/venv"
+VENV_OLDEST="$TINE_DATA_DIR/venv-e2b-oldest"
 
 log() { printf '==> %s\n' "$*" >&2; }
 info() { printf '    %s\n' "$*" >&2; }
@@ -29,25 +34,33 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# ---- Python SDK ----
-log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
+# ---- Python SDKs: the newest, and the oldest 2.x (run by .ci/run too) ----
 if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     apt_install python3-venv
 fi
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" - "${PY_PACKAGES[@]}" <<'PY' >/dev/null 2>&1; then
+# py_venv DIR PACKAGE==VERSION...: a venv holding exactly those versions.
+py_venv() {
+    local venv="$1"
+    shift
+    if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" - "$@" <<'PY' >/dev/null 2>&1; then
 import sys
 from importlib.metadata import version
 for spec in sys.argv[1:]:
     name, want = spec.split("==")
     assert version(name) == want, spec
 PY
-    info "already installed"
-else
-    mkdir -p "$TINE_DATA_DIR"
-    python3 -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "${PY_PACKAGES[@]}"
-    info "installed: ${PY_PACKAGES[*]}"
-fi
+        info "already installed"
+    else
+        mkdir -p "$TINE_DATA_DIR"
+        python3 -m venv "$venv"
+        "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@"
+        info "installed: $*"
+    fi
+}
+log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
+py_venv "$VENV" "${PY_PACKAGES[@]}"
+log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
+py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
 
 # ---- an OCI registry for the image tests ----
 log "docker-registry (Debian's distribution 2.8, run on loopback by the image tests)"

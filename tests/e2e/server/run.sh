@@ -21,11 +21,13 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../../.." && pwd)"
 BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 VENV="$BASE_DATA_DIR/venv"
+VENV_OLDEST="$BASE_DATA_DIR/venv-e2b-oldest"
 PORT="${TINE_E2E_PORT:-3999}"
 
 log() { printf '==> %s\n' "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
+[[ -x "$VENV_OLDEST/bin/python" ]] || { echo "error: no venv at $VENV_OLDEST: run tests/e2e/setup.sh" >&2; exit 1; }
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
 [[ -e "$BASE_DATA_DIR/current/vmlinuz" ]] || { echo "error: no guest artifacts in $BASE_DATA_DIR/current (scripts/test.sh builds them)" >&2; exit 1; }
 
@@ -142,7 +144,11 @@ else
     ca="$TINE_DATA_DIR/tls/ca.crt"
     domain_env=(env -u E2B_API_URL -u E2B_SANDBOX_URL E2B_DOMAIN="tine.localhost:$PORT"
         SSL_CERT_FILE="$ca" NODE_EXTRA_CA_CERTS="$ca")
-    (cd "$HERE/domain" && "${domain_env[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider) || status=1
+    # Both SDK versions: the oldest 2.x reaches a server only this way.
+    for venv in "$VENV" "$VENV_OLDEST"; do
+        log "domain mode, Python SDK $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))')"
+        (cd "$HERE/domain" && "${domain_env[@]}" "$venv/bin/python" -m pytest -q -p no:cacheprovider) || status=1
+    done
     if [[ "${TINE_E2E_SKIP_JS:-0}" != 1 ]]; then
         ln -sfn ../../js/node_modules "$HERE/domain/node_modules"
         (cd "$HERE/domain" && "${domain_env[@]}" node --test --test-concurrency=1) || status=1

@@ -4,7 +4,10 @@ generated clients shipped in the e2b package."""
 
 import base64
 
-from connectrpc.errors import ConnectError
+import pytest
+
+connectrpc = pytest.importorskip("connectrpc.errors", reason="this SDK has no connectrpc client (the binary codec tests need it)")
+ConnectError = connectrpc.ConnectError
 from e2b.envd.filesystem import filesystem_connect, filesystem_pb
 from e2b.envd.process import process_connect, process_pb
 

@@ -7,7 +7,12 @@ import os
 
 import pytest
 from e2b import FileType
-from e2b.exceptions import FileNotFoundException, InvalidArgumentException, NotFoundException
+from e2b.exceptions import InvalidArgumentException, NotFoundException
+
+try:
+    from e2b.exceptions import FileNotFoundException
+except ImportError:  # SDKs before it raise NotFoundException
+    FileNotFoundException = NotFoundException
 
 from conftest import http
 
