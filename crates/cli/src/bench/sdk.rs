@@ -1,7 +1,11 @@
 //! P6: N concurrent creates, then N concurrent `commands.run("echo")`,
-//! through the real E2B Python SDK (`p6.py`, run with the venv that
-//! `tests/e2e/setup.sh` installs: `$TINE_DATA_DIR/venv`, or
-//! `TINE_BENCH_PYTHON`), against the same calls made one at a time.
+//! through the real E2B Python SDK (`p6.py`), against the same calls made
+//! one at a time.
+//!
+//! The Python is `TINE_BENCH_PYTHON`, else the venv `tests/e2e/setup.sh`
+//! installs (`$TINE_DATA_DIR/venv`), else a venv of the bench's own that it
+//! makes once with the pinned SDK (a host set up only by `scripts/run.sh`
+//! has no test venv).
 
 use std::path::PathBuf;
 
@@ -22,10 +26,67 @@ struct P6Result {
     errors: Vec<String>,
 }
 
-fn python() -> PathBuf {
-    std::env::var_os("TINE_BENCH_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| tine_vmm::Paths::from_env().data_dir.join("venv/bin/python"))
+/// The SDK version the bench's own venv gets (tests/e2e/setup.sh pins the
+/// same one).
+const E2B_PY_VERSION: &str = "2.63.0";
+
+/// A Python with the E2B SDK: see the module docs.
+async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("TINE_BENCH_PYTHON").map(PathBuf::from) {
+        if !p.exists() {
+            bail!("TINE_BENCH_PYTHON={} does not exist", p.display());
+        }
+        return Ok(p);
+    }
+    let tests = tine_vmm::Paths::from_env().data_dir.join("venv/bin/python");
+    if tests.exists() {
+        return Ok(tests);
+    }
+    let venv = ctx.floor_paths.data_dir.join("sdk-venv");
+    let py = venv.join("bin/python");
+    let has_sdk = |py: &PathBuf| {
+        let py = py.clone();
+        async move {
+            tokio::process::Command::new(&py)
+                .args(["-c", &format!("import importlib.metadata as m; assert m.version('e2b') == '{E2B_PY_VERSION}'")])
+                .output()
+                .await
+                .is_ok_and(|o| o.status.success())
+        }
+    };
+    if py.exists() && has_sdk(&py).await {
+        return Ok(py);
+    }
+    ctx.step(format!(
+        "installing the E2B Python SDK {E2B_PY_VERSION} into {} (once)",
+        venv.display()
+    ));
+    let run = |cmd: &mut tokio::process::Command| {
+        let out = cmd.output();
+        async move { out.await }
+    };
+    let made = run(tokio::process::Command::new("python3").arg("-m").arg("venv").arg(&venv)).await;
+    if !made.as_ref().is_ok_and(|o| o.status.success()) {
+        bail!("P6 needs python3 with venv: apt-get install python3-venv (or run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)");
+    }
+    let pip = run(tokio::process::Command::new(&py).args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "-q",
+        &format!("e2b=={E2B_PY_VERSION}"),
+    ]))
+    .await
+    .context("running pip")?;
+    if !pip.status.success() {
+        let err = String::from_utf8_lossy(&pip.stderr);
+        bail!(
+            "installing e2b=={E2B_PY_VERSION} failed ({}); run tests/e2e/setup.sh or set TINE_BENCH_PYTHON",
+            err.lines().last().unwrap_or("no output")
+        );
+    }
+    Ok(py)
 }
 
 /// The concurrent latencies against the one-at-a-time p50 scaled by
@@ -53,13 +114,7 @@ fn row(what: String, conc: Vec<f64>, seq: &[f64], n: usize, cores: usize, errors
 pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let n = ctx.args.concurrency.max(1);
     let seq = ctx.args.sequential.unwrap_or(n.min(10)).max(1);
-    let py = python();
-    if !py.exists() {
-        bail!(
-            "no Python with the E2B SDK at {} (run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)",
-            py.display()
-        );
-    }
+    let py = python(ctx).await?;
     let script = ctx.floor_paths.data_dir.join("p6.py");
     std::fs::create_dir_all(&ctx.floor_paths.data_dir)?;
     std::fs::write(&script, SCRIPT)?;

@@ -612,6 +612,8 @@ pub async fn connect(
 #[derive(Deserialize)]
 struct SnapshotBody {
     name: Option<String>,
+    /// False asks for a filesystem-only snapshot, which tine does not make.
+    memory: Option<bool>,
 }
 
 pub async fn create_snapshot(
@@ -621,6 +623,12 @@ pub async fn create_snapshot(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    if b.memory == Some(false) {
+        return Err(ApiError::bad_request(
+            "filesystem-only snapshots (memory: false) are not supported: a snapshot holds memory too; \
+             pause with memory: false keeps only the disk",
+        ));
+    }
     let row = s.manager.snapshot(&id, b.name).await?;
     Ok((
         StatusCode::CREATED,
