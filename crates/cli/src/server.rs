@@ -67,7 +67,10 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         eprintln!("  export E2B_DOMAIN={domain}");
         if config.tls.cert.is_none() {
             let ca = data_dir.join("tls/ca.crt");
-            eprintln!("  export SSL_CERT_FILE={0} NODE_EXTRA_CA_CERTS={0}", ca.display());
+            eprintln!(
+                "  export SSL_CERT_FILE={0} NODE_EXTRA_CA_CERTS={0}",
+                ca.display()
+            );
         }
         eprintln!(
             "  (names under {} must resolve to this host: see docs/domain-mode.md)",

@@ -140,7 +140,11 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
                 crate::tls::serve(listener, t.acceptor, app, stop).await;
                 Ok(())
             }
-            None => axum::serve(listener, app).with_graceful_shutdown(stop).await,
+            None => {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(stop)
+                    .await
+            }
         }
     };
     tokio::select! {

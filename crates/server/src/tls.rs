@@ -138,9 +138,8 @@ pub async fn serve(
                 Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
             };
             let service = hyper_util::service::TowerToHyperService::new(app);
-            let builder = hyper_util::server::conn::auto::Builder::new(
-                hyper_util::rt::TokioExecutor::new(),
-            );
+            let builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
             if let Err(e) = builder
                 .http1_only()
                 .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), service)
@@ -248,7 +247,10 @@ mod tests {
         let ca = first.ca.clone().unwrap();
         let ca_pem = std::fs::read(&ca).unwrap();
         use std::os::unix::fs::PermissionsExt;
-        let key_mode = std::fs::metadata(dir.path().join("tls/ca.key")).unwrap().permissions().mode();
+        let key_mode = std::fs::metadata(dir.path().join("tls/ca.key"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(key_mode & 0o777, 0o600);
         // A second start keeps the CA.
         setup(&cfg, dir.path(), "other.localhost").unwrap();
@@ -256,7 +258,9 @@ mod tests {
         // The certificate verifies against the CA, for both names.
         let (chain, _) = local_certificate(&dir.path().join("tls"), "tine.localhost").unwrap();
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(CertificateDer::from_pem_file(&ca).unwrap()).unwrap();
+        roots
+            .add(CertificateDer::from_pem_file(&ca).unwrap())
+            .unwrap();
         let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
             Arc::new(roots),
             Arc::new(rustls::crypto::aws_lc_rs::default_provider()),
@@ -264,15 +268,31 @@ mod tests {
         .build()
         .unwrap();
         use rustls::client::danger::ServerCertVerifier;
-        for name in ["tine.localhost", "49983-iabc.tine.localhost", "api.tine.localhost"] {
+        for name in [
+            "tine.localhost",
+            "49983-iabc.tine.localhost",
+            "api.tine.localhost",
+        ] {
             let server_name = rustls::pki_types::ServerName::try_from(name).unwrap();
             verifier
-                .verify_server_cert(&chain[0], &chain[1..], &server_name, &[], rustls::pki_types::UnixTime::now())
+                .verify_server_cert(
+                    &chain[0],
+                    &chain[1..],
+                    &server_name,
+                    &[],
+                    rustls::pki_types::UnixTime::now(),
+                )
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
         }
         let other = rustls::pki_types::ServerName::try_from("example.com").unwrap();
         assert!(verifier
-            .verify_server_cert(&chain[0], &chain[1..], &other, &[], rustls::pki_types::UnixTime::now())
+            .verify_server_cert(
+                &chain[0],
+                &chain[1..],
+                &other,
+                &[],
+                rustls::pki_types::UnixTime::now()
+            )
             .is_err());
     }
 
@@ -284,7 +304,10 @@ mod tests {
             cert: Some(dir.path().join("c.pem")),
             key: None,
         };
-        assert!(matches!(setup(&cfg, dir.path(), "d"), Err(TlsError::HalfGiven)));
+        assert!(matches!(
+            setup(&cfg, dir.path(), "d"),
+            Err(TlsError::HalfGiven)
+        ));
     }
 
     #[test]

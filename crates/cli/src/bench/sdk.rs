@@ -61,24 +61,20 @@ async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
         "installing the E2B Python SDK {E2B_PY_VERSION} into {} (once)",
         venv.display()
     ));
-    let run = |cmd: &mut tokio::process::Command| {
-        let out = cmd.output();
-        async move { out.await }
-    };
-    let made = run(tokio::process::Command::new("python3").arg("-m").arg("venv").arg(&venv)).await;
+    let made = tokio::process::Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .output()
+        .await;
     if !made.as_ref().is_ok_and(|o| o.status.success()) {
         bail!("P6 needs python3 with venv: apt-get install python3-venv (or run tests/e2e/setup.sh, or set TINE_BENCH_PYTHON)");
     }
-    let pip = run(tokio::process::Command::new(&py).args([
-        "-m",
-        "pip",
-        "install",
-        "--disable-pip-version-check",
-        "-q",
-        &format!("e2b=={E2B_PY_VERSION}"),
-    ]))
-    .await
-    .context("running pip")?;
+    let pip = tokio::process::Command::new(&py)
+        .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
+        .arg(format!("e2b=={E2B_PY_VERSION}"))
+        .output()
+        .await
+        .context("running pip")?;
     if !pip.status.success() {
         let err = String::from_utf8_lossy(&pip.stderr);
         bail!(

@@ -181,7 +181,9 @@ pub async fn create(
         ("iam", &req.iam, "tine has no secrets or header transforms"),
     ] {
         if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
-            return Err(ApiError::bad_request(format!("{field} is not supported: {why}")));
+            return Err(ApiError::bad_request(format!(
+                "{field} is not supported: {why}"
+            )));
         }
     }
     let lifecycle = lifecycle_of(&req)?;
@@ -598,7 +600,8 @@ pub async fn connect(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let (rec, resumed) = s.manager
+    let (rec, resumed) = s
+        .manager
         .connect(&id, b.timeout, b.memory.unwrap_or(true))
         .await?;
     let status = if resumed {

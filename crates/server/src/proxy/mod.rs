@@ -47,7 +47,14 @@ pub struct Target {
 /// sandbox headers on API calls too (`POST /sandboxes/{id}/connect`):
 /// those stay with the API. envd has none of these paths.
 fn is_api_path(path: &str) -> bool {
-    const API: [&str; 6] = ["/sandboxes", "/v2/", "/v3/", "/templates", "/snapshots", "/build-files"];
+    const API: [&str; 6] = [
+        "/sandboxes",
+        "/v2/",
+        "/v3/",
+        "/templates",
+        "/snapshots",
+        "/build-files",
+    ];
     API.iter().any(|p| path.starts_with(p))
 }
 
@@ -383,18 +390,28 @@ mod tests {
             })
         );
         assert_eq!(
-            target(&headers(&[("host", "8000-iabc.localhost:3000")]), "/sandboxes", d),
+            target(
+                &headers(&[("host", "8000-iabc.localhost:3000")]),
+                "/sandboxes",
+                d
+            ),
             Some(Target {
                 sandbox: "iabc".into(),
                 port: 8000
             })
         );
-        assert_eq!(target(&headers(&[("host", "127.0.0.1:3000")]), "/", d), None);
+        assert_eq!(
+            target(&headers(&[("host", "127.0.0.1:3000")]), "/", d),
+            None
+        );
         assert_eq!(
             target(&headers(&[("host", "8000-iabc.example.com")]), "/", d),
             None
         );
-        assert_eq!(target(&headers(&[("host", "x-iabc.localhost")]), "/", d), None);
+        assert_eq!(
+            target(&headers(&[("host", "x-iabc.localhost")]), "/", d),
+            None
+        );
         // An API call that carries the sandbox headers stays with the API.
         let h = headers(&[("e2b-sandbox-id", "iabc"), ("e2b-sandbox-port", "49983")]);
         assert_eq!(target(&h, "/sandboxes/iabc/connect", d), None);

@@ -125,7 +125,7 @@ impl Manager {
         };
         self.db.insert_snapshot(&row)?;
         self.db.set_sandbox_snapshot(id, Some(&row.id))?;
-        if rec.lifecycle.paused_disk_only != !keep_memory {
+        if rec.lifecycle.paused_disk_only == keep_memory {
             rec.lifecycle.paused_disk_only = !keep_memory;
             self.db.set_lifecycle(id, &rec.lifecycle)?;
         }

@@ -261,6 +261,16 @@ impl Manager {
             .insert(rec.id.clone(), live);
     }
 
+    /// Every running sandbox, as it is now.
+    pub(crate) fn all_live(&self) -> Vec<(String, Arc<Live>)> {
+        self.live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(id, l)| (id.clone(), l.clone()))
+            .collect()
+    }
+
     /// The first live sandbox `pred` accepts (each is asked once).
     pub fn find_live(&self, pred: impl Fn(&Live) -> bool) -> Option<String> {
         self.live

@@ -11,7 +11,9 @@
 //! (ids name namespaces and directories).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tine_vmm::{Driver, SnapshotRef, VmHandle};
 
@@ -28,7 +30,15 @@ pub struct WarmPool {
     network: Arc<crate::network::Network>,
     ready: Mutex<HashMap<String, Vec<Pooled>>>,
     filling: Mutex<HashSet<String>>,
+    /// Set by [`WarmPool::drain`]: no new warm-ups, and one that finishes
+    /// kills its VM instead of keeping it.
+    closed: AtomicBool,
+    /// Warm-ups in flight (a drain waits for them).
+    warming: AtomicUsize,
 }
+
+/// How long a drain waits for warm-ups in flight to end.
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
 impl WarmPool {
     pub fn new(
@@ -42,6 +52,8 @@ impl WarmPool {
             network,
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
+            closed: AtomicBool::new(false),
+            warming: AtomicUsize::new(0),
         }
     }
 
@@ -84,8 +96,23 @@ impl WarmPool {
         let pool = self.clone();
         tokio::spawn(async move {
             while pool.count(&key) < pool.size {
+                pool.warming.fetch_add(1, Ordering::SeqCst);
+                if pool.closed.load(Ordering::SeqCst) {
+                    pool.warming.fetch_sub(1, Ordering::SeqCst);
+                    break;
+                }
                 let id = crate::ids::sandbox_id();
-                match warm(pool.driver.as_ref(), &pool.network, &id, &snapshot).await {
+                let warmed = warm(pool.driver.as_ref(), &pool.network, &id, &snapshot).await;
+                let warmed = match warmed {
+                    // Drained meanwhile: this VM is not kept.
+                    Ok(p) if pool.closed.load(Ordering::SeqCst) => {
+                        let _ = p.vm.kill().await;
+                        Err("the pool was drained".to_string())
+                    }
+                    other => other,
+                };
+                pool.warming.fetch_sub(1, Ordering::SeqCst);
+                match warmed {
                     Ok(vm) => pool
                         .ready
                         .lock()
@@ -130,7 +157,14 @@ impl WarmPool {
     /// Kill every pooled VM (at shutdown).
     ///
     /// (Pooled VMs are paused: they use no CPU while they wait.)
+    /// Warm-ups in flight finish first (within [`DRAIN_WAIT`]), killing
+    /// what they restored, so no QEMU outlives the server unowned.
     pub async fn drain(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
+        while self.warming.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let all: Vec<Pooled> = self
             .ready
             .lock()

@@ -71,14 +71,7 @@ fn thin_older_half(log: &mut VecDeque<Metrics>) {
 impl Manager {
     /// Sample every running sandbox once, all at once.
     pub async fn sample_metrics(&self) {
-        let live: Vec<_> = self
-            .live
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(id, l)| (id.clone(), l.clone()))
-            .collect();
-        let takes = live.into_iter().map(|(id, l)| async move {
+        let takes = self.all_live().into_iter().map(|(id, l)| async move {
             let m = agent::metrics(&l.guest, &l.access_token).await;
             (id, m)
         });

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Live, Manager};
+use super::Manager;
 use crate::db::now_ms;
 
 /// How often the sweep runs.
@@ -21,14 +21,7 @@ impl Manager {
             .retain(|snapshot| matches!(self.db.get_snapshot(snapshot), Ok(Some(_))))
             .await;
         let now = now_ms();
-        let live: Vec<(String, Arc<Live>)> = self
-            .live
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (id, live) in live {
+        for (id, live) in self.all_live() {
             let rec = self.db.get_sandbox(&id).ok().flatten();
             let expired = rec.as_ref().is_some_and(|r| r.end_at_ms <= now);
             let auto_pause = rec.as_ref().is_some_and(|r| r.auto_pause);
