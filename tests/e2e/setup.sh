@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # setup.sh: what the end-to-end tests need on the host, installed once.
 #
-#   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest
+#   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest,
+#     and $TINE_DATA_DIR/venv-e2b-oldest with the oldest 2.x SDK (2.0.0)
+#   - nss-myhostname, so *.localhost resolves to loopback (domain mode)
 #   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
 #   - the account `user` (E2B images have it; it is the SDKs' default user)
 #   - docker-registry, the OCI registry the image tests run on loopback
