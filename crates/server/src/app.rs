@@ -121,6 +121,7 @@ pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()>
         domain,
         data_dir: paths.data_dir.clone(),
         builds,
+        idempotency: Default::default(),
     });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();

@@ -18,4 +18,6 @@ pub struct AppState {
     pub data_dir: std::path::PathBuf,
     /// Template builds (the Template API).
     pub builds: Arc<crate::builds::Builds>,
+    /// Creates already made under an `Idempotency-Key`.
+    pub idempotency: crate::api::idempotency::Idempotency,
 }

@@ -76,6 +76,7 @@ impl From<SandboxError> for ApiError {
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
             SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Vm { source, .. } => vm_status(source.kind()),
             SandboxError::Network { source, .. }
                 if matches!(**source, crate::network::NetworkError::Invalid(_)) =>

@@ -3,6 +3,7 @@
 //! front of it is composed in `crate::app`.
 
 mod error;
+pub mod idempotency;
 mod network;
 mod sandboxes;
 mod system;
@@ -113,7 +114,7 @@ async fn observe(State(state): State<Arc<AppState>>, req: Request, next: Next) -
 }
 
 /// A request with a valid API key (`X-API-KEY`, or `Authorization: Bearer`).
-pub struct Authed(#[allow(dead_code)] pub ApiKey);
+pub struct Authed(pub ApiKey);
 
 impl FromRequestParts<Arc<AppState>> for Authed {
     type Rejection = ApiError;
@@ -150,16 +151,25 @@ pub async fn json_body<T: DeserializeOwned>(
     body: axum::body::Body,
     max: usize,
 ) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, max).await.map_err(|_| {
+    parse_json(&body_bytes(body, max).await?)
+}
+
+/// A request body of at most `max` bytes (413 beyond).
+pub async fn body_bytes(body: axum::body::Body, max: usize) -> Result<bytes::Bytes, ApiError> {
+    axum::body::to_bytes(body, max).await.map_err(|_| {
         ApiError::new(
             http::StatusCode::PAYLOAD_TOO_LARGE,
             format!("request body larger than {max} bytes"),
         )
-    })?;
+    })
+}
+
+/// A JSON body (an empty one is `{}`).
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
         b"{}"
     } else {
-        &bytes
+        bytes
     };
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))

@@ -169,12 +169,34 @@ fn lifecycle_of(req: &NewSandbox) -> Result<crate::model::Lifecycle, ApiError> {
     Ok(l)
 }
 
+/// `POST /v2/sandboxes` (and v1): with an `Idempotency-Key`, a retry gets
+/// the sandbox the first attempt made.
 pub async fn create(
-    _: Authed,
+    Authed(api_key): Authed,
     State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let req: NewSandbox = json_body(body, s.manager.config.max_body_bytes).await?;
+    let bytes = super::body_bytes(body, s.manager.config.max_body_bytes).await?;
+    let attempt = || async {
+        let rec = create_sandbox(&s, &bytes).await?;
+        let out = serde_json::to_value(sandbox_out(rec, &s.domain))
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        Ok((StatusCode::CREATED, out))
+    };
+    let (status, out) = match super::idempotency::key_of(&headers)? {
+        Some(key) => {
+            s.idempotency
+                .run(&api_key.id, &key, &bytes, attempt)
+                .await?
+        }
+        None => attempt().await?,
+    };
+    Ok((status, Json(out)).into_response())
+}
+
+async fn create_sandbox(s: &AppState, body: &[u8]) -> Result<SandboxRecord, ApiError> {
+    let req: NewSandbox = super::parse_json(body)?;
     for (field, value, why) in [
         ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
         ("mcp", &req.mcp, "tine has no MCP gateway"),
@@ -188,8 +210,7 @@ pub async fn create(
     }
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
-    let rec = s
-        .manager
+    Ok(s.manager
         .create(CreateRequest {
             template_id: req
                 .template_id
@@ -203,8 +224,7 @@ pub async fn create(
             memory_mb: req.memory_mb,
             network,
         })
-        .await?;
-    Ok((StatusCode::CREATED, Json(sandbox_out(rec, &s.domain))).into_response())
+        .await?)
 }
 
 fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
@@ -567,10 +587,13 @@ mod tests {
 }
 
 /// `{memory?, requireHealthyGuest?}`: `memory: false` keeps only the
-/// disk. (The agent is always asked before a pause without memory.)
+/// disk; either that or `requireHealthyGuest` refuses the pause (503, the
+/// sandbox keeps running) while the agent does not answer.
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct PauseBody {
     memory: Option<bool>,
+    require_healthy_guest: Option<bool>,
 }
 
 pub async fn pause(
@@ -580,7 +603,13 @@ pub async fn pause(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: PauseBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    s.manager.pause_with(&id, b.memory.unwrap_or(true)).await?;
+    s.manager
+        .pause_with(
+            &id,
+            b.memory.unwrap_or(true),
+            b.require_healthy_guest.unwrap_or(false),
+        )
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -56,21 +56,33 @@ impl Manager {
 
     /// Capture the sandbox to disk and free its VM.
     pub async fn pause(&self, id: &str) -> Result<(), SandboxError> {
-        self.pause_with(id, true).await
+        self.pause_with(id, true, false).await
     }
 
     /// Pause; without `keep_memory` only the disk counts (the guest's
     /// file systems are synced first) and the next resume cold-boots
-    /// from it: processes and connections are gone, files stay.
+    /// from it: processes and connections are gone, files stay. With
+    /// `require_healthy` (E2B's `requireHealthyGuest`) the pause is refused
+    /// (503) while the agent does not answer; a pause without memory
+    /// always is, since its sync needs the agent. A refused pause leaves
+    /// the sandbox running.
     ///
     /// The capture itself is the same (tine has no disk-only capture):
     /// its RAM is written and then never read.
-    pub async fn pause_with(&self, id: &str, keep_memory: bool) -> Result<(), SandboxError> {
+    pub async fn pause_with(
+        &self,
+        id: &str,
+        keep_memory: bool,
+        require_healthy: bool,
+    ) -> Result<(), SandboxError> {
         let _op = self.lock(id).await;
         let (mut rec, live) = self.running(id, "pause it again")?;
+        let unresponsive = |detail: String| SandboxError::GuestUnresponsive {
+            id: id.to_string(),
+            detail,
+        };
         if !keep_memory {
-            // Refused while the agent does not answer (as E2B): without
-            // the sync, writes still in the page cache would be lost.
+            // Without the sync, writes still in the page cache would be lost.
             let out = tine_agent_client::process::exec(
                 live.guest.connect(tine_agent_client::AGENT_PORT),
                 "root",
@@ -79,15 +91,26 @@ impl Manager {
                 std::time::Duration::from_secs(30),
             )
             .await
-            .map_err(SandboxError::agent(
-                id,
-                "syncing the disk before a pause without memory",
-            ))?;
+            .map_err(|e| {
+                unresponsive(format!(
+                    "syncing its disk before a pause without memory: {e}"
+                ))
+            })?;
             if out.exit_code != 0 {
-                return Err(SandboxError::Conflict(format!(
-                    "sandbox {id}: sync before a pause without memory failed (exit {})",
+                return Err(unresponsive(format!(
+                    "sync before a pause without memory exited with {}",
                     out.exit_code
                 )));
+            }
+        } else if require_healthy {
+            let healthy = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                tine_agent_client::healthy(live.guest.connect(tine_agent_client::AGENT_PORT)),
+            )
+            .await
+            .unwrap_or(false);
+            if !healthy {
+                return Err(unresponsive("no answer to /health within 5 s".into()));
             }
         }
         let vm = live

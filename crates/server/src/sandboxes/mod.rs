@@ -61,6 +61,10 @@ pub enum SandboxError {
     Conflict(String),
     #[error("capacity reached: {0} sandboxes are running (max_sandboxes)")]
     Capacity(usize),
+    /// The guest's agent does not answer what an operation needs it for
+    /// (a pause that must not lose data); the sandbox is left as it was.
+    #[error("sandbox {id}: its agent does not answer: {detail}")]
+    GuestUnresponsive { id: String, detail: String },
     /// The VM driver failed; its error keeps its kind.
     #[error("sandbox {id}: {context}: {source}")]
     Vm {

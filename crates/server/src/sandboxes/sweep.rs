@@ -33,7 +33,14 @@ impl Manager {
                 Err(_) => None, // busy: someone is working on it
             };
             if expired && auto_pause {
-                if let Err(e) = self.pause_with(&id, keep_memory).await {
+                let mut paused = self.pause_with(&id, keep_memory, false).await;
+                if let Err(super::SandboxError::GuestUnresponsive { .. }) = &paused {
+                    // Its disk cannot be synced: keep its memory rather
+                    // than lose what the page cache holds.
+                    tracing::warn!(sandbox = %id, "auto-pause without memory refused (agent silent); pausing with memory");
+                    paused = self.pause_with(&id, true, false).await;
+                }
+                if let Err(e) = paused {
                     tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
                     let _ = self
                         .kill(&id, &format!("timeout (auto-pause failed: {e})"))

@@ -215,3 +215,35 @@ def test_connect_routes_like_create(sbx):
     assert getattr(again, "envd_api_url", None) == getattr(sbx, "envd_api_url", None)
     assert again._envd_access_token == sbx._envd_access_token
     assert again.commands.run("echo routed").stdout == "routed\n"
+
+
+def test_idempotency_key_makes_one_sandbox(fresh):
+    if not supports(Sandbox.create, "idempotency_key"):
+        pytest.skip(f"e2b {SDK_VERSION}: create has no idempotency_key")
+    import uuid
+
+    key = f"tine-e2e-{uuid.uuid4()}"
+    a = fresh(idempotency_key=key)
+    b = fresh(idempotency_key=key)
+    assert a.sandbox_id == b.sandbox_id
+    assert b.commands.run("echo once").stdout == "once\n"
+    # The same key with another request is refused; a bad key too.
+    status, _, body = http("POST", "/v2/sandboxes", body={"templateID": "base", "timeout": 7},
+                           headers={"Idempotency-Key": key})
+    assert status == 409, body
+    status, _, _ = http("POST", "/v2/sandboxes", body={}, headers={"Idempotency-Key": "Not Valid"})
+    assert status == 400
+
+
+def test_strict_pause_of_a_healthy_sandbox(fresh):
+    if not supports(Sandbox.pause, "strict"):
+        pytest.skip(f"e2b {SDK_VERSION}: pause has no strict")
+    s = fresh()
+    s.pause(strict=True)
+    assert s.get_info().state.value == "paused"
+    assert Sandbox.connect(s.sandbox_id).commands.run("echo back").stdout == "back\n"
+
+
+def test_filesystem_only_snapshots_are_refused(sbx):
+    status, _, body = http("POST", f"/sandboxes/{sbx.sandbox_id}/snapshots", body={"memory": False})
+    assert status == 400 and b"not supported" in body
