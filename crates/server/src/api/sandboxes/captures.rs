@@ -1,0 +1,133 @@
+//! Pause, connect (resume), snapshots and fork.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::StatusCode;
+use serde::Deserialize;
+
+use super::super::{json_body, ApiError, Authed};
+use super::sandbox_out;
+use crate::state::AppState;
+
+/// `{memory?, requireHealthyGuest?}`: `memory: false` keeps only the
+/// disk; either that or `requireHealthyGuest` refuses the pause (503, the
+/// sandbox keeps running) while the agent does not answer.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PauseBody {
+    memory: Option<bool>,
+    require_healthy_guest: Option<bool>,
+}
+
+pub async fn pause(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let b: PauseBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    s.manager
+        .pause_with(
+            &id,
+            b.memory.unwrap_or(true),
+            b.require_healthy_guest.unwrap_or(false),
+        )
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct ConnectBody {
+    timeout: Option<i64>,
+    /// False (`on_resume="reboot"`): cold-boot a paused sandbox from its
+    /// disk instead of restoring its memory.
+    memory: Option<bool>,
+}
+
+/// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
+pub async fn connect(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let (rec, resumed) = s
+        .manager
+        .connect(&id, b.timeout, b.memory.unwrap_or(true))
+        .await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox_out(rec, &s.domain))).into_response())
+}
+
+#[derive(Deserialize)]
+struct SnapshotBody {
+    name: Option<String>,
+    /// False asks for a filesystem-only snapshot, which tine does not make.
+    memory: Option<bool>,
+}
+
+pub async fn create_snapshot(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    if b.memory == Some(false) {
+        return Err(ApiError::bad_request(
+            "filesystem-only snapshots (memory: false) are not supported: a snapshot holds memory too; \
+             pause with memory: false keeps only the disk",
+        ));
+    }
+    let row = s.manager.snapshot(&id, b.name).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "snapshotID": row.id, "names": row.names })),
+    )
+        .into_response())
+}
+
+/// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
+pub async fn delete_snapshot(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    s.manager.delete_snapshot(&id)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+pub async fn fork(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let results = s.manager.fork(&id, b.count.unwrap_or(1), b.timeout).await?;
+    let out: Vec<serde_json::Value> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(rec) => serde_json::json!({ "sandbox": sandbox_out(rec, &s.domain) }),
+            Err(e) => {
+                let e = ApiError::from(e);
+                serde_json::json!({ "error": { "code": e.status.as_u16(), "message": e.message } })
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(out)).into_response())
+}

@@ -1,0 +1,308 @@
+//! E2B REST routes for sandboxes (the E2B REST API; see docs/api.md). Handlers parse
+//! and shape JSON; the work is in [`crate::sandboxes::Manager`].
+//!
+//! Here: the shapes of a sandbox, create, info, kill, timeouts; `list`:
+//! listing sandboxes, snapshots and templates; `captures`: pause,
+//! connect, snapshots, fork; `observe`: metrics and logs.
+
+mod captures;
+mod list;
+mod observe;
+
+pub use captures::*;
+pub use list::*;
+pub use observe::*;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::{HeaderMap, StatusCode};
+use serde::{Deserialize, Serialize};
+
+use super::{json_body, ApiError, Authed};
+use crate::model::SandboxRecord;
+use crate::sandboxes::CreateRequest;
+use crate::state::AppState;
+
+pub(super) fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// `Sandbox`: what create (and connect) return.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SandboxOut {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    alias: Option<String>,
+    envd_version: String,
+    envd_access_token: String,
+    traffic_access_token: Option<String>,
+    domain: String,
+}
+
+/// `SandboxDetail` / `ListedSandbox`.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct DetailOut {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    alias: Option<String>,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    started_at: String,
+    end_at: String,
+    envd_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    envd_access_token: Option<String>,
+    cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    disk_size_mb: u32,
+    metadata: BTreeMap<String, String>,
+    state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    domain: Option<String>,
+    allow_internet_access: bool,
+    network: crate::network::NetworkPolicy,
+    lifecycle: LifecycleOut,
+}
+
+/// `SandboxLifecycle` of a detail.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LifecycleOut {
+    on_timeout: &'static str,
+    auto_resume: bool,
+}
+
+fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
+    DetailOut {
+        template_id: r.template_id,
+        alias: r.alias,
+        sandbox_id: r.id,
+        client_id: r.client_id,
+        started_at: rfc3339(r.started_at_ms),
+        end_at: rfc3339(r.end_at_ms),
+        envd_version: r.envd_version,
+        envd_access_token: with_secrets.map(|_| r.envd_access_token),
+        cpu_count: r.cpu_count,
+        memory_mb: r.memory_mb,
+        disk_size_mb: r.disk_size_mb,
+        metadata: r.metadata,
+        state: r.state.e2b().unwrap_or("running"),
+        domain: with_secrets.map(str::to_string),
+        allow_internet_access: !r
+            .network
+            .deny_out
+            .iter()
+            .flatten()
+            .any(|d| d == crate::network::policy::ALL_TRAFFIC),
+        network: r.network,
+        lifecycle: LifecycleOut {
+            on_timeout: if r.auto_pause { "pause" } else { "kill" },
+            auto_resume: r.lifecycle.auto_resume,
+        },
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<i64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    auto_pause: Option<bool>,
+    /// False: the pause at timeout keeps only the disk.
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResume>,
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u32>,
+    /// The SDKs send this one in snake_case.
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<serde_json::Value>,
+    /// Features tine does not have: refused rather than ignored, so a
+    /// sandbox never starts without what it was asked to have.
+    volume_mounts: Option<serde_json::Value>,
+    mcp: Option<serde_json::Value>,
+    iam: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
+}
+
+/// `null`, `{}` or `[]`: what an SDK sends for an unset option.
+fn is_empty_json(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Null => true,
+        serde_json::Value::Object(m) => m.is_empty(),
+        serde_json::Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
+}
+
+/// The lifecycle a create asks for.
+fn lifecycle_of(req: &NewSandbox) -> Result<crate::model::Lifecycle, ApiError> {
+    let l = crate::model::Lifecycle {
+        auto_resume: req.auto_resume.as_ref().is_some_and(|a| a.enabled),
+        auto_pause_disk_only: req.auto_pause_memory == Some(false),
+        paused_disk_only: false,
+    };
+    if l.auto_resume && l.auto_pause_disk_only {
+        return Err(ApiError::bad_request(
+            "autoResume cannot be combined with autoPauseMemory: false: a sandbox paused \
+             without its memory must be resumed explicitly (connect)",
+        ));
+    }
+    Ok(l)
+}
+
+/// `POST /v2/sandboxes` (and v1): with an `Idempotency-Key`, a retry gets
+/// the sandbox the first attempt made.
+pub async fn create(
+    Authed(api_key): Authed,
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let bytes = super::body_bytes(body, s.manager.config.max_body_bytes).await?;
+    let attempt = || async {
+        let rec = create_sandbox(&s, &bytes).await?;
+        let out = serde_json::to_value(sandbox_out(rec, &s.domain))
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        Ok((StatusCode::CREATED, out))
+    };
+    let (status, out) = match super::idempotency::key_of(&headers)? {
+        Some(key) => {
+            s.idempotency
+                .run(&api_key.id, &key, &bytes, attempt)
+                .await?
+        }
+        None => attempt().await?,
+    };
+    Ok((status, Json(out)).into_response())
+}
+
+async fn create_sandbox(s: &AppState, body: &[u8]) -> Result<SandboxRecord, ApiError> {
+    let req: NewSandbox = super::parse_json(body)?;
+    for (field, value, why) in [
+        ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
+        ("mcp", &req.mcp, "tine has no MCP gateway"),
+        ("iam", &req.iam, "tine has no secrets or header transforms"),
+    ] {
+        if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
+            return Err(ApiError::bad_request(format!(
+                "{field} is not supported: {why}"
+            )));
+        }
+    }
+    let lifecycle = lifecycle_of(&req)?;
+    let network = super::network::from_create(req.network, req.allow_internet_access)?;
+    Ok(s.manager
+        .create(CreateRequest {
+            template_id: req
+                .template_id
+                .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
+            timeout_secs: req.timeout,
+            metadata: req.metadata.unwrap_or_default(),
+            env_vars: req.env_vars.unwrap_or_default(),
+            auto_pause: req.auto_pause.unwrap_or(false),
+            lifecycle,
+            cpu_count: req.cpu_count,
+            memory_mb: req.memory_mb,
+            network,
+        })
+        .await?)
+}
+
+fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
+    SandboxOut {
+        template_id: rec.template_id,
+        sandbox_id: rec.id,
+        client_id: rec.client_id,
+        alias: rec.alias,
+        envd_version: rec.envd_version,
+        envd_access_token: rec.envd_access_token,
+        traffic_access_token: rec.traffic_token,
+        domain: domain.to_string(),
+    }
+}
+
+pub async fn get_one(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let rec = s.manager.get(&id)?;
+    Ok(Json(detail(rec, Some(&s.domain))).into_response())
+}
+
+pub async fn kill(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    s.manager.kill(&id, "killed through the API").await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: i64,
+}
+
+pub async fn set_timeout(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let b: TimeoutBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    s.manager.set_timeout(&id, b.timeout)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+struct RefreshBody {
+    duration: Option<i64>,
+}
+
+/// Extends the time to live by `duration` seconds (default 60) from now.
+pub async fn refresh(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: axum::body::Body,
+) -> Result<StatusCode, ApiError> {
+    let b: RefreshBody = json_body(body, s.manager.config.max_body_bytes).await?;
+    let d = b.duration.unwrap_or(60);
+    if !(0..=3600).contains(&d) {
+        return Err(ApiError::bad_request(
+            "duration must be between 0 and 3600 seconds",
+        ));
+    }
+    s.manager.set_timeout(&id, d)?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,85 @@
+//! Metrics and logs of a sandbox.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+
+use super::super::{ApiError, Authed};
+use super::rfc3339;
+use crate::state::AppState;
+
+#[derive(Deserialize)]
+pub struct MetricsQuery {
+    /// Unix seconds.
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+/// SDKs before 2.12 send milliseconds: no time in seconds is that large
+/// (1e11 s is in the year 5138).
+fn unix_seconds(t: i64) -> i64 {
+    if t.abs() >= 100_000_000_000 {
+        t / 1000
+    } else {
+        t
+    }
+}
+
+/// `GET /sandboxes/{id}/metrics?start=&end=`: the samples in that range.
+pub async fn metrics(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    q: Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) =
+        q.map_err(|e| ApiError::bad_request(format!("start and end are Unix seconds: {e}")))?;
+    let q = MetricsQuery {
+        start: q.start.map(unix_seconds),
+        end: q.end.map(unix_seconds),
+    };
+    if let (Some(a), Some(b)) = (q.start, q.end) {
+        if a > b {
+            return Err(ApiError::bad_request("start is after end"));
+        }
+    }
+    let m = s.manager.metrics(&id, q.start, q.end).await?;
+    Ok(Json(m).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct LogsQuery {
+    start: Option<i64>,
+    limit: Option<usize>,
+}
+
+pub async fn logs(
+    _: Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<LogsQuery>,
+) -> Result<Response, ApiError> {
+    let text = s.manager.console_log(&id)?;
+    let rec = s.manager.get(&id)?;
+    let ts = rfc3339(rec.started_at_ms);
+    let limit = q.limit.unwrap_or(1000);
+    let lines: Vec<&str> = text
+        .lines()
+        .skip(q.start.unwrap_or(0).max(0) as usize)
+        .take(limit)
+        .collect();
+    let logs: Vec<_> = lines
+        .iter()
+        .map(|l| serde_json::json!({ "timestamp": ts, "line": l }))
+        .collect();
+    let entries: Vec<_> = lines
+        .iter()
+        .map(
+            |l| serde_json::json!({ "timestamp": ts, "level": "info", "message": l, "fields": {} }),
+        )
+        .collect();
+    Ok(Json(serde_json::json!({ "logs": logs, "logEntries": entries })).into_response())
+}
