@@ -2,7 +2,8 @@
 # setup.sh: what the end-to-end tests need on the host, installed once.
 #
 #   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest,
-#     and $TINE_DATA_DIR/venv-e2b-oldest with the oldest 2.x SDK (2.0.0)
+#     $TINE_DATA_DIR/venv-e2b-oldest with the oldest 2.x SDK (2.0.0) and
+#     $TINE_DATA_DIR/venv-e2b-between with 2.25.0
 #   - nss-myhostname, so *.localhost resolves to loopback (domain mode)
 #   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
 #   - the account `user` (E2B images have it; it is the SDKs' default user)
@@ -17,11 +18,16 @@ PY_PACKAGES=("e2b==${E2B_PY_VERSION}" "pytest==9.2.0" "pytest-asyncio==1.5.0")
 # E2B_SANDBOX_URL (2.3 and 2.7 added them): it runs the agent suite (debug
 # mode) and the domain-mode suite (E2B_DOMAIN over HTTPS).
 E2B_PY_OLDEST=2.0.0
+# A version between, with its own quirks: it checks the key's shape on the
+# client (2.25 to 2.45) and sends no E2b-Sandbox-Id after Sandbox.connect
+# (2.7 to 2.2x). It runs the fidelity, sandbox and list files.
+E2B_PY_BETWEEN=2.25.0
 
 TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$TINE_DATA_DIR/venv"
 VENV_OLDEST="$TINE_DATA_DIR/venv-e2b-oldest"
+VENV_BETWEEN="$TINE_DATA_DIR/venv-e2b-between"
 
 log() { printf '==> %s\n' "$*" >&2; }
 info() { printf '    %s\n' "$*" >&2; }
@@ -63,6 +69,8 @@ log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
 py_venv "$VENV" "${PY_PACKAGES[@]}"
 log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
 py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
+log "Python E2B SDK ${E2B_PY_BETWEEN} in ${VENV_BETWEEN}"
+py_venv "$VENV_BETWEEN" "e2b==${E2B_PY_BETWEEN}" "${PY_PACKAGES[@]:1}"
 
 # ---- an OCI registry for the image tests ----
 log "docker-registry (Debian's distribution 2.8, run on loopback by the image tests)"

@@ -3,7 +3,10 @@
 #
 # Builds tine, starts `tine serve` on 127.0.0.1:$TINE_E2E_PORT (3999) with a
 # small config (1 vCPU, 256 MiB per sandbox), creates a fresh API key, runs
-# the Python suite (pytest) and the JS suite (node --test), then kills every
+# the Python suite (pytest; the newest SDK, then 2.25.0 on three files) and
+# the JS suite (node --test), restarts the server in domain mode over HTTPS
+# for domain/ (newest Python, 2.0.0 and JS; TINE_E2E_SKIP_DOMAIN=1 skips
+# it), then kills every
 # sandbox the run made (through the API), stops the server and checks that
 # no QEMU process of the run is left. Exits non-zero if anything failed.
 # Run tests/e2e/setup.sh first. Idempotent. Arguments go to pytest (e.g.
@@ -22,12 +25,15 @@ ROOT="$(cd "$HERE/../../.." && pwd)"
 BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 VENV="$BASE_DATA_DIR/venv"
 VENV_OLDEST="$BASE_DATA_DIR/venv-e2b-oldest"
+VENV_BETWEEN="$BASE_DATA_DIR/venv-e2b-between"
 PORT="${TINE_E2E_PORT:-3999}"
 
 log() { printf '==> %s\n' "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
-[[ -x "$VENV_OLDEST/bin/python" ]] || { echo "error: no venv at $VENV_OLDEST: run tests/e2e/setup.sh" >&2; exit 1; }
+for v in "$VENV_OLDEST" "$VENV_BETWEEN"; do
+    [[ -x "$v/bin/python" ]] || { echo "error: no venv at $v: run tests/e2e/setup.sh" >&2; exit 1; }
+done
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
 [[ -e "$BASE_DATA_DIR/current/vmlinuz" ]] || { echo "error: no guest artifacts in $BASE_DATA_DIR/current (scripts/test.sh builds them)" >&2; exit 1; }
 
@@ -121,8 +127,15 @@ log "starting tine serve on 127.0.0.1:$PORT (data dir $TINE_DATA_DIR, log $TINE_
 # Sandboxes left by an earlier, interrupted run.
 "$VENV/bin/python" "$HERE/cleanup.py"
 
-log "Python SDK suite"
-(cd "$HERE/python" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1
+sdk_version() { "$1/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))'; }
+log "Python SDK suite (e2b $(sdk_version "${TINE_E2E_VENV:-$VENV}"))"
+(cd "$HERE/python" && "${TINE_E2E_VENV:-$VENV}/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1
+if [[ $# -eq 0 && -z "${TINE_E2E_VENV:-}" ]]; then
+    # A version with other quirks (see setup.sh), on the files that meet them.
+    log "Python SDK $(sdk_version "$VENV_BETWEEN"): the fidelity, sandbox and list files"
+    (cd "$HERE/python" && "$VENV_BETWEEN/bin/python" -m pytest -q -p no:cacheprovider \
+        test_e2b_fidelity.py test_sandbox.py test_list.py) || status=1
+fi
 
 if [[ "${TINE_E2E_SKIP_JS:-0}" == 1 ]]; then
     log "JS SDK suite skipped (TINE_E2E_SKIP_JS=1)"
@@ -146,7 +159,7 @@ else
         SSL_CERT_FILE="$ca" NODE_EXTRA_CA_CERTS="$ca")
     # Both SDK versions: the oldest 2.x reaches a server only this way.
     for venv in "$VENV" "$VENV_OLDEST"; do
-        log "domain mode, Python SDK $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))')"
+        log "domain mode, Python SDK $(sdk_version "$venv")"
         (cd "$HERE/domain" && "${domain_env[@]}" "$venv/bin/python" -m pytest -q -p no:cacheprovider) || status=1
     done
     if [[ "${TINE_E2E_SKIP_JS:-0}" != 1 ]]; then

@@ -154,6 +154,15 @@ impl Db {
         Ok(())
     }
 
+    /// `(id, access token)` of every paused sandbox.
+    pub fn paused_tokens(&self) -> Result<Vec<(String, String)>> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare("SELECT id, envd_access_token FROM sandboxes WHERE state = 'paused'")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// Replace `id`'s lifecycle settings.
     pub fn set_lifecycle(&self, id: &str, lifecycle: &crate::model::Lifecycle) -> Result<()> {
         self.conn().execute(

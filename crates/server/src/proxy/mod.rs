@@ -102,10 +102,57 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
         return proxy(state, t, req).await;
     }
     match signed_target(&state, &req) {
-        Some(Ok(t)) => proxy(state, t, req).await,
-        Some(Err(refusal)) => error(StatusCode::UNAUTHORIZED, refusal.message().into(), false),
+        Some(Ok(t)) => return proxy(state, t, req).await,
+        Some(Err(refusal)) => {
+            return error(StatusCode::UNAUTHORIZED, refusal.message().into(), false)
+        }
+        None => {}
+    }
+    match token_target(&state, &req) {
+        Some(Some(t)) => proxy(state, t, req).await,
+        Some(None) => error(
+            StatusCode::BAD_GATEWAY,
+            "The sandbox of this X-Access-Token was not found".into(),
+            is_rpc(req.uri().path()),
+        ),
         None => next.run(req).await,
     }
+}
+
+/// Paths only envd serves (`/health` and `/metrics` are the server's own
+/// too, and stay with it).
+fn is_envd_path(path: &str) -> bool {
+    path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+        || matches!(path, "/files" | "/envs" | "/init")
+}
+
+/// An envd request that names no sandbox but carries a sandbox's
+/// `X-Access-Token`: SDKs 2.7 to 2.2x send no `E2b-Sandbox-Id` after
+/// `Sandbox.connect` (only after create). The token identifies the
+/// sandbox: running ones are compared in constant time each, then paused
+/// ones (so auto-resume and "not found" answer as for a named sandbox).
+/// `Some(None)`: no sandbox has that token.
+fn token_target(state: &AppState, req: &Request) -> Option<Option<Target>> {
+    if !is_envd_path(req.uri().path()) {
+        return None;
+    }
+    let token = req.headers().get("x-access-token")?.as_bytes();
+    let matches = |t: &str| same_secret(token, t.as_bytes());
+    let found = state
+        .manager
+        .find_live(|live| matches(&live.access_token))
+        .or_else(|| {
+            let paused = state.manager.db().paused_tokens().ok()?;
+            paused
+                .into_iter()
+                .find(|(_, t)| matches(t))
+                .map(|(id, _)| id)
+        });
+    Some(found.map(|sandbox| Target {
+        sandbox,
+        port: ENVD_PORT,
+    }))
 }
 
 fn error(status: StatusCode, message: String, connect_style: bool) -> Response {

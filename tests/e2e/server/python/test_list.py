@@ -73,6 +73,10 @@ def test_paging_with_limit(three):
 
 
 def test_order(three):
+    import inspect
+
+    if "order" not in inspect.signature(Sandbox.list).parameters:
+        pytest.skip("this SDK's Sandbox.list has no order")
     asc = [i for p in all_pages(Sandbox.list(query=SandboxQuery(metadata=GROUP), order="asc", limit=2)) for i in p]
     desc = [i for p in all_pages(Sandbox.list(query=SandboxQuery(metadata=GROUP), order="desc", limit=2)) for i in p]
     assert [i.sandbox_id for i in asc] == [i.sandbox_id for i in reversed(desc)]
