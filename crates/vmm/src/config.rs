@@ -15,6 +15,9 @@ use crate::error::{Error, Result};
 pub struct Paths {
     pub data_dir: PathBuf,
     pub shm_dir: PathBuf,
+    /// How VMs under these directories are confined.
+    #[serde(default)]
+    pub jail: crate::jail::JailConfig,
 }
 
 fn env_dir(var: &str, default: &str) -> PathBuf {
@@ -30,6 +33,7 @@ impl Paths {
         Self {
             data_dir: env_dir("TINE_DATA_DIR", "/var/lib/tine"),
             shm_dir: env_dir("TINE_SHM_DIR", "/dev/shm/tine"),
+            jail: crate::jail::JailConfig::from_env(),
         }
     }
 

@@ -148,8 +148,10 @@ async fn run(
         ram: snapshot.ram.clone(),
         ram_shared: false,
         qmp_socket: dir.join("qmp.sock"),
-        console_log: dir.join("console.log"),
+        console: qemu::Console::File(dir.join("console.log")),
         pidfile: dir.join("qemu.pid"),
+        tap_fd: None,
+        seccomp: false,
         incoming: true,
         extra_cmdline: meta.extra_cmdline.clone(),
     };
@@ -160,6 +162,8 @@ async fn run(
         &qemu::args(&launch),
         &vm.netns,
         &dir.join("qemu.log"),
+        None,
+        None,
     )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut qmp = loop {

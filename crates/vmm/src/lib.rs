@@ -23,6 +23,7 @@ pub mod error;
 pub mod firewall;
 #[cfg(feature = "bench")]
 pub mod floor;
+pub mod jail;
 pub mod netns;
 mod process;
 mod qemu;
@@ -37,6 +38,7 @@ pub use driver::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use firewall::{EgressRules, Net4};
+pub use jail::JailConfig;
 pub use snapshot::Snapshot;
 pub use vm::{log_tail, QemuDriver, StartOptions, Vm, VmRecord, VmState};
 

@@ -28,7 +28,7 @@
 
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::OnceLock;
@@ -310,6 +310,40 @@ impl Netns {
     /// The namespace file; a child process can `setns` into it.
     pub fn file(&self) -> &File {
         &self.file
+    }
+
+    /// The namespace's tap, opened (attached) here so a jailed QEMU gets
+    /// it as a descriptor and needs neither `/dev/net/tun` nor
+    /// `CAP_NET_ADMIN`. Opened with a virtio-net header, as QEMU opens it
+    /// by name, so device state saved either way loads either way.
+    pub fn open_tap(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+        const IFF_TAP: i16 = 0x0002;
+        const IFF_NO_PI: i16 = 0x1000;
+        const IFF_VNET_HDR: i16 = 0x4000;
+        let ns = self.file.try_clone()?;
+        std::thread::spawn(move || -> std::io::Result<std::os::fd::OwnedFd> {
+            // A tun file belongs to the namespace it was opened in; this
+            // thread exists only for that.
+            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+            let tun = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/net/tun")?;
+            // struct ifreq: the name, then the flags (a short).
+            let mut ifr = [0u8; 40];
+            ifr[..TAP_NAME.len()].copy_from_slice(TAP_NAME.as_bytes());
+            ifr[16..18].copy_from_slice(&(IFF_TAP | IFF_NO_PI | IFF_VNET_HDR).to_ne_bytes());
+            // SAFETY: TUNSETIFF reads and writes a struct ifreq (40 bytes)
+            // at the pointer, which stays valid for the call.
+            let r = unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF as _, ifr.as_mut_ptr()) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(tun.into())
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("tap thread panicked"))?
     }
 
     /// A non-blocking TCP socket that lives in this namespace.

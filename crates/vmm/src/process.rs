@@ -2,7 +2,7 @@
 //! own session (so it outlives the tine process that started it and can be
 //! adopted after a restart), watched until it exits.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Stdio;
@@ -14,6 +14,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::watch;
 
 use crate::error::{Error, IoContext, Result};
+use crate::jail::Prepared;
 use crate::netns::Netns;
 
 /// A running (or exited) QEMU process.
@@ -26,20 +27,30 @@ pub struct QemuProcess {
 
 impl QemuProcess {
     /// Start `binary args` inside `netns`, its stdout and stderr going to
-    /// `log`.
-    pub fn spawn(binary: &str, args: &[String], netns: &Netns, log: &Path) -> Result<Self> {
+    /// `log`; jailed when `jail` is set ([`crate::jail`]). `keep_fd` (the
+    /// tap) is left open across exec.
+    pub fn spawn(
+        binary: &str,
+        args: &[String],
+        netns: &Netns,
+        log: &Path,
+        jail: Option<std::sync::Arc<Prepared>>,
+        keep_fd: Option<RawFd>,
+    ) -> Result<Self> {
         let log_file = std::fs::File::create(log).ctx(|| format!("creating {}", log.display()))?;
         let log_err = log_file
             .try_clone()
             .ctx(|| "duplicating the log fd".into())?;
         let ns_fd = netns.file().as_raw_fd();
+
         let mut cmd = std::process::Command::new(binary);
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(log_err);
         // SAFETY: the closure runs in the forked child before exec and only
-        // makes async-signal-safe system calls (setsid, setns).
+        // makes async-signal-safe system calls (setsid, setns, fcntl, and
+        // the jail's, see `Prepared::enter`) on data made before the fork.
         unsafe {
             cmd.pre_exec(move || {
                 nix::unistd::setsid().map_err(std::io::Error::from)?;
@@ -47,6 +58,15 @@ impl QemuProcess {
                 // for the whole spawn; fork copied the descriptor.
                 let fd = std::os::fd::BorrowedFd::borrow_raw(ns_fd);
                 setns(fd, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+                if let Some(fd) = keep_fd {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(jail) = &jail {
+                    // SAFETY: we are the forked child, before exec.
+                    jail.enter()?;
+                }
                 Ok(())
             });
         }

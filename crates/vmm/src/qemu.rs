@@ -25,12 +25,28 @@ pub struct Launch {
     /// `share=off` (a clone: MAP_PRIVATE over a frozen RAM file).
     pub ram_shared: bool,
     pub qmp_socket: PathBuf,
-    pub console_log: PathBuf,
+    pub console: Console,
     pub pidfile: PathBuf,
+    /// The tap, opened by tine and inherited at this number; `None`:
+    /// QEMU opens `tap0` itself.
+    pub tap_fd: Option<i32>,
+    /// QEMU's own seccomp filter (`-sandbox`): no obsolete calls, no
+    /// privilege changes, no new processes, no resource-control calls.
+    pub seccomp: bool,
     /// Start with `-incoming defer` to restore device state over QMP.
     pub incoming: bool,
     /// Extra kernel command-line words (tests use this to break a boot).
     pub extra_cmdline: Vec<String>,
+}
+
+/// Where the guest's serial console goes.
+#[derive(Debug, Clone)]
+pub enum Console {
+    /// Appended to a file by QEMU (unbounded: the bench's floor only).
+    #[cfg_attr(not(feature = "bench"), allow(dead_code))]
+    File(PathBuf),
+    /// A socket QEMU listens on; tine reads it into a capped log.
+    Socket(PathBuf),
 }
 
 /// The host CPU's clock in kHz, from the first `cpu MHz` line of
@@ -108,10 +124,16 @@ pub fn args(l: &Launch) -> Vec<String> {
         format!("{}M", m.memory_mib),
         "-object".into(),
         format!(
-            "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
+            "memory-backend-file,id=mem,size={}M,mem-path={},{}",
             m.memory_mib,
             p(&l.ram),
-            if l.ram_shared { "on" } else { "off" }
+            // A clone opens the frozen file read-only (it is shared by
+            // every clone and not theirs to change) and maps it private.
+            if l.ram_shared {
+                "share=on"
+            } else {
+                "share=off,readonly=on,rom=off"
+            }
         ),
         "-kernel".into(),
         p(&l.artifacts.kernel),
@@ -128,7 +150,10 @@ pub fn args(l: &Launch) -> Vec<String> {
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
         "-netdev".into(),
-        format!("tap,id=net0,ifname={TAP_NAME},script=no,downscript=no"),
+        match l.tap_fd {
+            Some(fd) => format!("tap,id=net0,fd={fd}"),
+            None => format!("tap,id=net0,ifname={TAP_NAME},script=no,downscript=no"),
+        },
         "-device".into(),
         "virtio-net-device,netdev=net0,mac=52:54:00:74:69:6e".into(),
         "-object".into(),
@@ -136,7 +161,10 @@ pub fn args(l: &Launch) -> Vec<String> {
         "-device".into(),
         "virtio-rng-device,rng=rng0".into(),
         "-chardev".into(),
-        format!("file,id=console,path={},append=on", p(&l.console_log)),
+        match &l.console {
+            Console::File(f) => format!("file,id=console,path={},append=on", p(f)),
+            Console::Socket(s) => format!("socket,id=console,path={},server=on,wait=off", p(s)),
+        },
         "-serial".into(),
         "chardev:console".into(),
         "-qmp".into(),
@@ -144,6 +172,10 @@ pub fn args(l: &Launch) -> Vec<String> {
         "-pidfile".into(),
         p(&l.pidfile),
     ];
+    if l.seccomp {
+        a.push("-sandbox".into());
+        a.push("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into());
+    }
     if l.incoming {
         // Device state comes from `xen-save-devices-state`: no RAM section
         // and no configuration section, and it records the VM as running,
@@ -180,8 +212,10 @@ mod tests {
             ram: "/shm/ram".into(),
             ram_shared: shared,
             qmp_socket: "/vm/qmp.sock".into(),
-            console_log: "/vm/console.log".into(),
+            console: Console::Socket("/vm/console.sock".into()),
             pidfile: "/vm/qemu.pid".into(),
+            tap_fd: Some(7),
+            seccomp: true,
             incoming,
             extra_cmdline: vec!["tine.hostname=x".into()],
         }
@@ -198,6 +232,11 @@ mod tests {
         assert!(!a.contains("-incoming"));
         // QEMU's microvm must keep its option ROMs or the kernel won't boot.
         assert!(!a.contains("x-option-roms"));
+        assert!(a.contains("-netdev tap,id=net0,fd=7 "));
+        assert!(a.contains("socket,id=console,path=/vm/console.sock,server=on,wait=off"));
+        assert!(a.contains(
+            "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+        ));
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts, Reap) {
     let paths = Paths {
         data_dir: data.path().to_path_buf(),
         shm_dir: shm.path().to_path_buf(),
+        jail: tine_vmm::JailConfig::from_env(),
     };
     let reap = Reap(data.path().to_path_buf());
     // Last in the tuple, so it is dropped first, before the dirs go.

@@ -27,6 +27,7 @@ pub fn own_paths(base: &Paths) -> Paths {
     Paths {
         data_dir: base.data_dir.join("bench"),
         shm_dir: PathBuf::from(format!("{}-bench", base.shm_dir.display())),
+        jail: base.jail.clone(),
     }
 }
 
@@ -36,6 +37,7 @@ pub fn floor_paths(base: &Paths) -> Paths {
     Paths {
         data_dir: base.data_dir.join("bench-floor"),
         shm_dir: PathBuf::from(format!("{}-bench-floor", base.shm_dir.display())),
+        jail: base.jail.clone(),
     }
 }
 

@@ -181,7 +181,7 @@ impl Ctx {
 
     /// The QEMU pid of a sandbox.
     pub fn qemu_pid(&self, sandbox_id: &str) -> anyhow::Result<i32> {
-        let path = self.paths.vm_dir(sandbox_id).join("qemu.pid");
+        let path = self.paths.vm_ram_dir(sandbox_id).join("qemu.pid");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
         text.trim()

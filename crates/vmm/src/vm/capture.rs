@@ -189,24 +189,36 @@ impl Vm {
             self.qmp.run("stop", None).await?;
             self.state = VmState::Paused;
         }
+        // QEMU writes where a jailed QEMU can (a file made for it in the
+        // VM's directory); tine moves it into the snapshot.
+        let saving = self.files().state_saving();
+        std::fs::write(&saving, b"").ctx(|| format!("creating {}", saving.display()))?;
+        if let Some(uid) = self.record.uid {
+            crate::jail::own(&saving, uid, 0o600)?;
+        }
         self.qmp
             .run(
                 "xen-save-devices-state",
-                Some(json!({ "filename": dir.join("state"), "live": false })),
+                Some(json!({ "filename": saving, "live": false })),
             )
             .await?;
-        Ok(())
+        let state = dir.join("state");
+        std::fs::rename(&saving, &state).ctx(|| format!("moving {}", saving.display()))?;
+        crate::jail::share(&state)
     }
 
     /// End QEMU and move its disk overlay (and a booted VM's RAM file)
     /// into the snapshot directory `dir`.
     async fn exit_into(&mut self, dir: &Path) -> Result<()> {
         self.quit().await;
-        std::fs::rename(self.active_disk(), dir.join("disk.qcow2"))
-            .ctx(|| "sealing the disk overlay".into())?;
+        let disk = dir.join("disk.qcow2");
+        std::fs::rename(self.active_disk(), &disk).ctx(|| "sealing the disk overlay".into())?;
+        crate::jail::share(&disk)?;
         if self.record.ram_shared {
-            crate::snapshot::move_sparse(&self.record.ram, &dir.join("ram"))
+            let ram = dir.join("ram");
+            crate::snapshot::move_sparse(&self.record.ram, &ram)
                 .ctx(|| "freezing the RAM file".into())?;
+            crate::jail::share(&ram)?;
         }
         Ok(())
     }
@@ -320,6 +332,9 @@ impl Vm {
         let size = disk::qcow2_virtual_size(&self.active_disk())?;
         disk::create_overlay_unchecked(&dir.join("disk.qcow2"), BackingFormat::Qcow2, &next, size)
             .await?;
+        if let Some(uid) = self.record.uid {
+            crate::jail::own(&next, uid, 0o600)?;
+        }
         Ok(next)
     }
 
@@ -351,6 +366,8 @@ impl Vm {
             let _ = std::fs::remove_file(&sealed);
             return Err(e);
         }
+        // QEMU holds it read-only now; every clone's jail may read it.
+        crate::jail::share(&sealed)?;
         self.record.disk_generation += 1;
         Ok(())
     }

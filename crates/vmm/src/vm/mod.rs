@@ -12,6 +12,7 @@
 //!   a clone) └▶ Running         Stopped (process gone, files removed)
 //! ```
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -73,6 +74,9 @@ pub struct VmRecord {
     /// In-place captures so far: which disk overlay QEMU writes to.
     #[serde(default)]
     pub disk_generation: u32,
+    /// The uid (and gid) its jailed QEMU runs as; `None`: not jailed.
+    #[serde(default)]
+    pub uid: Option<u32>,
 }
 
 /// Options for boot and restore.
@@ -109,6 +113,8 @@ pub struct Vm {
     last_stop: Option<Duration>,
     /// Tells when the guest is ready after a (re)start.
     probe: Probe,
+    /// Copies the guest's console into its capped log.
+    _console: console::ConsoleReader,
 }
 
 fn unix_ms() -> u128 {
@@ -142,12 +148,22 @@ fn remove_dir(path: &Path) -> Result<()> {
     }
 }
 
-/// Files of one VM.
+/// Files of one VM. The VM directory is tine's (QEMU may only open its
+/// disk overlays there); the RAM directory is QEMU's own (its RAM file,
+/// sockets and pidfile), so a jailed QEMU can change nothing tine reads
+/// back as its own record.
 struct VmFiles {
     dir: PathBuf,
+    ram_dir: PathBuf,
 }
 
 impl VmFiles {
+    fn new(paths: &Paths, id: &str) -> Self {
+        Self {
+            dir: paths.vm_dir(id),
+            ram_dir: paths.vm_ram_dir(id),
+        }
+    }
     /// The first disk overlay.
     fn disk(&self) -> PathBuf {
         self.disk_generation(0)
@@ -162,7 +178,10 @@ impl VmFiles {
         }
     }
     fn qmp(&self) -> PathBuf {
-        self.dir.join("qmp.sock")
+        self.ram_dir.join("qmp.sock")
+    }
+    fn console_socket(&self) -> PathBuf {
+        self.ram_dir.join("console.sock")
     }
     fn console(&self) -> PathBuf {
         self.dir.join("console.log")
@@ -171,10 +190,15 @@ impl VmFiles {
         self.dir.join("qemu.log")
     }
     fn pidfile(&self) -> PathBuf {
-        self.dir.join("qemu.pid")
+        self.ram_dir.join("qemu.pid")
     }
     fn record(&self) -> PathBuf {
         self.dir.join("vm.json")
+    }
+    /// Where QEMU saves device state during a capture (made by tine and
+    /// owned by QEMU's uid; then moved into the snapshot).
+    fn state_saving(&self) -> PathBuf {
+        self.dir.join("state.saving")
     }
 
     /// QEMU's command line for `record`: a booted VM maps its RAM shared
@@ -189,24 +213,25 @@ impl VmFiles {
             ram: record.ram.clone(),
             ram_shared: record.ram_shared,
             qmp_socket: self.qmp(),
-            console_log: self.console(),
+            console: qemu::Console::Socket(self.console_socket()),
             pidfile: self.pidfile(),
             incoming: !record.ram_shared,
             extra_cmdline: record.extra_cmdline.clone(),
+            tap_fd: None,
+            seccomp: record.uid.is_some(),
         }
     }
 }
 
 mod capture;
+mod console;
 mod driver;
 
 pub use driver::QemuDriver;
 
 impl Vm {
     fn files(&self) -> VmFiles {
-        VmFiles {
-            dir: self.paths.vm_dir(&self.record.id),
-        }
+        VmFiles::new(&self.paths, &self.record.id)
     }
 
     /// The disk overlay QEMU writes to now.
@@ -294,9 +319,7 @@ impl Vm {
         opts: StartOptions,
     ) -> Result<Vm> {
         let artifacts = artifacts.resolve()?;
-        let files = VmFiles {
-            dir: paths.vm_dir(id),
-        };
+        let files = VmFiles::new(paths, id);
         let ram_dir = paths.vm_ram_dir(id);
         prepare_dirs(&files.dir, &ram_dir)?;
         let ram = ram_dir.join("ram");
@@ -332,9 +355,10 @@ impl Vm {
                 ram: ram.clone(),
                 parent: None,
                 disk_generation: 0,
+                uid: None,
             };
             let mut vm =
-                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot").await?;
+                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot", &[]).await?;
             vm.state = VmState::Running;
             vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
                 .await?;
@@ -381,9 +405,7 @@ impl Vm {
         snapshot: &Snapshot,
         probe: Probe,
     ) -> Result<Vm> {
-        let files = VmFiles {
-            dir: paths.vm_dir(id),
-        };
+        let files = VmFiles::new(paths, id);
         prepare_dirs(&files.dir, &paths.vm_ram_dir(id))?;
         let result = async {
             let t = Instant::now();
@@ -418,9 +440,7 @@ impl Vm {
         snapshot: &Snapshot,
         probe: Probe,
     ) -> Result<Vm> {
-        let files = VmFiles {
-            dir: paths.vm_dir(id),
-        };
+        let files = VmFiles::new(paths, id);
         let t = Instant::now();
         let _ = std::fs::remove_file(files.disk());
         disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
@@ -437,8 +457,17 @@ impl Vm {
             ram: snapshot.ram.clone(),
             parent: Some(meta.id.clone()),
             disk_generation: 0,
+            uid: None,
         };
-        let mut vm = Vm::launch(paths, record, netns, probe, "while restoring").await?;
+        let mut vm = Vm::launch(
+            paths,
+            record,
+            netns,
+            probe,
+            "while restoring",
+            &[snapshot.state_path()],
+        )
+        .await?;
         let t_qmp = t.elapsed();
         if let Err(e) = vm.write_layers(snapshot).await {
             vm.process.kill().await;
@@ -501,24 +530,46 @@ impl Vm {
         save_record(&self.files(), &self.record)
     }
 
-    /// Spawn QEMU and connect to its QMP socket.
+    /// Spawn QEMU (jailed unless the jail is off) and connect to its QMP
+    /// socket. `extra_ro`: files it reads besides its artifacts, RAM and
+    /// disk chain (a snapshot's device state).
     async fn launch(
         paths: &Paths,
         mut record: VmRecord,
         netns: Netns,
         probe: Probe,
         during: &'static str,
+        extra_ro: &[PathBuf],
     ) -> Result<Vm> {
-        let files = VmFiles {
-            dir: paths.vm_dir(&record.id),
-        };
+        let files = VmFiles::new(paths, &record.id);
         let _ = std::fs::remove_file(files.qmp());
+        let _ = std::fs::remove_file(files.console_socket());
+        let binary = resolve_binary(&qemu::binary());
+        let jail = if paths.jail.enabled {
+            Some(std::sync::Arc::new(prepare_jail(
+                paths,
+                &files,
+                &mut record,
+                extra_ro,
+                &binary,
+            )?))
+        } else {
+            None
+        };
+        let tap = netns
+            .open_tap()
+            .ctx(|| format!("opening the tap of {}", netns.name()))?;
+        let mut launch = files.launch(&record);
+        launch.tap_fd = Some(tap.as_raw_fd());
         let process = QemuProcess::spawn(
-            &qemu::binary(),
-            &qemu::args(&files.launch(&record)),
+            &binary.display().to_string(),
+            &qemu::args(&launch),
             &netns,
             &files.qemu_log(),
+            jail,
+            Some(tap.as_raw_fd()),
         )?;
+        drop(tap);
         record.pid = process.pid();
         save_record(&files, &record)?;
         let deadline = Instant::now() + QMP_TIMEOUT;
@@ -534,6 +585,11 @@ impl Vm {
                 Err(e) => return Err(e.into()),
             }
         };
+        let console = console::start(
+            files.console_socket(),
+            files.console(),
+            paths.jail.console_max_bytes,
+        );
         Ok(Vm {
             paths: paths.clone(),
             record,
@@ -543,6 +599,7 @@ impl Vm {
             state: VmState::Paused,
             last_stop: None,
             probe,
+            _console: console,
         })
     }
 
@@ -611,6 +668,7 @@ impl Vm {
         let netns = self.netns.name().to_string();
         drop(self.netns);
         crate::netns::delete_by_name(&netns).await?;
+        crate::jail::release(&paths.jail, &paths.data_dir, &id);
         remove_dir(&paths.vm_dir(&id))?;
         remove_dir(&paths.vm_ram_dir(&id))?;
         Ok(())
@@ -618,9 +676,7 @@ impl Vm {
 
     /// Take over a VM that another process started (its `vm.json`).
     pub async fn adopt(paths: &Paths, id: &str, probe: Probe) -> Result<Vm> {
-        let files = VmFiles {
-            dir: paths.vm_dir(id),
-        };
+        let files = VmFiles::new(paths, id);
         let bytes = std::fs::read(files.record())
             .ctx(|| format!("no VM {id} ({})", files.record().display()))?;
         let record: VmRecord = serde_json::from_slice(&bytes).map_err(|e| Error::Io {
@@ -647,6 +703,11 @@ impl Vm {
         } else {
             VmState::Paused
         };
+        let console = console::start(
+            files.console_socket(),
+            files.console(),
+            paths.jail.console_max_bytes,
+        );
         Ok(Vm {
             paths: paths.clone(),
             record,
@@ -656,8 +717,83 @@ impl Vm {
             state,
             last_stop: None,
             probe,
+            _console: console,
         })
     }
+}
+
+/// `binary` as a path: itself if it names one, else found on `PATH`.
+fn resolve_binary(binary: &str) -> PathBuf {
+    if binary.contains('/') {
+        return PathBuf::from(binary);
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|d| d.join(binary))
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from(binary))
+}
+
+/// Claim the VM's uid (a restart of the same VM keeps it), hand it its
+/// files and plan its jail. The VM directory stays tine's (`root:<gid>`,
+/// `0710`: QEMU may open its overlays there, not add or remove files).
+fn prepare_jail(
+    paths: &Paths,
+    files: &VmFiles,
+    record: &mut VmRecord,
+    extra_ro: &[PathBuf],
+    binary: &Path,
+) -> Result<crate::jail::Prepared> {
+    use crate::jail;
+    let cfg = &paths.jail;
+    let uid = match record.uid {
+        Some(uid) => uid,
+        None => jail::uids::claim(
+            &paths.data_dir,
+            &paths.vms_dir(),
+            &record.id,
+            cfg.uid_base,
+            cfg.uid_count,
+        )?,
+    };
+    record.uid = Some(uid);
+    let disk = files.disk_generation(record.disk_generation);
+    std::os::unix::fs::chown(&files.dir, Some(0), Some(uid))
+        .ctx(|| format!("chown {}", files.dir.display()))?;
+    std::fs::set_permissions(
+        &files.dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o710),
+    )
+    .ctx(|| format!("chmod {}", files.dir.display()))?;
+    jail::own(&files.ram_dir, uid, 0o700)?;
+    jail::own(&disk, uid, 0o600)?;
+    let mut ro = vec![
+        record.artifacts.kernel.clone(),
+        record.artifacts.initramfs.clone(),
+    ];
+    if !record.ram_shared {
+        ro.push(record.ram.clone());
+    }
+    ro.extend(extra_ro.iter().cloned());
+    let binary = std::fs::canonicalize(binary)
+        .ok()
+        .filter(|b| !b.starts_with("/usr"));
+    let needs = jail::Needs {
+        rw_dirs: vec![files.dir.clone(), files.ram_dir.clone()],
+        ro_files: ro,
+        disk: Some(disk),
+        binary,
+    };
+    jail::Prepared::new(
+        cfg,
+        &paths.data_dir,
+        &record.id,
+        uid,
+        &record.machine,
+        &needs,
+    )
 }
 
 fn save_record(files: &VmFiles, record: &VmRecord) -> Result<()> {
@@ -692,7 +828,7 @@ fn exited(id: &str, files: &VmFiles, status: String, during: &'static str) -> Er
 /// failed starts and for cleaning up after a crash.
 pub(crate) async fn cleanup(paths: &Paths, id: &str) {
     let dir = paths.vm_dir(id);
-    if let Ok(pid) = std::fs::read_to_string(dir.join("qemu.pid")) {
+    if let Ok(pid) = std::fs::read_to_string(VmFiles::new(paths, id).pidfile()) {
         if let Ok(pid) = pid.trim().parse::<i32>() {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if String::from_utf8_lossy(&cmdline).contains(&dir.display().to_string()) {
@@ -703,6 +839,7 @@ pub(crate) async fn cleanup(paths: &Paths, id: &str) {
         }
     }
     let _ = crate::netns::delete_by_name(&format!("{}{id}", crate::netns::NAME_PREFIX)).await;
+    crate::jail::release(&paths.jail, &paths.data_dir, id);
     let _ = remove_dir(&dir);
     let _ = remove_dir(&paths.vm_ram_dir(id));
 }

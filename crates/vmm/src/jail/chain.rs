@@ -1,0 +1,144 @@
+//! The files a qcow2 overlay's backing chain reaches, read from the
+//! images' own headers, so a jail can hold exactly them.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// How far a chain may go before it is called a loop.
+const MAX_DEPTH: usize = 256;
+
+/// One file under an overlay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backing {
+    /// An image file (qcow2 or raw).
+    File(PathBuf),
+    /// The unix socket of an NBD export.
+    Socket(PathBuf),
+}
+
+/// The backing file named in a qcow2 header, or `None` (no backing, or
+/// not a qcow2 file).
+fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
+    let mut f = std::fs::File::open(path)?;
+    let mut header = [0u8; 20];
+    if f.read_exact(&mut header).is_err() || &header[..4] != b"QFI\xfb" {
+        return Ok(None);
+    }
+    let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
+    let size = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes"));
+    if offset == 0 || size == 0 || size > 65536 {
+        return Ok(None);
+    }
+    let mut name = vec![0u8; size as usize];
+    f.seek(SeekFrom::Start(offset))?;
+    f.read_exact(&mut name)?;
+    Ok(Some(String::from_utf8_lossy(&name).into_owned()))
+}
+
+/// The NBD socket in a `json:` backing spec (as `RootDisk::backing`
+/// writes it), if there is one.
+fn socket_of(spec: &str) -> Option<PathBuf> {
+    let v: serde_json::Value = serde_json::from_str(spec.strip_prefix("json:")?).ok()?;
+    v.get("file.server.path")
+        .or_else(|| v.pointer("/file/server/path"))
+        .and_then(|p| p.as_str())
+        .map(PathBuf::from)
+}
+
+/// Every file below `overlay` (not the overlay itself), top first.
+pub fn below(overlay: &Path) -> std::io::Result<Vec<Backing>> {
+    let mut out = Vec::new();
+    let mut current = overlay.to_path_buf();
+    for _ in 0..MAX_DEPTH {
+        let Some(name) = backing_name(&current)? else {
+            return Ok(out);
+        };
+        if name.starts_with("json:") {
+            if let Some(socket) = socket_of(&name) {
+                out.push(Backing::Socket(socket));
+            }
+            return Ok(out);
+        }
+        let next = match Path::new(&name) {
+            p if p.is_absolute() => p.to_path_buf(),
+            p => current.parent().unwrap_or(Path::new("/")).join(p),
+        };
+        out.push(Backing::File(next.clone()));
+        current = next;
+    }
+    Err(std::io::Error::other(format!(
+        "the backing chain of {} is deeper than {MAX_DEPTH}",
+        overlay.display()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qemu_img(args: &[&str]) -> bool {
+        std::process::Command::new("qemu-img")
+            .args(args)
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    }
+
+    #[test]
+    fn follows_files_and_stops_at_an_nbd_socket() {
+        let d = tempfile::tempdir().unwrap();
+        let p = |n: &str| d.path().join(n).display().to_string();
+        std::fs::write(d.path().join("base.raw"), vec![0u8; 1 << 20]).unwrap();
+        if !qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            &p("base.raw"),
+            &p("a.qcow2"),
+        ]) {
+            eprintln!("qemu-img is missing: skipped");
+            return;
+        }
+        assert!(qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &p("a.qcow2"),
+            &p("b.qcow2")
+        ]));
+        assert_eq!(
+            below(&d.path().join("b.qcow2")).unwrap(),
+            vec![
+                Backing::File(d.path().join("a.qcow2")),
+                Backing::File(d.path().join("base.raw"))
+            ]
+        );
+        let spec = r#"json:{"file.driver":"nbd","file.server.type":"unix","file.server.path":"/run/x.sock","file.export":"e"}"#;
+        assert!(qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-u",
+            "-F",
+            "raw",
+            "-b",
+            spec,
+            &p("n.qcow2"),
+            "1M"
+        ]));
+        assert_eq!(
+            below(&d.path().join("n.qcow2")).unwrap(),
+            vec![Backing::Socket("/run/x.sock".into())]
+        );
+        assert_eq!(below(&d.path().join("base.raw")).unwrap(), vec![]);
+    }
+}
