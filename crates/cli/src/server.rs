@@ -38,6 +38,10 @@ pub enum KeysCommand {
     Create {
         #[arg(long, default_value = "default")]
         name: String,
+        /// The team it acts for: it sees and changes only that team's
+        /// sandboxes, snapshots and templates (and the shared base ones).
+        #[arg(long, default_value = "default")]
+        team: String,
     },
     /// List API keys (their ids and first characters).
     List,
@@ -84,9 +88,15 @@ pub async fn serve(a: ServeArgs) -> anyhow::Result<i32> {
 pub fn keys(cmd: KeysCommand) -> anyhow::Result<i32> {
     let db = Db::open(&Paths::from_env().data_dir.join("tine.db"))?;
     match cmd {
-        KeysCommand::Create { name } => {
-            let k = db.create_key(&name)?;
-            eprintln!("created key {} ({name}); it is shown only now:", k.key.id);
+        KeysCommand::Create { name, team } => {
+            if !tine_server::db::valid_team(&team) {
+                bail!("a team name is 1 to 64 letters, digits, '-' or '_', got {team:?}");
+            }
+            let k = db.create_team_key(&name, &team)?;
+            eprintln!(
+                "created key {} ({name}, team {team}); it is shown only now:",
+                k.key.id
+            );
             println!("{}", k.plaintext);
         }
         KeysCommand::List => {
@@ -96,7 +106,10 @@ pub fn keys(cmd: KeysCommand) -> anyhow::Result<i32> {
                 } else {
                     "active"
                 };
-                println!("{}\t{}…\t{state}\t{}", k.id, k.prefix, k.name);
+                println!(
+                    "{}\t{}…\t{state}\t{}\tteam {}",
+                    k.id, k.prefix, k.name, k.team
+                );
             }
         }
         KeysCommand::Revoke { id } => {

@@ -21,9 +21,14 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Open the database, re-adopt or clean up the sandboxes of a previous run,
 /// and serve until the process ends.
-pub async fn serve(config: Config, paths: tine_vmm::Paths) -> anyhow::Result<()> {
+pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result<()> {
     config.validate()?;
     let _lock = lock_data_dir(&paths.data_dir)?;
+    paths.jail = config.jail.clone();
+    if std::env::var("TINE_JAIL").is_ok_and(|v| v == "0" || v == "off") {
+        paths.jail.enabled = false;
+    }
+    check_isolation(&config, &paths)?;
     // Before any VM exists: it sets where veth addresses come from.
     let network =
         Arc::new(crate::network::Network::new(&config.network).map_err(anyhow::Error::msg)?);
@@ -212,4 +217,36 @@ fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<nix::fcntl::Flock<std:
             path.display()
         )
     })
+}
+
+/// Refuse to run where isolation was required and is missing; say loudly
+/// what is weaker than it could be. The data directory becomes 0700: its
+/// files are reachable only by tine and, through their jails, by the VMs
+/// they belong to.
+fn check_isolation(config: &Config, paths: &tine_vmm::Paths) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(&paths.data_dir)?;
+    std::fs::set_permissions(&paths.data_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("chmod 0700 {}", paths.data_dir.display()))?;
+    let accel = tine_vmm::Accel::probe();
+    if accel == tine_vmm::Accel::Tcg {
+        if config.require_kvm {
+            anyhow::bail!(
+                "require_kvm is set and this host has no usable KVM (no vmx/svm, or /dev/kvm does not open)"
+            );
+        }
+        tracing::warn!(
+            "WARNING: guests run under TCG (no KVM here). QEMU's security policy treats only KVM \
+             guests as a security boundary: a bug in TCG or an emulated device is a way out of the \
+             guest. The jail confines what such a QEMU could do next; set require_kvm = true to \
+             refuse TCG. See docs/security.md."
+        );
+    }
+    if !paths.jail.enabled {
+        tracing::warn!(
+            "WARNING: the jail is off ([jail] enabled = false or TINE_JAIL=0): every QEMU runs as \
+             tine's own user with tine's view of the host"
+        );
+    }
+    Ok(())
 }

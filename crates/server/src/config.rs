@@ -22,6 +22,22 @@
 //! dns = "10.0.0.2"                 # the resolver guests use (default: the host's)
 //! veth_pool = "10.233.0.0/16"      # host<->sandbox links, a /31 each
 //!
+//! require_kvm = false             # refuse to start under TCG
+//!
+//! [jail]                          # see docs/security.md
+//! enabled = true
+//! uid_base = 900000               # VMs run as uids uid_base..uid_base+uid_count
+//! uid_count = 65536
+//! vmm_overhead_mib = 256          # memory.max = guest memory + this
+//! pids_max = 512
+//! console_max_bytes = 1048576     # console.log, then one rotated file
+//!
+//! [teams.default]                 # per-team limits (429 beyond them)
+//! max_sandboxes = 100
+//! max_vcpus = 200
+//! max_memory_mb = 102400
+//! max_snapshot_bytes = 107374182400
+//!
 //! [registries]                    # where OCI images come from
 //! insecure = ["registry.lan:5000"]            # plain HTTP (loopback always is)
 //! mirrors = { "docker.io" = ["registry.lan:5000"] }   # tried first, in order
@@ -85,6 +101,29 @@ pub struct Config {
     /// Build layers no build made or reused for this long are deleted
     /// (0: kept forever).
     pub build_layer_ttl_secs: u64,
+    /// How each QEMU is confined (`[jail]`, see docs/security.md).
+    pub jail: tine_vmm::JailConfig,
+    /// Refuse to start without KVM: under TCG, QEMU's own security policy
+    /// does not count the guest/host boundary as one.
+    pub require_kvm: bool,
+    /// Per-team limits (`[teams.<name>]`); a team not named gets
+    /// `[teams.default]`'s, or none.
+    pub teams: std::collections::BTreeMap<String, TeamLimits>,
+}
+
+/// What one team may hold at once; a create, resume, fork or snapshot
+/// beyond it gets 429.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TeamLimits {
+    /// Sandboxes running (paused ones hold no VM and do not count).
+    pub max_sandboxes: Option<usize>,
+    /// vCPUs of its running sandboxes together.
+    pub max_vcpus: Option<u64>,
+    /// Memory of its running sandboxes together, in MiB.
+    pub max_memory_mb: Option<u64>,
+    /// Bytes of its snapshots and pause captures on disk.
+    pub max_snapshot_bytes: Option<u64>,
 }
 
 impl Default for Config {
@@ -115,6 +154,9 @@ impl Default for Config {
             build_ready_timeout_secs: 300,
             build_step_timeout_secs: 3600,
             build_layer_ttl_secs: 7 * 24 * 3600,
+            jail: Default::default(),
+            require_kvm: false,
+            teams: Default::default(),
         }
     }
 }
@@ -169,6 +211,15 @@ impl Config {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");
         }
         self.network.validate().map_err(ConfigError::Invalid)
+    }
+
+    /// The limits of team `team`.
+    pub fn team_limits(&self, team: &str) -> TeamLimits {
+        self.teams
+            .get(team)
+            .or_else(|| self.teams.get("default"))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// What the image daemon is told.

@@ -107,6 +107,8 @@ pub struct SandboxRecord {
     /// Required by `get_host` traffic when the policy closes public traffic.
     pub traffic_token: Option<String>,
     pub lifecycle: Lifecycle,
+    /// The team of the API key that made it (or of its fork source).
+    pub team: String,
 }
 
 #[cfg(test)]

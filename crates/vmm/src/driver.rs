@@ -177,6 +177,10 @@ pub trait Driver: Send + Sync {
     fn open_snapshot(&self, id: &str) -> Result<SnapshotRef>;
     /// Delete every file of snapshot `id` (gone already is fine).
     fn delete_snapshot(&self, id: &str) -> Result<()>;
+    /// Bytes snapshot `id`'s files take on disk (0 if unknown).
+    fn snapshot_bytes(&self, _id: &str) -> u64 {
+        0
+    }
     /// Fold snapshot `id`'s chain onto its root; returns the root, or `None`
     /// when there was nothing to fold.
     async fn compact(&self, id: &str) -> Result<Option<String>>;

@@ -75,7 +75,7 @@ impl From<SandboxError> for ApiError {
             SandboxError::Template(t) => template_status(t),
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
-            SandboxError::Capacity(_) => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::Capacity(_) | SandboxError::TeamLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             SandboxError::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Vm { source, .. } => vm_status(source.kind()),
             SandboxError::Network { source, .. }

@@ -146,6 +146,37 @@ impl FromRequestParts<Arc<AppState>> for Authed {
     }
 }
 
+/// A sandbox id from the path that belongs to the caller's team. Another
+/// team's sandbox gets the same 404 as an unknown id, so ids cannot be
+/// probed across teams.
+pub struct Owned {
+    pub id: String,
+    pub key: ApiKey,
+}
+
+impl FromRequestParts<Arc<AppState>> for Owned {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let Authed(key) = Authed::from_request_parts(parts, state).await?;
+        let axum::extract::Path(id) =
+            axum::extract::Path::<String>::from_request_parts(parts, state)
+                .await
+                .map_err(|e| ApiError::bad_request(e.body_text()))?;
+        match state.manager.db().sandbox_team(&id) {
+            Ok(Some(team)) if team == key.team => Ok(Owned { id, key }),
+            Ok(_) => Err(crate::sandboxes::SandboxError::NotFound(id).into()),
+            Err(e) => Err(ApiError::new(
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                e.to_string(),
+            )),
+        }
+    }
+}
+
 /// Read a JSON body of at most `max` bytes into `T`. An empty body is `{}`.
 pub async fn json_body<T: DeserializeOwned>(
     body: axum::body::Body,

@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use serde::Deserialize;
 
-use super::{json_body, ApiError, Authed};
+use super::{json_body, ApiError, Owned};
 use crate::network::policy::{NetworkPolicy, Unsupported};
 use crate::state::AppState;
 
@@ -51,9 +51,8 @@ struct UpdateBody {
 /// Replace the sandbox's egress rules (what the body leaves out is
 /// cleared); who may reach its ports stays as it was created.
 pub async fn update(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: UpdateBody = json_body(body, s.manager.config.max_body_bytes).await?;

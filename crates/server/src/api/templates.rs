@@ -37,6 +37,23 @@ fn db_err(e: DbError) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
 }
 
+/// 404 unless `template` (a name, `name:tag`, or a snapshot id) is shared
+/// or belongs to `team`: another team's template answers as an unknown one.
+pub(super) fn check_visible(s: &AppState, team: &str, template: &str) -> Result<(), ApiError> {
+    let db = s.manager.db();
+    let name = template.split(':').next().unwrap_or(template);
+    let owner = match db.get_snapshot(template).map_err(db_err)? {
+        Some(row) => db.snapshot_team(&row).map_err(db_err)?,
+        None => db.template_team(name).map_err(db_err)?,
+    };
+    match owner {
+        Some(t) if t != team => Err(ApiError::not_found(format!(
+            "template '{template}' not found"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct RequestBody {
@@ -51,7 +68,7 @@ struct RequestBody {
 
 /// `POST /v3/templates`: register a build (`Template.build` first).
 pub async fn request_build(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
@@ -61,7 +78,18 @@ pub async fn request_build(
         .or(b.alias)
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
     let machine = crate::sandboxes::limits::machine(&s.manager.config, b.cpu_count, b.memory_mb)?;
+    // Template names are one namespace: another team's name is taken.
+    if check_visible(&s, &key.team, &name).is_err() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("template name '{name}' is not available"),
+        ));
+    }
     let build = s.builds.request(&name, b.tags, machine)?;
+    s.builds
+        .db()
+        .set_build_team(&build.id, &key.team)
+        .map_err(db_err)?;
     let body = serde_json::json!({
         "templateID": build.template,
         "buildID": build.id,
@@ -76,11 +104,12 @@ pub async fn request_build(
 /// `GET /templates/{id}/files/{hash}`: whether the server has the files
 /// of a `COPY`, and if not where to upload them.
 pub async fn file_link(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path((template, hash)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &template)?;
     if !crate::builds::steps::valid_hash(&hash) {
         return Err(ApiError::bad_request(format!(
             "files hash {hash:?} is not a sha256 hex digest"
@@ -150,11 +179,12 @@ pub async fn upload(
 
 /// `POST /v2/templates/{id}/builds/{buildID}`: start the build.
 pub async fn start_build(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path((template, build_id)): Path<(String, String)>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &template)?;
     let req: StartRequest = json_body(body, 4 * s.manager.config.max_body_bytes).await?;
     s.builds.start(&template, &build_id, req)?;
     Ok(StatusCode::ACCEPTED.into_response())
@@ -170,11 +200,12 @@ pub struct StatusQuery {
 /// `GET /templates/{id}/builds/{buildID}/status`: the build's status and
 /// its log from `logsOffset` on.
 pub async fn build_status(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path((template, build_id)): Path<(String, String)>,
     Query(q): Query<StatusQuery>,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &template)?;
     let build = s.builds.get(&template, &build_id)?;
     let entries = s.builds.logs(
         &build_id,
@@ -201,10 +232,11 @@ pub async fn build_status(
 
 /// `GET /templates/aliases/{alias}`: `Template.exists`.
 pub async fn alias(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path(alias): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &alias)?;
     if !s.manager.templates().exists(&alias) {
         return Err(ApiError::not_found(format!("template {alias} not found")));
     }
@@ -225,10 +257,11 @@ fn build_out(b: &BuildRow) -> serde_json::Value {
 
 /// `GET /templates/{id}`: a template and its builds.
 pub async fn get_template(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path(template): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &template)?;
     let builds = s.builds.db().list_builds(&template).map_err(db_err)?;
     let exists = s.manager.templates().exists(&template);
     if builds.is_empty() && !exists {
@@ -260,12 +293,13 @@ struct AssignTags {
 /// `POST /templates/tags`: point tags of a template at the build `target`
 /// (`name` or `name:tag`) names.
 pub async fn assign_tags(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: AssignTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.target.split(':').next().unwrap_or_default().to_string();
+    check_visible(&s, &key.team, &name)?;
     let row = s
         .manager
         .templates()
@@ -302,12 +336,13 @@ struct RemoveTags {
 
 /// `DELETE /templates/tags`.
 pub async fn remove_tags(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: RemoveTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.name.split(':').next().unwrap_or_default();
+    check_visible(&s, &key.team, name)?;
     for tag in &b.tags {
         if !s.builds.db().delete_tag(name, tag).map_err(db_err)? {
             return Err(ApiError::not_found(format!(
@@ -320,10 +355,11 @@ pub async fn remove_tags(
 
 /// `GET /templates/{id}/tags`.
 pub async fn list_tags(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path(template): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_visible(&s, &key.team, &template)?;
     let name = template.split(':').next().unwrap_or_default();
     let tags = s.builds.db().tags(name).map_err(db_err)?;
     if tags.is_empty() && !s.manager.templates().exists(name) {

@@ -83,6 +83,30 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<BuildRow, DbErr
 }
 
 impl Db {
+    /// Record which team asked for build `id`.
+    pub fn set_build_team(&self, id: &str, team: &str) -> Result<()> {
+        self.conn().execute(
+            "UPDATE builds SET team = ?2 WHERE id = ?1",
+            params![id, team],
+        )?;
+        Ok(())
+    }
+
+    /// The team that owns template `name`: the team of its first build
+    /// that names one (`None`: a shared template, such as `base`, or no
+    /// such template).
+    pub fn template_team(&self, name: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT team FROM builds WHERE template = ?1 AND team IS NOT NULL \
+                 ORDER BY created_ms, id LIMIT 1",
+                [name],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
     pub fn insert_build(&self, b: &BuildRow) -> Result<()> {
         self.conn().execute(
             &format!("INSERT INTO builds ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)"),

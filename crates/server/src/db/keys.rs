@@ -24,7 +24,13 @@ pub struct ApiKey {
     pub prefix: String,
     pub created_ms: i64,
     pub revoked_ms: Option<i64>,
+    /// What it may see and change: its team's sandboxes, snapshots and
+    /// templates (and the shared base templates).
+    pub team: String,
 }
+
+/// The team of keys made without one.
+pub const DEFAULT_TEAM: &str = "default";
 
 /// A key just created: the only time its plaintext is known.
 #[derive(Debug)]
@@ -33,7 +39,8 @@ pub struct NewKey {
     pub plaintext: String,
 }
 
-/// An `ApiKey` from a row of `id, name, prefix, created_ms, revoked_ms`.
+/// An `ApiKey` from a row of `id, name, prefix, created_ms, revoked_ms,
+/// team`.
 fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
     Ok(ApiKey {
         id: r.get(0)?,
@@ -41,7 +48,16 @@ fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
         prefix: r.get(2)?,
         created_ms: r.get(3)?,
         revoked_ms: r.get(4)?,
+        team: r.get(5)?,
     })
+}
+
+/// A team name: 1-64 of `[A-Za-z0-9_-]`.
+pub fn valid_team(team: &str) -> bool {
+    (1..=64).contains(&team.len())
+        && team
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 fn hash(key: &str) -> String {
@@ -53,6 +69,11 @@ fn hash(key: &str) -> String {
 
 impl Db {
     pub fn create_key(&self, name: &str) -> Result<NewKey> {
+        self.create_team_key(name, DEFAULT_TEAM)
+    }
+
+    /// A key of team `team` (checked with [`valid_team`] by the caller).
+    pub fn create_team_key(&self, name: &str, team: &str) -> Result<NewKey> {
         let plaintext = format!("{KEY_PREFIX}{}", crate::ids::random_hex(KEY_BYTES));
         let key = ApiKey {
             id: format!("key_{}", crate::ids::random_hex(6)),
@@ -60,15 +81,17 @@ impl Db {
             prefix: plaintext[..KEY_PREFIX.len() + 6].to_string(),
             created_ms: now_ms(),
             revoked_ms: None,
+            team: team.to_string(),
         };
         self.conn().execute(
-            "INSERT INTO api_keys (id, name, hash, prefix, created_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+            "INSERT INTO api_keys (id, name, hash, prefix, created_ms, team) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![
                 key.id,
                 key.name,
                 hash(&plaintext),
                 key.prefix,
-                key.created_ms
+                key.created_ms,
+                key.team
             ],
         )?;
         Ok(NewKey { key, plaintext })
@@ -79,7 +102,7 @@ impl Db {
         Ok(self
             .conn()
             .query_row(
-                "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys WHERE hash = ?1 AND revoked_ms IS NULL",
+                "SELECT id, name, prefix, created_ms, revoked_ms, team FROM api_keys WHERE hash = ?1 AND revoked_ms IS NULL",
                 [hash(plaintext)],
                 key_from_row,
             )
@@ -89,7 +112,7 @@ impl Db {
     pub fn list_keys(&self) -> Result<Vec<ApiKey>> {
         let conn = self.conn();
         let mut stmt = conn.prepare(
-            "SELECT id, name, prefix, created_ms, revoked_ms FROM api_keys ORDER BY created_ms",
+            "SELECT id, name, prefix, created_ms, revoked_ms, team FROM api_keys ORDER BY created_ms",
         )?;
         let rows = stmt.query_map([], key_from_row)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)

@@ -19,7 +19,7 @@ use rusqlite::Connection;
 
 pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
-pub use keys::{ApiKey, NewKey};
+pub use keys::{valid_team, ApiKey, NewKey, DEFAULT_TEAM};
 pub use sandboxes::ListFilter;
 pub use snapshots::{SnapshotKind, SnapshotRow};
 
@@ -133,6 +133,12 @@ ALTER TABLE sandboxes ADD COLUMN traffic_token TEXT;
     r#"
 ALTER TABLE sandboxes ADD COLUMN lifecycle TEXT NOT NULL DEFAULT '{}';
 "#,
+    r#"
+ALTER TABLE api_keys ADD COLUMN team TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE sandboxes ADD COLUMN team TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE builds ADD COLUMN team TEXT;
+CREATE INDEX sandboxes_by_team ON sandboxes (team, state);
+"#,
 ];
 
 impl Db {
@@ -145,6 +151,13 @@ impl Db {
             let _ = std::fs::create_dir_all(dir);
         }
         let conn = Connection::open(path).map_err(open_err)?;
+        // The database holds access tokens: tine's alone.
+        for suffix in ["", "-wal", "-shm"] {
+            let mut name = path.as_os_str().to_owned();
+            name.push(suffix);
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&name, std::fs::Permissions::from_mode(0o600));
+        }
         conn.busy_timeout(std::time::Duration::from_secs(10))
             .map_err(open_err)?;
         conn.pragma_update(None, "journal_mode", "WAL")

@@ -10,7 +10,7 @@ use crate::model::{SandboxRecord, SandboxState};
 const COLUMNS: &str =
     "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
      disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error, \
-     network, traffic_token, lifecycle";
+     network, traffic_token, lifecycle, team";
 
 fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
     let state: String = row.get(4)?;
@@ -47,6 +47,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
             traffic_token: row.get(17)?,
             lifecycle: serde_json::from_str(&lifecycle)
                 .map_err(|_| DbError::Corrupt(format!("lifecycle of {id}")))?,
+            team: row.get(19)?,
         })
     };
     Ok(build())
@@ -58,6 +59,8 @@ pub struct ListFilter {
     pub states: Vec<SandboxState>,
     pub metadata: BTreeMap<String, String>,
     pub template: Option<String>,
+    /// Only this team's sandboxes.
+    pub team: Option<String>,
     pub started_after_ms: Option<i64>,
     pub started_before_ms: Option<i64>,
     /// Continue after this `(started_at_ms, id)` (the paging token).
@@ -66,10 +69,43 @@ pub struct ListFilter {
     pub limit: usize,
 }
 
+/// What one team's running (and starting) sandboxes hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TeamUsage {
+    pub sandboxes: u64,
+    pub vcpus: u64,
+    pub memory_mb: u64,
+}
+
 impl Db {
+    /// The team a sandbox belongs to (`None`: no such sandbox).
+    pub fn sandbox_team(&self, id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row("SELECT team FROM sandboxes WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()?)
+    }
+
+    pub fn team_usage(&self, team: &str) -> Result<TeamUsage> {
+        Ok(self.conn().query_row(
+            "SELECT COUNT(*), COALESCE(SUM(cpu_count), 0), COALESCE(SUM(memory_mb), 0) \
+             FROM sandboxes WHERE team = ?1 AND state IN ('starting', 'running')",
+            [team],
+            |r| {
+                Ok(TeamUsage {
+                    sandboxes: r.get::<_, i64>(0)? as u64,
+                    vcpus: r.get::<_, i64>(1)? as u64,
+                    memory_mb: r.get::<_, i64>(2)? as u64,
+                })
+            },
+        )?)
+    }
+
     pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19)"),
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20)"),
             params![
                 s.id,
                 s.template_id,
@@ -90,6 +126,7 @@ impl Db {
                 serde_json::to_string(&s.network).expect("a policy serializes"),
                 s.traffic_token,
                 serde_json::to_string(&s.lifecycle).expect("a lifecycle serializes"),
+                s.team,
             ],
         )?;
         Ok(())
@@ -200,6 +237,10 @@ impl Db {
         if let Some(t) = &f.template {
             args.push(t.clone().into());
             sql += &format!(" AND template_id = ?{}", args.len());
+        }
+        if let Some(t) = &f.team {
+            args.push(t.clone().into());
+            sql += &format!(" AND team = ?{}", args.len());
         }
         if let Some(ms) = f.started_after_ms {
             args.push(ms.into());

@@ -119,6 +119,31 @@ impl Db {
             .transpose()
     }
 
+    /// The team that owns a capture: its sandbox's; for a template, its
+    /// builder's (`None`: shared by every team).
+    pub fn snapshot_team(&self, row: &SnapshotRow) -> Result<Option<String>> {
+        match row.kind {
+            SnapshotKind::Template => match row.names.first() {
+                Some(name) => self.template_team(name),
+                None => Ok(None),
+            },
+            SnapshotKind::Layer => Ok(None),
+            _ => self.sandbox_team(&row.sandbox_id),
+        }
+    }
+
+    /// Captures (user snapshots and pauses) of team `team`'s sandboxes
+    /// that are not deleted.
+    pub fn team_snapshot_ids(&self, team: &str) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT s.id FROM snapshots s JOIN sandboxes b ON b.id = s.sandbox_id \
+             WHERE b.team = ?1 AND s.deleted_ms IS NULL AND s.kind IN ('snapshot', 'pause')",
+        )?;
+        let rows = stmt.query_map([team], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// User snapshots, oldest first, optionally of one sandbox.
     pub fn list_snapshots(&self, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>> {
         let conn = self.conn();

@@ -195,6 +195,7 @@ impl Manager {
                 detail: "paused without a capture".into(),
             })?;
         self.check_capacity(1)?;
+        self.check_team(&rec.team, 1, rec_machine(&rec))?;
         let snapshot = self
             .driver
             .open_snapshot(&snap_id)
@@ -317,6 +318,7 @@ impl Manager {
         name: Option<String>,
     ) -> Result<SnapshotRow, SandboxError> {
         let _op = self.lock(id).await;
+        self.check_team_snapshots(&self.get(id)?.team)?;
         let (row, _) = self
             .capture_running(id, SnapshotKind::Snapshot, name.into_iter().collect())
             .await?;
@@ -342,6 +344,7 @@ impl Manager {
         let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
         self.check_capacity(count)?;
         let source_rec = self.get(id)?;
+        self.check_team(&source_rec.team, count as u64, rec_machine(&source_rec))?;
         let (row, mut snapshot) = {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
@@ -365,6 +368,7 @@ impl Manager {
             lifecycle: source_rec.lifecycle,
             // Children inherit the policy (and get their own traffic token).
             network: Some(source_rec.network.clone()),
+            team: source_rec.team.clone(),
             ..Default::default()
         };
         let machine = source.snapshot.info().machine;
@@ -397,5 +401,14 @@ impl Manager {
         self.driver
             .open_snapshot(snapshot_id)
             .map_err(SandboxError::vm(id, "opening the fork capture"))
+    }
+}
+
+/// The machine shape a sandbox record runs with.
+fn rec_machine(rec: &SandboxRecord) -> tine_vmm::Machine {
+    tine_vmm::Machine {
+        vcpus: rec.cpu_count,
+        memory_mib: rec.memory_mb,
+        ..tine_vmm::Machine::default()
     }
 }

@@ -24,6 +24,8 @@ pub struct CreateRequest {
     /// Its network policy (checked already); `None` takes the default, or
     /// the policy of the sandbox a snapshot was taken of.
     pub network: Option<crate::network::NetworkPolicy>,
+    /// The team of the key that asks (empty: `default`).
+    pub team: String,
 }
 
 impl Manager {
@@ -213,6 +215,11 @@ impl Manager {
                 paused_disk_only: false,
                 ..req.lifecycle
             },
+            team: if req.team.is_empty() {
+                crate::db::DEFAULT_TEAM.to_string()
+            } else {
+                req.team.clone()
+            },
         }
     }
 
@@ -224,6 +231,15 @@ impl Manager {
         let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
         self.check_capacity(1)?;
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
+        self.check_team(
+            if req.team.is_empty() {
+                crate::db::DEFAULT_TEAM
+            } else {
+                &req.team
+            },
+            1,
+            machine,
+        )?;
         if req.network.is_none() && !source.template {
             req.network = self.snapshot_policy(source.snapshot_id.as_deref())?;
         }

@@ -69,6 +69,61 @@ pub fn fork_count(config: &Config, count: i64) -> Result<usize, SandboxError> {
 }
 
 impl Manager {
+    /// Room in team `team`'s limits for `more` running sandboxes of
+    /// `machine`'s shape.
+    pub(super) fn check_team(
+        &self,
+        team: &str,
+        more: u64,
+        machine: Machine,
+    ) -> Result<(), SandboxError> {
+        let limits = self.config.team_limits(team);
+        let used = self.db.team_usage(team)?;
+        let over = |what: &str, used: u64, adding: u64, max: u64| {
+            SandboxError::TeamLimit(format!(
+                "team {team} would exceed its {what}: {used} in use + {adding} asked > {max}"
+            ))
+        };
+        if let Some(max) = limits.max_sandboxes {
+            if used.sandboxes + more > max as u64 {
+                return Err(over("max_sandboxes", used.sandboxes, more, max as u64));
+            }
+        }
+        let cpus = more * u64::from(machine.vcpus);
+        if let Some(max) = limits.max_vcpus {
+            if used.vcpus + cpus > max {
+                return Err(over("max_vcpus", used.vcpus, cpus, max));
+            }
+        }
+        let mem = more * u64::from(machine.memory_mib);
+        if let Some(max) = limits.max_memory_mb {
+            if used.memory_mb + mem > max {
+                return Err(over("max_memory_mb (MiB)", used.memory_mb, mem, max));
+            }
+        }
+        Ok(())
+    }
+
+    /// Room for another user snapshot in team `team`'s
+    /// `max_snapshot_bytes` (its snapshots and pause captures on disk).
+    pub(super) fn check_team_snapshots(&self, team: &str) -> Result<(), SandboxError> {
+        let Some(max) = self.config.team_limits(team).max_snapshot_bytes else {
+            return Ok(());
+        };
+        let used: u64 = self
+            .db
+            .team_snapshot_ids(team)?
+            .iter()
+            .map(|id| self.driver.snapshot_bytes(id))
+            .sum();
+        if used >= max {
+            return Err(SandboxError::TeamLimit(format!(
+                "team {team} would exceed its max_snapshot_bytes: {used} bytes of snapshots on disk, limit {max}"
+            )));
+        }
+        Ok(())
+    }
+
     /// Room for `more` running sandboxes under `max_sandboxes`.
     pub(super) fn check_capacity(&self, more: usize) -> Result<(), SandboxError> {
         let n = self.live_count();

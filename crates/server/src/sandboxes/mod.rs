@@ -61,6 +61,9 @@ pub enum SandboxError {
     Conflict(String),
     #[error("capacity reached: {0} sandboxes are running (max_sandboxes)")]
     Capacity(usize),
+    /// A team's limit (`[teams.<name>]`) would be passed.
+    #[error("{0}")]
+    TeamLimit(String),
     /// The guest's agent does not answer what an operation needs it for
     /// (a pause that must not lose data); the sandbox is left as it was.
     #[error("sandbox {id}: its agent does not answer: {detail}")]

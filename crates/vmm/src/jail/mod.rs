@@ -190,7 +190,16 @@ fn plan(root: &Path, needs: &Needs, accel: Accel) -> Result<Vec<Step>> {
             .ctx(|| format!("reading the backing chain of {}", disk.display()))?;
         for b in below {
             match b {
-                chain::Backing::File(p) | chain::Backing::Socket(p) => binds.push((p, false)),
+                chain::Backing::File(p) => binds.push((p, false)),
+                chain::Backing::Socket(p) => {
+                    // Connecting needs write access to the socket; only
+                    // jails that bind it can reach it (the data directory
+                    // is 0700).
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666))
+                        .ctx(|| format!("chmod {}", p.display()))?;
+                    binds.push((p, false));
+                }
             }
         }
     }

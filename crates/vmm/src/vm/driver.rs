@@ -118,6 +118,18 @@ impl Driver for QemuDriver {
         Snapshot::open(&self.paths, id).map(snapshot_ref)
     }
 
+    fn snapshot_bytes(&self, id: &str) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::read_dir(self.paths.snapshot_dir(id))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.blocks() * 512)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
     fn delete_snapshot(&self, id: &str) -> Result<()> {
         Snapshot::delete(&self.paths, id)
     }

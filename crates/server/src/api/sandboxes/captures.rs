@@ -8,7 +8,7 @@ use axum::Json;
 use http::StatusCode;
 use serde::Deserialize;
 
-use super::super::{json_body, ApiError, Authed};
+use super::super::{json_body, ApiError, Authed, Owned};
 use super::sandbox_out;
 use crate::state::AppState;
 
@@ -23,9 +23,8 @@ struct PauseBody {
 }
 
 pub async fn pause(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: PauseBody = json_body(body, s.manager.config.max_body_bytes).await?;
@@ -49,9 +48,8 @@ struct ConnectBody {
 
 /// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
 pub async fn connect(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
@@ -75,9 +73,8 @@ struct SnapshotBody {
 }
 
 pub async fn create_snapshot(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
@@ -97,10 +94,11 @@ pub async fn create_snapshot(
 
 /// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
 pub async fn delete_snapshot(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    super::super::templates::check_visible(&s, &key.team, &id)?;
     s.manager.delete_snapshot(&id)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -112,9 +110,8 @@ struct ForkBody {
 }
 
 pub async fn fork(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;

@@ -108,9 +108,10 @@ fn decode_token(t: &str) -> Option<(i64, String)> {
     Some((ms.parse().ok()?, id.to_string()))
 }
 
-async fn list(s: &AppState, q: ListQuery, paged: bool) -> Result<Response, ApiError> {
+async fn list(s: &AppState, team: &str, q: ListQuery, paged: bool) -> Result<Response, ApiError> {
     let defaults = [SandboxState::Running, SandboxState::Paused];
     let mut f = parse_filter(&q, if paged { &defaults } else { &defaults[..1] })?;
+    f.team = Some(team.to_string());
     let page = f.limit;
     if paged {
         f.limit = page + 1; // one more tells whether there is a next page
@@ -133,19 +134,19 @@ async fn list(s: &AppState, q: ListQuery, paged: bool) -> Result<Response, ApiEr
 }
 
 pub async fn list_v2(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response, ApiError> {
-    list(&s, q, true).await
+    list(&s, &key.team, q, true).await
 }
 
 pub async fn list_v1(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Query(q): Query<ListQuery>,
 ) -> Result<Response, ApiError> {
-    list(&s, q, false).await
+    list(&s, &key.team, q, false).await
 }
 
 #[derive(Deserialize)]
@@ -169,13 +170,20 @@ fn has_name(names: &[String], wanted: &str) -> bool {
 }
 
 pub async fn list_snapshots(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Query(q): Query<SnapshotsQuery>,
 ) -> Result<Response, ApiError> {
     let mut rows = s
         .manager
         .list_snapshots(q.sandbox_id.as_deref().filter(|x| !x.is_empty()))?;
+    let db = s.manager.db();
+    rows.retain(|r| {
+        db.snapshot_team(r)
+            .ok()
+            .flatten()
+            .is_none_or(|t| t == key.team)
+    });
     if let Some(name) = q.name.as_deref().filter(|n| !n.is_empty()) {
         rows.retain(|r| has_name(&r.names, name));
     }
@@ -204,16 +212,23 @@ pub async fn list_snapshots(
 
 /// `GET /templates`: one entry per template name.
 pub async fn list_templates(
-    _: Authed,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
 ) -> Result<Response, ApiError> {
-    let rows = s
-        .manager
-        .db()
+    let db = s.manager.db();
+    let rows = db
         .list_templates()
         .map_err(crate::sandboxes::SandboxError::from)?;
     let mut out: Vec<serde_json::Value> = Vec::new();
     for r in rows {
+        if db
+            .snapshot_team(&r)
+            .ok()
+            .flatten()
+            .is_some_and(|t| t != key.team)
+        {
+            continue;
+        }
         let name = r.names.first().cloned().unwrap_or_default();
         out.push(serde_json::json!({
             "templateID": name,
@@ -313,6 +328,7 @@ mod tests {
             network: Default::default(),
             traffic_token: None,
             lifecycle: Default::default(),
+            team: "default".into(),
         }
     }
 }

@@ -16,13 +16,13 @@ pub use observe::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::{json_body, ApiError, Authed};
+use super::{json_body, ApiError, Authed, Owned};
 use crate::model::SandboxRecord;
 use crate::sandboxes::CreateRequest;
 use crate::state::AppState;
@@ -189,7 +189,7 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let bytes = super::body_bytes(body, s.manager.config.max_body_bytes).await?;
     let attempt = || async {
-        let rec = create_sandbox(&s, &bytes).await?;
+        let rec = create_sandbox(&s, &api_key.team, &bytes).await?;
         let out = serde_json::to_value(sandbox_out(rec, &s.domain))
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
         Ok((StatusCode::CREATED, out))
@@ -205,7 +205,7 @@ pub async fn create(
     Ok((status, Json(out)).into_response())
 }
 
-async fn create_sandbox(s: &AppState, body: &[u8]) -> Result<SandboxRecord, ApiError> {
+async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<SandboxRecord, ApiError> {
     let req: NewSandbox = super::parse_json(body)?;
     for (field, value, why) in [
         ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
@@ -220,11 +220,13 @@ async fn create_sandbox(s: &AppState, body: &[u8]) -> Result<SandboxRecord, ApiE
     }
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
+    let template_id = req
+        .template_id
+        .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into());
+    super::templates::check_visible(s, team, &template_id)?;
     Ok(s.manager
         .create(CreateRequest {
-            template_id: req
-                .template_id
-                .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into()),
+            template_id,
             timeout_secs: req.timeout,
             metadata: req.metadata.unwrap_or_default(),
             env_vars: req.env_vars.unwrap_or_default(),
@@ -233,6 +235,7 @@ async fn create_sandbox(s: &AppState, body: &[u8]) -> Result<SandboxRecord, ApiE
             cpu_count: req.cpu_count,
             memory_mb: req.memory_mb,
             network,
+            team: team.to_string(),
         })
         .await?)
 }
@@ -251,18 +254,16 @@ fn sandbox_out(rec: SandboxRecord, domain: &str) -> SandboxOut {
 }
 
 pub async fn get_one(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let rec = s.manager.get(&id)?;
     Ok(Json(detail(rec, Some(&s.domain))).into_response())
 }
 
 pub async fn kill(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     s.manager.kill(&id, "killed through the API").await?;
     Ok(StatusCode::NO_CONTENT)
@@ -274,9 +275,8 @@ struct TimeoutBody {
 }
 
 pub async fn set_timeout(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: TimeoutBody = json_body(body, s.manager.config.max_body_bytes).await?;
@@ -291,9 +291,8 @@ struct RefreshBody {
 
 /// Extends the time to live by `duration` seconds (default 60) from now.
 pub async fn refresh(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: RefreshBody = json_body(body, s.manager.config.max_body_bytes).await?;

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 
-use super::super::{ApiError, Authed};
+use super::super::{ApiError, Owned};
 use super::rfc3339;
 use crate::state::AppState;
 
@@ -30,9 +30,8 @@ fn unix_seconds(t: i64) -> i64 {
 
 /// `GET /sandboxes/{id}/metrics?start=&end=`: the samples in that range.
 pub async fn metrics(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     q: Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(q) =
@@ -57,9 +56,8 @@ pub struct LogsQuery {
 }
 
 pub async fn logs(
-    _: Authed,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
     Query(q): Query<LogsQuery>,
 ) -> Result<Response, ApiError> {
     let text = s.manager.console_log(&id)?;
