@@ -77,6 +77,17 @@ build_context_max_bytes = 8388608
 # (tests/e2e/net/inet.sh).
 allow_private = ["10.99.1.0/24"]
 dns = "203.0.113.10"
+
+[jail]
+# Small, so a test can fill and rotate it quickly.
+console_max_bytes = 65536
+
+# test_isolation.py's team with limits (the default team has none).
+[teams.limited]
+max_sandboxes = 1
+max_vcpus = 1
+max_memory_mb = 512
+max_snapshot_bytes = 1
 EOF
 
 export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT"

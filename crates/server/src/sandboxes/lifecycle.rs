@@ -215,11 +215,7 @@ impl Manager {
                 paused_disk_only: false,
                 ..req.lifecycle
             },
-            team: if req.team.is_empty() {
-                crate::db::DEFAULT_TEAM.to_string()
-            } else {
-                req.team.clone()
-            },
+            team: req.team.clone(),
         }
     }
 
@@ -230,16 +226,14 @@ impl Manager {
         let machine = limits::machine(&self.config, req.cpu_count, req.memory_mb)?;
         let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
         self.check_capacity(1)?;
+        if req.team.is_empty() {
+            req.team = crate::db::DEFAULT_TEAM.to_string();
+        }
+        // Before a template may be built for the shape; again after, as a
+        // snapshot brings its own shape.
+        self.check_team(&req.team, 1, machine)?;
         let (source, machine) = self.resolve(&req.template_id, machine).await?;
-        self.check_team(
-            if req.team.is_empty() {
-                crate::db::DEFAULT_TEAM
-            } else {
-                &req.team
-            },
-            1,
-            machine,
-        )?;
+        self.check_team(&req.team, 1, machine)?;
         if req.network.is_none() && !source.template {
             req.network = self.snapshot_policy(source.snapshot_id.as_deref())?;
         }

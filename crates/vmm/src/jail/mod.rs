@@ -174,7 +174,7 @@ pub fn share(path: &Path) -> Result<()> {
 /// Plan the mounts for `needs`: what is bound where, which directories
 /// hold the mount points. Pure apart from reading the disk chain and
 /// whether the host's `/lib` & co. are links.
-fn plan(root: &Path, needs: &Needs, accel: Accel) -> Result<Vec<Step>> {
+fn plan(root: &Path, data_dir: &Path, needs: &Needs, accel: Accel) -> Result<Vec<Step>> {
     // (host path, read-write?)
     let mut binds: Vec<(PathBuf, bool)> = vec![(PathBuf::from("/usr"), false)];
     if Path::new("/etc/ld.so.cache").exists() {
@@ -242,8 +242,23 @@ fn plan(root: &Path, needs: &Needs, accel: Accel) -> Result<Vec<Step>> {
         .filter(|(p, _, _)| !covered(p, &resolved))
         .cloned()
         .collect();
-    for (p, _, _) in &kept {
+    for (p, rw, is_dir) in &kept {
         add_parents(p, &mut dirs);
+        // Files tine wrote before jails (or QEMU wrote 0640) must be
+        // readable by the jail's uid; the data directory itself is 0700.
+        if !rw && !is_dir && p.starts_with(data_dir) {
+            use std::os::unix::fs::PermissionsExt;
+            if let Ok(m) = std::fs::metadata(p) {
+                let mode = m.permissions().mode();
+                if m.is_file() && mode & 0o004 == 0 {
+                    std::fs::set_permissions(
+                        p,
+                        std::fs::Permissions::from_mode((mode | 0o444) & 0o7777),
+                    )
+                    .ctx(|| format!("chmod {}", p.display()))?;
+                }
+            }
+        }
     }
     add_parents(Path::new("/dev/null"), &mut dirs);
     dirs.sort_by_key(|d| d.components().count());
@@ -318,7 +333,7 @@ impl Prepared {
     ) -> Result<Prepared> {
         let root = root_dir(data_dir);
         std::fs::create_dir_all(&root).ctx(|| format!("creating {}", root.display()))?;
-        let steps = plan(&root, needs, machine.accel)?;
+        let steps = plan(&root, data_dir, needs, machine.accel)?;
         let cgroup = if config.cgroups {
             let mut limits = cgroup::Limits::for_vm(
                 machine.vcpus,
