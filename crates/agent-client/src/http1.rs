@@ -7,7 +7,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
-/// Send `req` on the connection `conn` opens; returns status and body.
+/// The most a guest's answer to one request may hold; a guest that sends
+/// more gets an error, not the host's memory.
+pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
+
+/// Send `req` on the connection `conn` opens; returns status and body (at
+/// most [`MAX_RESPONSE_BYTES`]).
 pub async fn request(
     conn: impl Future<Output = std::io::Result<tokio::net::TcpStream>>,
     req: Request<Full<Bytes>>,
@@ -24,11 +29,10 @@ pub async fn request(
         .await
         .map_err(std::io::Error::other)?;
     let status = resp.status();
-    let body = resp
-        .into_body()
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_RESPONSE_BYTES)
         .collect()
         .await
-        .map_err(std::io::Error::other)?
+        .map_err(|e| std::io::Error::other(format!("reading the guest's answer: {e}")))?
         .to_bytes();
     Ok((status, body))
 }

@@ -94,6 +94,10 @@ pub fn parse_start_response(status: StatusCode, body: &[u8]) -> Result<ExecOutpu
 }
 
 /// Add one process event to `out`; true for the end event.
+/// Output kept per stream of one command; what a guest prints beyond it is
+/// dropped (the command still runs to its end).
+pub const MAX_OUTPUT_BYTES: usize = 16 << 20;
+
 fn apply_event(event: &serde_json::Value, out: &mut ExecOutput) -> Result<bool> {
     let b64 = base64::engine::general_purpose::STANDARD;
     if let Some(start) = event.get("start") {
@@ -101,7 +105,9 @@ fn apply_event(event: &serde_json::Value, out: &mut ExecOutput) -> Result<bool> 
     } else if let Some(data) = event.get("data") {
         for (key, sink) in [("stdout", &mut out.stdout), ("stderr", &mut out.stderr)] {
             if let Some(s) = data.get(key).and_then(|v| v.as_str()) {
-                sink.extend(b64.decode(s).map_err(protocol)?);
+                let bytes = b64.decode(s).map_err(protocol)?;
+                let room = MAX_OUTPUT_BYTES.saturating_sub(sink.len());
+                sink.extend_from_slice(&bytes[..bytes.len().min(room)]);
             }
         }
     } else if let Some(end) = event.get("end") {
@@ -171,7 +177,14 @@ impl Direct {
             })?
             .map_err(io)?;
         let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(io)?.to_bytes();
+        let body = http_body_util::Limited::new(resp.into_body(), crate::http1::MAX_RESPONSE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| AgentError::Io {
+                what: WHAT,
+                source: std::io::Error::other(format!("reading the guest's answer: {e}")),
+            })?
+            .to_bytes();
         parse_start_response(status, &body)
     }
 }
@@ -205,7 +218,14 @@ pub async fn exec_streaming(
         let status = resp.status();
         let mut body = resp.into_body();
         if status != StatusCode::OK {
-            let bytes = body.collect().await.map_err(io)?.to_bytes();
+            let bytes = http_body_util::Limited::new(body, 1 << 20)
+                .collect()
+                .await
+                .map_err(|e| AgentError::Io {
+                    what: WHAT,
+                    source: std::io::Error::other(format!("reading the guest's answer: {e}")),
+                })?
+                .to_bytes();
             return parse_start_response(status, &bytes);
         }
         let mut decoder = tine_connect::Decoder::new(64 << 20);

@@ -37,7 +37,16 @@ impl QemuProcess {
         jail: Option<std::sync::Arc<Prepared>>,
         keep_fd: Option<RawFd>,
     ) -> Result<Self> {
-        let log_file = std::fs::File::create(log).ctx(|| format!("creating {}", log.display()))?;
+        let log_file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(log)
+                .ctx(|| format!("creating {}", log.display()))?
+        };
         let log_err = log_file
             .try_clone()
             .ctx(|| "duplicating the log fd".into())?;

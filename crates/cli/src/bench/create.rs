@@ -81,6 +81,7 @@ pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             Err(e) => errors.push(format!("create: {e:#}")),
         }
     }
+    let jailed = api_ms.clone();
     out.rows.push(
         Row::new("P1", "create via API until the agent answers", "ms")
             .samples(api_ms)
@@ -105,8 +106,56 @@ pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         let _ = ctx.api.clean_up(false).await;
         own.lock().await.restart(0).await?;
         out.rows.push(warm?);
+        let row = jail_cost(ctx, jailed, n, out).await?;
+        out.rows.push(row);
     }
     Ok(())
+}
+
+/// The jail's cost on a create: P1's creates (jailed) against the same
+/// creates with the server restarted with `[jail] enabled = false`.
+async fn jail_cost(ctx: &Ctx, jailed: Vec<f64>, n: usize, out: &mut Out) -> anyhow::Result<Row> {
+    let own = ctx.own.as_ref().expect("only with the bench's own server");
+    let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
+    ctx.step("restarting the server with the jail off");
+    {
+        let mut server = own.lock().await;
+        server.jail = false;
+        server.restart(0).await?;
+    }
+    let mut free = Vec::new();
+    let mut errors = Vec::new();
+    for i in 1..=n {
+        ctx.step(format!("jail off {i}/{n}: create through the API"));
+        let mark = stages::mark(ctx.server_log.as_deref());
+        let t = Instant::now();
+        match ctx.api.create(cpus, mem).await {
+            Ok(sb) => {
+                let took = ms(t);
+                free.push(took);
+                out.stage("API: POST /v2/sandboxes (jail off)", took);
+                for (name, v) in stages::since(ctx.server_log.as_deref(), mark) {
+                    out.stage(format!("{name} (jail off)"), v);
+                }
+                ctx.api.kill(&sb.id).await?;
+            }
+            Err(e) => errors.push(format!("create without the jail: {e:#}")),
+        }
+    }
+    ctx.step("restarting the server with the jail on");
+    {
+        let mut server = own.lock().await;
+        server.jail = true;
+        server.restart(0).await?;
+    }
+    Ok(
+        Row::new("P1", "create via API, jail on (vs jail off)", "ms")
+            .samples(jailed)
+            .floor("the same create with [jail] enabled = false", free)
+            .diff_target(5.0, "p50 on − off ≤ 5 ms")
+            .param("iterations", n)
+            .error(errors.first().cloned()),
+    )
 }
 
 /// Warm VMs the server keeps for the warm-pool row of P1.

@@ -16,6 +16,8 @@ pub struct OwnServer {
     cpus: u32,
     memory_mb: u32,
     pub pool_size: usize,
+    /// Whether its VMs run jailed (`[jail] enabled`).
+    pub jail: bool,
     pub url: String,
     pub key: String,
     pub paths: Paths,
@@ -67,6 +69,7 @@ fn write_config(
     cpus: u32,
     memory_mb: u32,
     pool_size: usize,
+    jail: bool,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
     let text = format!(
@@ -76,7 +79,9 @@ fn write_config(
          default_memory_mb = {memory_mb}\n\
          default_timeout_secs = 1800\n\
          max_sandboxes = 128\n\
-         max_fork_count = 64\n"
+         max_fork_count = 64\n\
+         [jail]\n\
+         enabled = {jail}\n"
     );
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
@@ -107,6 +112,7 @@ impl OwnServer {
             cpus,
             memory_mb,
             pool_size,
+            jail: true,
             url,
             key,
             paths,
@@ -131,6 +137,7 @@ impl OwnServer {
             self.cpus,
             self.memory_mb,
             self.pool_size,
+            self.jail,
         )?;
         let out = std::fs::OpenOptions::new()
             .create(true)

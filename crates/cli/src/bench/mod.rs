@@ -232,13 +232,54 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
 /// Run the scenarios; returns the report. Sandboxes and VMs made are removed
 /// after each scenario, whatever happened.
 async fn run_all(ctx: &Ctx, scenarios: &[Scenario], multi: &MultiProgress, report: &mut Report) {
+    run_pass(ctx, scenarios, multi, report, false).await;
+    // The jail's cost: fork and resume again with the bench's own server
+    // restarted with `[jail] enabled = false` (P1 measures its own).
+    let again: Vec<Scenario> = scenarios
+        .iter()
+        .copied()
+        .filter(|s| matches!(s, Scenario::P2 | Scenario::P4))
+        .collect();
+    if let (Some(own), false) = (&ctx.own, again.is_empty()) {
+        if set_jail(own, false).await.is_ok() {
+            run_pass(ctx, &again, multi, report, true).await;
+        }
+        if let Err(e) = set_jail(own, true).await {
+            report.rows.push(Row::failed(
+                "P4",
+                "restarting with the jail on",
+                format!("{e:#}"),
+            ));
+        }
+    }
+}
+
+/// Restart the bench's own server with its jail on or off.
+async fn set_jail(
+    own: &std::sync::Arc<tokio::sync::Mutex<env::OwnServer>>,
+    on: bool,
+) -> anyhow::Result<()> {
+    let mut server = own.lock().await;
+    server.jail = on;
+    let pool = server.pool_size;
+    server.restart(pool).await
+}
+
+async fn run_pass(
+    ctx: &Ctx,
+    scenarios: &[Scenario],
+    multi: &MultiProgress,
+    report: &mut Report,
+    jail_off: bool,
+) {
+    let tag = if jail_off { " (jail off)" } else { "" };
     for &s in scenarios {
         let pb = multi.add(ProgressBar::new_spinner());
         pb.set_style(
             ProgressStyle::with_template("{spinner} {prefix:.bold} [{elapsed}] {msg}")
                 .expect("valid template"),
         );
-        pb.set_prefix(format!("{} {}", s.id(), s.title()));
+        pb.set_prefix(format!("{} {}{tag}", s.id(), s.title()));
         pb.enable_steady_tick(Duration::from_millis(200));
         let ctx = ctx.with_progress(pb.clone());
         let mut out = Out::default();
@@ -262,7 +303,10 @@ async fn run_all(ctx: &Ctx, scenarios: &[Scenario], multi: &MultiProgress, repor
         ));
         let stages = out.stages();
         if !stages.is_empty() {
-            report.stages.insert(s.id().to_string(), stages);
+            report.stages.insert(format!("{}{tag}", s.id()), stages);
+        }
+        for row in &mut out.rows {
+            row.what.push_str(tag);
         }
         report.rows.extend(out.rows);
     }

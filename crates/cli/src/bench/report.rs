@@ -92,6 +92,24 @@ impl Row {
         self
     }
 
+    /// p50 − floor p50 (in the row's unit), met when it is at most `max`
+    /// (the ratio is still shown).
+    pub fn diff_target(mut self, max: f64, target: impl Into<String>) -> Self {
+        self.target = target.into();
+        if let (Some(s), Some(f)) = (self.summary, self.floor) {
+            let d = s.p50 - f.p50;
+            if f.p50 > 0.0 {
+                self.ratio = Some(s.p50 / f.p50);
+            }
+            self.met = Some(d <= max);
+            self.params.insert(
+                "p50_minus_floor".into(),
+                serde_json::json!((d * 100.0).round() / 100.0),
+            );
+        }
+        self
+    }
+
     pub fn error(mut self, e: Option<String>) -> Self {
         if e.is_some() {
             self.met = Some(false);

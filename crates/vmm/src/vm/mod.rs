@@ -545,6 +545,7 @@ impl Vm {
         let _ = std::fs::remove_file(files.qmp());
         let _ = std::fs::remove_file(files.console_socket());
         let binary = resolve_binary(&qemu::binary());
+        let t = Instant::now();
         let jail = if paths.jail.enabled {
             Some(std::sync::Arc::new(prepare_jail(
                 paths,
@@ -559,6 +560,11 @@ impl Vm {
         let tap = netns
             .open_tap()
             .ctx(|| format!("opening the tap of {}", netns.name()))?;
+        tracing::debug!(
+            vm = %record.id,
+            jail_ms = t.elapsed().as_secs_f64() * 1e3,
+            "jail and tap ready"
+        );
         let mut launch = files.launch(&record);
         launch.tap_fd = Some(tap.as_raw_fd());
         let process = QemuProcess::spawn(
