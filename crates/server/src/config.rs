@@ -210,6 +210,14 @@ impl Config {
         if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");
         }
+        self.jail.validate().map_err(ConfigError::Invalid)?;
+        for name in self.teams.keys() {
+            if !crate::db::valid_team(name) {
+                return bad(&format!(
+                    "[teams.{name}]: a team name is 1 to 64 letters, digits, '-' or '_'"
+                ));
+            }
+        }
         self.network.validate().map_err(ConfigError::Invalid)
     }
 
@@ -240,6 +248,36 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jail_and_team_settings_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tine.toml");
+        std::fs::write(
+            &p,
+            "[jail]\nconsole_max_bytes = 4096\n[teams.a]\nmax_sandboxes = 2\n[teams.default]\nmax_vcpus = 8\n",
+        )
+        .unwrap();
+        let c = Config::load(Some(&p)).unwrap();
+        assert!(c.jail.enabled, "the jail is on unless turned off");
+        assert_eq!(c.jail.console_max_bytes, 4096);
+        assert_eq!(c.team_limits("a").max_sandboxes, Some(2));
+        assert_eq!(
+            c.team_limits("other").max_vcpus,
+            Some(8),
+            "[teams.default] applies"
+        );
+        for bad in [
+            "[jail]\nuid_base = 0\n",
+            "[jail]\nuid_base = 4294967000\nuid_count = 65536\n",
+            "[jail]\ncgroup_parent = \"../x\"\n",
+            "[teams.\"a b\"]\nmax_sandboxes = 1\n",
+            "[jail]\nno_such_key = 1\n",
+        ] {
+            std::fs::write(&p, bad).unwrap();
+            assert!(Config::load(Some(&p)).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn file_overrides_defaults_and_rejects_unknown_keys() {

@@ -3,12 +3,11 @@
 //! unified v2 hierarchy (a fresh Debian 12) and v1's one hierarchy per
 //! controller (some hosts and containers, this project's CI among them).
 //!
-//! The QEMU process joins its leaf before it execs (it writes `0`, "me",
-//! to `cgroup.procs` through descriptors opened here), so nothing it
-//! allocates is ever charged elsewhere.
+//! tine moves the QEMU process into its leaf right after it starts,
+//! through `cgroup.procs` descriptors opened here (see
+//! `Prepared::join_cgroup` for why not before exec).
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext, Result};
@@ -217,9 +216,9 @@ impl Leaf {
         Ok(leaf)
     }
 
-    /// Descriptors the child writes `0` to, joining every hierarchy.
-    pub fn procs_fds(&self) -> Vec<RawFd> {
-        self.procs.iter().map(|f| f.as_raw_fd()).collect()
+    /// The `cgroup.procs` files of every hierarchy.
+    pub fn procs_files(&self) -> impl Iterator<Item = &File> {
+        self.procs.iter()
     }
 
     pub fn dirs(&self) -> &[PathBuf] {

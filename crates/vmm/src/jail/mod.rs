@@ -12,7 +12,8 @@
 //!   it (`null`, `zero`, `random`, `urandom`, `kvm` where used). Every
 //!   path keeps the name it has on the host, so QMP commands need no
 //!   translation. The tap device is opened by tine and passed in;
-//! - a cgroup leaf with CPU, memory, pids (and I/O) limits ([`cgroup`]);
+//! - a cgroup leaf with CPU, memory, pids (and I/O) limits ([`cgroup`]),
+//!   joined right after QEMU starts ([`Prepared::join_cgroup`]);
 //! - rlimits: open files, processes, file size, no core dumps;
 //! - QEMU's own seccomp filter (`-sandbox`, set on the command line).
 //!
@@ -25,7 +26,6 @@ pub mod chain;
 pub mod uids;
 
 use std::ffi::CString;
-use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -81,14 +81,48 @@ impl Default for JailConfig {
 }
 
 impl JailConfig {
-    /// Off when `TINE_JAIL=0` (the CLI and tests); the server reads its
-    /// config file instead.
-    pub fn from_env() -> Self {
-        let mut c = Self::default();
-        if std::env::var("TINE_JAIL").is_ok_and(|v| v == "0" || v == "off") {
-            c.enabled = false;
+    /// Settings that would make a jail no jail, or overflow its range.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.uid_base < 1000 {
+            return Err(format!(
+                "jail.uid_base must be at least 1000 (a range no system account uses), got {}",
+                self.uid_base
+            ));
         }
-        c
+        if self.uid_count == 0 || self.uid_base.checked_add(self.uid_count).is_none() {
+            return Err(
+                "jail.uid_count must be at least 1 and uid_base + uid_count fit in 32 bits".into(),
+            );
+        }
+        if self.pids_max < 16 || self.nofile < 64 {
+            return Err(
+                "jail.pids_max must be at least 16 and jail.nofile at least 64 (QEMU needs them)"
+                    .into(),
+            );
+        }
+        if self.cgroup_parent.is_empty()
+            || self
+                .cgroup_parent
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
+        {
+            return Err(format!(
+                "jail.cgroup_parent {:?} is not a relative cgroup path",
+                self.cgroup_parent
+            ));
+        }
+        Ok(())
+    }
+
+    /// Off when `TINE_JAIL=0` (the CLI and tests); the server reads its
+    /// config file instead. `TINE_JAIL_CGROUPS=0`: jailed without cgroups.
+    pub fn from_env() -> Self {
+        let off = |var: &str| std::env::var(var).is_ok_and(|v| v == "0" || v == "off");
+        Self {
+            enabled: !off("TINE_JAIL"),
+            cgroups: !off("TINE_JAIL_CGROUPS"),
+            ..Self::default()
+        }
     }
 }
 
@@ -135,8 +169,6 @@ pub struct Prepared {
     root: CString,
     steps: Vec<Step>,
     cgroup: Option<cgroup::Leaf>,
-    /// The leaf's `cgroup.procs` descriptors (open in `cgroup`).
-    procs: Vec<RawFd>,
     nofile: u64,
     nproc: u64,
     fsize: u64,
@@ -363,17 +395,33 @@ impl Prepared {
         let disk = needs.disk.as_deref().map(virtual_size).unwrap_or(0);
         let ram = u64::from(machine.memory_mib) << 20;
         let fsize = disk.max(ram) + disk.max(ram) / 8 + (64 << 20);
-        let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
         Ok(Prepared {
             uid,
             root: cstr(&root),
             steps,
             cgroup,
-            procs,
             nofile: config.nofile,
             nproc: u64::from(config.pids_max),
             fsize,
         })
+    }
+
+    /// Move process `pid` (all its threads) into the VM's cgroup leaf.
+    ///
+    /// Done by tine right after QEMU starts, while it waits for QMP, not by
+    /// the child before exec: a move takes the kernel's cgroup threadgroup
+    /// lock for writing, which waits for an RCU grace period (≈ 10 ms here
+    /// when no move happened recently) and would sit on every create's
+    /// critical path. What QEMU allocated before the move (its libraries
+    /// and early heap) stays charged to tine's cgroup.
+    pub fn join_cgroup(&self, pid: i32) -> std::io::Result<()> {
+        use std::io::Write;
+        if let Some(leaf) = &self.cgroup {
+            for mut f in leaf.procs_files() {
+                f.write_all(pid.to_string().as_bytes())?;
+            }
+        }
+        Ok(())
     }
 
     pub fn cgroup_dirs(&self) -> Vec<PathBuf> {
@@ -401,11 +449,6 @@ impl Prepared {
         // string owned by `self` (alive for the call) or null where the
         // call allows it; no call keeps a pointer past its return.
         unsafe {
-            for &fd in &self.procs {
-                if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
             check(libc::unshare(libc::CLONE_NEWNS))?;
             check(libc::mount(
                 none,

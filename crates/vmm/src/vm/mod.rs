@@ -572,11 +572,14 @@ impl Vm {
             &qemu::args(&launch),
             &netns,
             &files.qemu_log(),
-            jail,
+            jail.clone(),
             Some(tap.as_raw_fd()),
         )?;
         drop(tap);
         record.pid = process.pid();
+        // Into its cgroup while it starts (see `Prepared::join_cgroup`).
+        let pid = process.pid();
+        let joining = jail.map(|j| tokio::task::spawn_blocking(move || j.join_cgroup(pid)));
         save_record(&files, &record)?;
         let deadline = Instant::now() + QMP_TIMEOUT;
         let qmp = loop {
@@ -591,6 +594,16 @@ impl Vm {
                 Err(e) => return Err(e.into()),
             }
         };
+        if let Some(joining) = joining {
+            let joined = joining.await.map_err(|e| Error::Io {
+                context: "joining the cgroup".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            if let Err(e) = joined {
+                process.kill().await;
+                return Err(e).ctx(|| format!("moving QEMU {pid} into its cgroup"));
+            }
+        }
         let console = console::start(
             files.console_socket(),
             files.console(),
