@@ -177,16 +177,22 @@ impl Direct {
             })?
             .map_err(io)?;
         let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), crate::http1::MAX_RESPONSE_BYTES)
-            .collect()
-            .await
-            .map_err(|e| AgentError::Io {
-                what: WHAT,
-                source: std::io::Error::other(format!("reading the guest's answer: {e}")),
-            })?
-            .to_bytes();
+        let body = read_limited(resp.into_body(), crate::http1::MAX_RESPONSE_BYTES).await?;
         parse_start_response(status, &body)
     }
+}
+
+/// A whole body of at most `max` bytes (a guest that sends more gets an
+/// error, not the host's memory).
+async fn read_limited(body: hyper::body::Incoming, max: usize) -> Result<Bytes> {
+    Ok(http_body_util::Limited::new(body, max)
+        .collect()
+        .await
+        .map_err(|e| AgentError::Io {
+            what: WHAT,
+            source: std::io::Error::other(format!("reading the guest's answer: {e}")),
+        })?
+        .to_bytes())
 }
 
 /// [`exec`] (as root or any user, no token), handing each piece of output
@@ -218,14 +224,7 @@ pub async fn exec_streaming(
         let status = resp.status();
         let mut body = resp.into_body();
         if status != StatusCode::OK {
-            let bytes = http_body_util::Limited::new(body, 1 << 20)
-                .collect()
-                .await
-                .map_err(|e| AgentError::Io {
-                    what: WHAT,
-                    source: std::io::Error::other(format!("reading the guest's answer: {e}")),
-                })?
-                .to_bytes();
+            let bytes = read_limited(body, 1 << 20).await?;
             return parse_start_response(status, &bytes);
         }
         let mut decoder = tine_connect::Decoder::new(64 << 20);
