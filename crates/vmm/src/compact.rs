@@ -49,6 +49,15 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
                 .ctx(|| format!("writing {}", out.display()))
         })
         .await?;
+        // qemu-img (as root) reads the chain the disk's header names: it
+        // must be the one tine made.
+        let allowed = crate::vm::allowed_disks(
+            paths,
+            snap.meta.disk_over.as_deref(),
+            &snap.meta.artifacts.rootfs,
+        );
+        crate::jail::chain::below_within(&snap.disk_path(), &allowed)
+            .ctx(|| format!("checking the disk of snapshot {id}"))?;
         std::fs::copy(snap.disk_path(), &disk_tmp)
             .ctx(|| format!("copying {}", snap.disk_path().display()))?;
         disk::rebase(&disk_tmp, &root.disk_path(), BackingFormat::Qcow2).await?;
@@ -57,6 +66,7 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
         std::fs::rename(&disk_tmp, snap.disk_path()).ctx(|| "replacing the disk".into())?;
         let meta = SnapshotMeta {
             parent: Some(root_id.clone()),
+            disk_over: root.disk_lineage(),
             ..snap.meta.clone()
         };
         crate::vm::write_atomic(

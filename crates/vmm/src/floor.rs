@@ -171,7 +171,7 @@ async fn run(
             vm.process = Some(process);
             return Err(failed(format!("QEMU exited before QMP answered: {status}")));
         }
-        match Qmp::connect(&launch.qmp_socket).await {
+        match Qmp::connect(&launch.qmp_socket, process.pid()).await {
             Ok(q) => break q,
             Err(_) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(1)).await

@@ -52,14 +52,26 @@ pub struct Qmp {
 }
 
 impl Qmp {
-    /// Connect, read the greeting and leave capabilities negotiation mode.
-    pub async fn connect(path: &Path) -> Result<Self, QmpError> {
+    /// Connect to the QMP socket at `path`, read the greeting and leave
+    /// capabilities negotiation mode. Process `pid` must serve the socket
+    /// (checked with its peer credentials: the directory holding it is the
+    /// jailed QEMU's, which could put another VM's socket there).
+    pub async fn connect(path: &Path, pid: i32) -> Result<Self, QmpError> {
         let stream = UnixStream::connect(path)
             .await
             .map_err(|source| QmpError::Connect {
                 path: path.display().to_string(),
                 source,
             })?;
+        let peer = stream.peer_cred().ok().and_then(|c| c.pid());
+        if peer != Some(pid) {
+            return Err(QmpError::Connect {
+                path: path.display().to_string(),
+                source: std::io::Error::other(format!(
+                    "the socket is served by pid {peer:?}, not by QEMU {pid}"
+                )),
+            });
+        }
         let (r, w) = stream.into_split();
         let mut qmp = Self {
             reader: BufReader::new(r),

@@ -47,6 +47,12 @@ pub struct SnapshotMeta {
     /// snapshot, which holds its whole RAM.
     #[serde(default)]
     pub parent: Option<String>,
+    /// The snapshots whose disks this one's disk is layered over, nearest
+    /// first (the base image lies under them all), as tine created them:
+    /// the qcow2 headers that name them were writable by the VM. `None`
+    /// for snapshots from before tine recorded it.
+    #[serde(default)]
+    pub disk_over: Option<Vec<String>>,
 }
 
 /// An opened snapshot. Its RAM files (root and layers) are held open, so
@@ -74,6 +80,16 @@ impl Snapshot {
     }
     pub fn layer_path(&self) -> PathBuf {
         self.dir.join(LAYER_FILE)
+    }
+    /// This snapshot and those its disk is layered over, nearest first;
+    /// `None` if that was not recorded.
+    pub fn disk_lineage(&self) -> Option<Vec<String>> {
+        let below = self.meta.disk_over.as_ref()?;
+        Some(
+            std::iter::once(self.meta.id.clone())
+                .chain(below.iter().cloned())
+                .collect(),
+        )
     }
     /// Write this snapshot's RAM layers into QEMU process `pid`, which maps
     /// the root RAM file MAP_PRIVATE and has not run yet (blocking).

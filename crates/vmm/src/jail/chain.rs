@@ -35,14 +35,26 @@ fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
     Ok(Some(String::from_utf8_lossy(&name).into_owned()))
 }
 
-/// The NBD socket in a `json:` backing spec (as `RootDisk::backing`
-/// writes it), if there is one.
+/// The NBD socket in a `json:` backing spec, if it is one as
+/// `RootDisk::backing` writes it (an NBD export over a unix socket and
+/// nothing else: a spec could name any host file).
 fn socket_of(spec: &str) -> Option<PathBuf> {
     let v: serde_json::Value = serde_json::from_str(spec.strip_prefix("json:")?).ok()?;
-    v.get("file.server.path")
-        .or_else(|| v.pointer("/file/server/path"))
-        .and_then(|p| p.as_str())
-        .map(PathBuf::from)
+    let v = v.as_object()?;
+    let known = [
+        "file.driver",
+        "file.server.type",
+        "file.server.path",
+        "file.export",
+        "file.reconnect-delay",
+    ];
+    if v.keys().any(|k| !known.contains(&k.as_str()))
+        || v.get("file.driver")?.as_str() != Some("nbd")
+        || v.get("file.server.type")?.as_str() != Some("unix")
+    {
+        return None;
+    }
+    v.get("file.server.path")?.as_str().map(PathBuf::from)
 }
 
 /// Every file below `overlay` (not the overlay itself), top first.
@@ -54,9 +66,13 @@ pub fn below(overlay: &Path) -> std::io::Result<Vec<Backing>> {
             return Ok(out);
         };
         if name.starts_with("json:") {
-            if let Some(socket) = socket_of(&name) {
-                out.push(Backing::Socket(socket));
-            }
+            let socket = socket_of(&name).ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "{} names a backing spec tine does not write: {name:?}",
+                    current.display()
+                ))
+            })?;
+            out.push(Backing::Socket(socket));
             return Ok(out);
         }
         let next = match Path::new(&name) {
@@ -70,6 +86,29 @@ pub fn below(overlay: &Path) -> std::io::Result<Vec<Backing>> {
         "the backing chain of {} is deeper than {MAX_DEPTH}",
         overlay.display()
     )))
+}
+
+/// [`below`], refusing a chain that names any file but `allowed` ones
+/// (compared after resolving links): the chain comes from qcow2 headers,
+/// which the VMs that wrote those overlays could have forged.
+pub fn below_within(overlay: &Path, allowed: &[PathBuf]) -> std::io::Result<Vec<Backing>> {
+    let allowed: Vec<PathBuf> = allowed
+        .iter()
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .collect();
+    let below = below(overlay)?;
+    for b in &below {
+        let (Backing::File(p) | Backing::Socket(p)) = b;
+        let real = std::fs::canonicalize(p).ok();
+        if !real.as_ref().is_some_and(|r| allowed.contains(r)) {
+            return Err(std::io::Error::other(format!(
+                "the backing chain of {} names {}, which is not one of the disks it was made over",
+                overlay.display(),
+                p.display()
+            )));
+        }
+    }
+    Ok(below)
 }
 
 #[cfg(test)]
@@ -140,5 +179,40 @@ mod tests {
             vec![Backing::Socket("/run/x.sock".into())]
         );
         assert_eq!(below(&d.path().join("base.raw")).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn a_chain_naming_other_files_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = |n: &str| d.path().join(n).display().to_string();
+        std::fs::write(d.path().join("base.raw"), vec![0u8; 1 << 20]).unwrap();
+        std::fs::write(d.path().join("secret"), vec![7u8; 1 << 20]).unwrap();
+        let create = |backing: &str, fmt: &str, out: &str| {
+            qemu_img(&[
+                "create", "-q", "-f", "qcow2", "-u", "-F", fmt, "-b", backing, &p(out), "1M",
+            ])
+        };
+        if !create(&p("base.raw"), "raw", "good.qcow2") {
+            eprintln!("qemu-img is missing: skipped");
+            return;
+        }
+        let allowed = [d.path().join("base.raw")];
+        let good = d.path().join("good.qcow2");
+        assert_eq!(
+            below_within(&good, &allowed).unwrap(),
+            vec![Backing::File(d.path().join("base.raw"))]
+        );
+        // A header forged to name another file, directly or through a link
+        // whose name looks allowed, or through a json: spec.
+        assert!(create(&p("secret"), "raw", "forged.qcow2"));
+        let e = below_within(&d.path().join("forged.qcow2"), &allowed).unwrap_err();
+        assert!(e.to_string().contains("secret"), "{e}");
+        std::os::unix::fs::symlink(d.path().join("secret"), d.path().join("base.link")).unwrap();
+        assert!(create(&p("base.link"), "raw", "linked.qcow2"));
+        assert!(below_within(&d.path().join("linked.qcow2"), &allowed).is_err());
+        let spec = format!(r#"json:{{"file.driver":"file","file.filename":"{}"}}"#, p("secret"));
+        assert!(create(&spec, "raw", "spec.qcow2"));
+        let e = below(&d.path().join("spec.qcow2")).unwrap_err();
+        assert!(e.to_string().contains("does not write"), "{e}");
     }
 }

@@ -135,6 +135,10 @@ pub struct Needs {
     pub ro_files: Vec<PathBuf>,
     /// The qcow2 overlay whose backing chain it opens.
     pub disk: Option<PathBuf>,
+    /// The only files that chain may name (its snapshots' disks, the base
+    /// image or its NBD socket): the chain comes from headers a VM could
+    /// have written.
+    pub chain_allowed: Vec<PathBuf>,
     /// The QEMU binary, if it is not under `/usr`.
     pub binary: Option<PathBuf>,
 }
@@ -218,8 +222,8 @@ fn plan(root: &Path, data_dir: &Path, needs: &Needs, accel: Accel) -> Result<Vec
         binds.push((b.clone(), false));
     }
     if let Some(disk) = &needs.disk {
-        let below = chain::below(disk)
-            .ctx(|| format!("reading the backing chain of {}", disk.display()))?;
+        let below = chain::below_within(disk, &needs.chain_allowed)
+            .map_err(|e| jail_err(&disk.display().to_string(), format!("{e}; refusing to start")))?;
         for b in below {
             match b {
                 chain::Backing::File(p) => binds.push((p, false)),
@@ -394,7 +398,8 @@ impl Prepared {
         // full-disk limit.
         let disk = needs.disk.as_deref().map(virtual_size).unwrap_or(0);
         let ram = u64::from(machine.memory_mib) << 20;
-        let fsize = disk.max(ram) + disk.max(ram) / 8 + (64 << 20);
+        let big = disk.max(ram);
+        let fsize = big.saturating_add(big / 8).saturating_add(64 << 20);
         Ok(Prepared {
             uid,
             root: cstr(&root),

@@ -241,6 +241,7 @@ impl Vm {
             extra_cmdline: self.record.extra_cmdline.clone(),
             created_unix_ms: unix_ms(),
             parent,
+            disk_over: self.record.disk_over.clone(),
         };
         write_atomic(
             &dir.join("meta.json"),
@@ -248,7 +249,9 @@ impl Vm {
         )?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
         if after == After::Continue {
+            // It writes on over the sealed disk now.
             self.record.parent = Some(snap_id.to_string());
+            self.record.disk_over = snapshot.disk_lineage();
             self.save_record()?;
         }
         Ok(snapshot)

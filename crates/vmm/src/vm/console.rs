@@ -77,9 +77,10 @@ impl CappedLog {
     }
 }
 
-/// Connect to `socket` (retrying while QEMU starts) and copy what the
-/// guest writes into `log`, capped at `cap` bytes per file.
-pub fn start(socket: PathBuf, log: PathBuf, cap: u64) -> ConsoleReader {
+/// Connect to `socket` (retrying while QEMU starts; it must be served by
+/// QEMU `pid`) and copy what the guest writes into `log`, capped at `cap`
+/// bytes per file.
+pub fn start(socket: PathBuf, pid: i32, log: PathBuf, cap: u64) -> ConsoleReader {
     let task = tokio::spawn(async move {
         let mut stream = None;
         for _ in 0..2000 {
@@ -95,6 +96,11 @@ pub fn start(socket: PathBuf, log: PathBuf, cap: u64) -> ConsoleReader {
             tracing::warn!(socket = %socket.display(), "no console socket; console not logged");
             return;
         };
+        let peer = stream.peer_cred().ok().and_then(|c| c.pid());
+        if peer != Some(pid) {
+            tracing::warn!(socket = %socket.display(), ?peer, pid, "the console socket is not QEMU's; console not logged");
+            return;
+        }
         let mut out = CappedLog::new(log, cap);
         let mut buf = vec![0u8; 16 << 10];
         loop {

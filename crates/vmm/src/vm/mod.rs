@@ -77,6 +77,10 @@ pub struct VmRecord {
     /// The uid (and gid) its jailed QEMU runs as; `None`: not jailed.
     #[serde(default)]
     pub uid: Option<u32>,
+    /// The snapshots whose disks its overlay is layered over, nearest
+    /// first (see [`SnapshotMeta::disk_over`]); `None`: not recorded.
+    #[serde(default)]
+    pub disk_over: Option<Vec<String>>,
 }
 
 /// Options for boot and restore.
@@ -282,7 +286,7 @@ impl Vm {
         artifacts: &Artifacts,
         opts: StartOptions,
     ) -> Result<Vm> {
-        Vm::boot_over(paths, id, machine, artifacts, None, opts).await
+        Vm::boot_over(paths, id, machine, artifacts, Origin::Boot, opts).await
     }
 
     /// Cold-boot a VM over the disk of `snapshot` (its memory is not
@@ -302,29 +306,33 @@ impl Vm {
             id,
             snapshot.meta.machine,
             &snapshot.meta.artifacts,
-            Some(&snapshot.disk_path()),
+            Origin::Disk(snapshot),
             opts,
         )
         .await
     }
 
-    /// Cold-boot with a new overlay over `disk` (a qcow2 image), or over
-    /// the artifacts' rootfs when there is none.
+    /// Cold-boot with a new overlay over the disk of `origin`'s snapshot,
+    /// or over the artifacts' rootfs for [`Origin::Boot`].
     async fn boot_over(
         paths: &Paths,
         id: &str,
         machine: Machine,
         artifacts: &Artifacts,
-        disk: Option<&Path>,
+        origin: Origin<'_>,
         opts: StartOptions,
     ) -> Result<Vm> {
+        let disk = match origin {
+            Origin::Disk(s) | Origin::Restore(s) => Some(s.disk_path()),
+            Origin::Boot => None,
+        };
         let artifacts = artifacts.resolve()?;
         let files = VmFiles::new(paths, id);
         let ram_dir = paths.vm_ram_dir(id);
         prepare_dirs(&files.dir, &ram_dir)?;
         let ram = ram_dir.join("ram");
         let result = async {
-            match (disk, &artifacts.rootfs) {
+            match (&disk, &artifacts.rootfs) {
                 (Some(qcow2), _) => {
                     disk::create_overlay(qcow2, BackingFormat::Qcow2, &files.disk()).await?
                 }
@@ -356,9 +364,13 @@ impl Vm {
                 parent: None,
                 disk_generation: 0,
                 uid: None,
+                disk_over: match origin {
+                    Origin::Boot => Some(Vec::new()),
+                    Origin::Disk(s) | Origin::Restore(s) => s.disk_lineage(),
+                },
             };
             let mut vm =
-                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot", &[]).await?;
+                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot", origin).await?;
             vm.state = VmState::Running;
             vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
                 .await?;
@@ -458,6 +470,7 @@ impl Vm {
             parent: Some(meta.id.clone()),
             disk_generation: 0,
             uid: None,
+            disk_over: snapshot.disk_lineage(),
         };
         let mut vm = Vm::launch(
             paths,
@@ -465,7 +478,7 @@ impl Vm {
             netns,
             probe,
             "while restoring",
-            &[snapshot.state_path()],
+            Origin::Restore(snapshot),
         )
         .await?;
         let t_qmp = t.elapsed();
@@ -531,15 +544,14 @@ impl Vm {
     }
 
     /// Spawn QEMU (jailed unless the jail is off) and connect to its QMP
-    /// socket. `extra_ro`: files it reads besides its artifacts, RAM and
-    /// disk chain (a snapshot's device state).
+    /// socket.
     async fn launch(
         paths: &Paths,
         mut record: VmRecord,
         netns: Netns,
         probe: Probe,
         during: &'static str,
-        extra_ro: &[PathBuf],
+        origin: Origin<'_>,
     ) -> Result<Vm> {
         let files = VmFiles::new(paths, &record.id);
         let _ = std::fs::remove_file(files.qmp());
@@ -551,7 +563,7 @@ impl Vm {
                 paths,
                 &files,
                 &mut record,
-                extra_ro,
+                origin,
                 &binary,
             )?))
         } else {
@@ -586,7 +598,7 @@ impl Vm {
             if let Some(status) = process.exit_status() {
                 return Err(exited(&record.id, &files, status, during));
             }
-            match Qmp::connect(&files.qmp()).await {
+            match Qmp::connect(&files.qmp(), pid).await {
                 Ok(q) => break q,
                 Err(_) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(1)).await
@@ -606,6 +618,7 @@ impl Vm {
         }
         let console = console::start(
             files.console_socket(),
+            pid,
             files.console(),
             paths.jail.console_max_bytes,
         );
@@ -686,8 +699,8 @@ impl Vm {
         let paths = self.paths.clone();
         let netns = self.netns.name().to_string();
         drop(self.netns);
-        crate::netns::delete_by_name(&netns).await?;
         crate::jail::release(&paths.jail, &paths.data_dir, &id);
+        crate::netns::delete_by_name(&netns).await?;
         remove_dir(&paths.vm_dir(&id))?;
         remove_dir(&paths.vm_ram_dir(&id))?;
         Ok(())
@@ -715,7 +728,7 @@ impl Vm {
         }
         let process = QemuProcess::adopt(record.pid)?;
         let netns = Netns::open(&record.netns)?;
-        let mut qmp = Qmp::connect(&files.qmp()).await?;
+        let mut qmp = Qmp::connect(&files.qmp(), record.pid).await?;
         let status: serde_json::Value = qmp.execute("query-status", None).await?;
         let state = if status["running"].as_bool() == Some(true) {
             VmState::Running
@@ -724,6 +737,7 @@ impl Vm {
         };
         let console = console::start(
             files.console_socket(),
+            record.pid,
             files.console(),
             paths.jail.console_max_bytes,
         );
@@ -755,6 +769,45 @@ fn resolve_binary(binary: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(binary))
 }
 
+/// What a launched QEMU starts from, besides its artifacts.
+#[derive(Clone, Copy)]
+enum Origin<'a> {
+    /// A cold boot over the base image.
+    Boot,
+    /// A cold boot over this snapshot's disk.
+    Disk(&'a Snapshot),
+    /// A restore of this snapshot (its RAM and device state).
+    Restore(&'a Snapshot),
+}
+
+/// The files the backing chain of an overlay made over the disks of
+/// snapshots `disk_over` (nearest first) may name: those disks and the
+/// base image `rootfs`. The chain is read from qcow2 headers, which a VM
+/// that was captured could have written; nothing else is let into its
+/// jail or read by tine. For an overlay over a snapshot from before tine
+/// recorded that (`None`), any snapshot's disk.
+pub(crate) fn allowed_disks(
+    paths: &Paths,
+    disk_over: Option<&[String]>,
+    rootfs: &RootDisk,
+) -> Vec<PathBuf> {
+    let disk = |id: &String| paths.snapshot_dir(id).join("disk.qcow2");
+    let mut out: Vec<PathBuf> = match disk_over {
+        Some(ids) => ids.iter().map(disk).collect(),
+        None => std::fs::read_dir(paths.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().join("disk.qcow2"))
+            .collect(),
+    };
+    out.push(match rootfs {
+        RootDisk::File(p) => p.clone(),
+        RootDisk::Nbd { socket, .. } => socket.clone(),
+    });
+    out
+}
+
 /// Claim the VM's uid (a restart of the same VM keeps it), hand it its
 /// files and plan its jail. The VM directory stays tine's (`root:<gid>`,
 /// `0710`: QEMU may open its overlays there, not add or remove files).
@@ -762,7 +815,7 @@ fn prepare_jail(
     paths: &Paths,
     files: &VmFiles,
     record: &mut VmRecord,
-    extra_ro: &[PathBuf],
+    origin: Origin<'_>,
     binary: &Path,
 ) -> Result<crate::jail::Prepared> {
     use crate::jail;
@@ -795,7 +848,9 @@ fn prepare_jail(
     if !record.ram_shared {
         ro.push(record.ram.clone());
     }
-    ro.extend(extra_ro.iter().cloned());
+    if let Origin::Restore(s) = origin {
+        ro.push(s.state_path());
+    }
     let binary = std::fs::canonicalize(binary)
         .ok()
         .filter(|b| !b.starts_with("/usr"));
@@ -803,6 +858,11 @@ fn prepare_jail(
         rw_dirs: vec![files.dir.clone(), files.ram_dir.clone()],
         ro_files: ro,
         disk: Some(disk),
+        chain_allowed: allowed_disks(
+            paths,
+            record.disk_over.as_deref(),
+            &record.artifacts.rootfs,
+        ),
         binary,
     };
     jail::Prepared::new(
