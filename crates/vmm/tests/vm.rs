@@ -540,6 +540,29 @@ async fn damaged_snapshots_are_refused_clearly() {
     assert!(msg.contains("could not load the device state"), "{msg}");
     assert_gone(&paths, &[vm_id]);
 
+    // A disk whose header was forged (as a VM could, writing its overlay
+    // before a capture) to lay it over a host file: the jail refuses it.
+    if paths.jail.enabled {
+        let forged = std::process::Command::new("qemu-img")
+            .args(["rebase", "-q", "-u", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg("/etc/hostname")
+            .arg(dir.join("disk.qcow2"))
+            .status()
+            .unwrap();
+        assert!(forged.success());
+        let vm_id = uniq("forged");
+        let err = Vm::restore(&paths, &vm_id, &snap, opts())
+            .await
+            .err()
+            .expect("a forged backing chain must be refused");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("/etc/hostname") && msg.contains("refusing to start"),
+            "{msg}"
+        );
+        assert_gone(&paths, &[vm_id]);
+    }
+
     // A RAM file of the wrong size.
     std::fs::File::create(&ram)
         .unwrap()
