@@ -40,18 +40,47 @@ fn db_err(e: DbError) -> ApiError {
 /// 404 unless `template` (a name, `name:tag`, or a snapshot id) is shared
 /// or belongs to `team`: another team's template answers as an unknown one.
 pub(super) fn check_visible(s: &AppState, team: &str, template: &str) -> Result<(), ApiError> {
-    let db = s.manager.db();
-    let name = template.split(':').next().unwrap_or(template);
-    let owner = match db.get_snapshot(template).map_err(db_err)? {
-        Some(row) => db.snapshot_team(&row).map_err(db_err)?,
-        None => db.template_team(name).map_err(db_err)?,
-    };
-    match owner {
+    match owner(s, template)? {
         Some(t) if t != team => Err(ApiError::not_found(format!(
             "template '{template}' not found"
         ))),
         _ => Ok(()),
     }
+}
+
+/// The team owning `template` (`None`: shared, or unknown).
+fn owner(s: &AppState, template: &str) -> Result<Option<String>, ApiError> {
+    let db = s.manager.db();
+    let name = template.split(':').next().unwrap_or(template);
+    match db.get_snapshot(template).map_err(db_err)? {
+        Some(row) => db.snapshot_team(&row).map_err(db_err),
+        None => db.template_team(name).map_err(db_err),
+    }
+}
+
+/// [`check_visible`], and 403 if `template` exists and is shared but
+/// `team` is not the default one: shared templates (built with the CLI,
+/// such as `base`, or before teams) are the operator's, whose keys are
+/// the default team's; no other team deletes, re-tags or builds over them.
+pub(super) fn check_owned(s: &AppState, team: &str, template: &str) -> Result<(), ApiError> {
+    check_visible(s, team, template)?;
+    if team == crate::db::DEFAULT_TEAM {
+        return Ok(());
+    }
+    let name = template.split(':').next().unwrap_or(template);
+    let exists = s.manager.templates().exists(name)
+        || s.manager
+            .db()
+            .get_snapshot(template)
+            .map_err(db_err)?
+            .is_some();
+    if owner(s, template)?.is_none() && exists {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("template '{template}' is shared: only the default team changes it"),
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -78,8 +107,9 @@ pub async fn request_build(
         .or(b.alias)
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
     let machine = crate::sandboxes::limits::machine(&s.manager.config, b.cpu_count, b.memory_mb)?;
-    // Template names are one namespace: another team's name is taken.
-    if check_visible(&s, &key.team, &name).is_err() {
+    // Template names are one namespace: another team's name, or a shared
+    // template's, is taken.
+    if check_owned(&s, &key.team, &name).is_err() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             format!("template name '{name}' is not available"),
@@ -184,8 +214,14 @@ pub async fn start_build(
     Path((template, build_id)): Path<(String, String)>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    check_visible(&s, &key.team, &template)?;
+    check_owned(&s, &key.team, &template)?;
     let req: StartRequest = json_body(body, 4 * s.manager.config.max_body_bytes).await?;
+    if let Some(from) = &req.from_template {
+        // Another team's template is as unknown as a missing one.
+        check_visible(&s, &key.team, from).map_err(|_| {
+            ApiError::bad_request(format!("fromTemplate: template {from:?} not found"))
+        })?;
+    }
     s.builds.start(&template, &build_id, req)?;
     Ok(StatusCode::ACCEPTED.into_response())
 }
@@ -299,7 +335,7 @@ pub async fn assign_tags(
 ) -> Result<Response, ApiError> {
     let b: AssignTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.target.split(':').next().unwrap_or_default().to_string();
-    check_visible(&s, &key.team, &name)?;
+    check_owned(&s, &key.team, &name)?;
     let row = s
         .manager
         .templates()
@@ -342,7 +378,7 @@ pub async fn remove_tags(
 ) -> Result<Response, ApiError> {
     let b: RemoveTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.name.split(':').next().unwrap_or_default();
-    check_visible(&s, &key.team, name)?;
+    check_owned(&s, &key.team, name)?;
     for tag in &b.tags {
         if !s.builds.db().delete_tag(name, tag).map_err(db_err)? {
             return Err(ApiError::not_found(format!(

@@ -189,7 +189,17 @@ mod tests {
         std::fs::write(d.path().join("secret"), vec![7u8; 1 << 20]).unwrap();
         let create = |backing: &str, fmt: &str, out: &str| {
             qemu_img(&[
-                "create", "-q", "-f", "qcow2", "-u", "-F", fmt, "-b", backing, &p(out), "1M",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-u",
+                "-F",
+                fmt,
+                "-b",
+                backing,
+                &p(out),
+                "1M",
             ])
         };
         if !create(&p("base.raw"), "raw", "good.qcow2") {
@@ -210,7 +220,10 @@ mod tests {
         std::os::unix::fs::symlink(d.path().join("secret"), d.path().join("base.link")).unwrap();
         assert!(create(&p("base.link"), "raw", "linked.qcow2"));
         assert!(below_within(&d.path().join("linked.qcow2"), &allowed).is_err());
-        let spec = format!(r#"json:{{"file.driver":"file","file.filename":"{}"}}"#, p("secret"));
+        let spec = format!(
+            r#"json:{{"file.driver":"file","file.filename":"{}"}}"#,
+            p("secret")
+        );
         assert!(create(&spec, "raw", "spec.qcow2"));
         let e = below(&d.path().join("spec.qcow2")).unwrap_err();
         assert!(e.to_string().contains("does not write"), "{e}");

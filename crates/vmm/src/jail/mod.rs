@@ -195,6 +195,14 @@ pub fn root_dir(data_dir: &Path) -> PathBuf {
 /// Change `path`'s owner to `uid:uid` and its mode to `mode`.
 pub fn own(path: &Path, uid: u32, mode: u32) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
+    // chown and chmod follow links; a link here was planted by a jail.
+    let meta = std::fs::symlink_metadata(path).ctx(|| format!("stat {}", path.display()))?;
+    if meta.file_type().is_symlink() {
+        return Err(jail_err(
+            &path.display().to_string(),
+            "is a symbolic link, not a file tine made; refusing to hand it over",
+        ));
+    }
     std::os::unix::fs::chown(path, Some(uid), Some(uid))
         .ctx(|| format!("chown {} to {uid}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -222,8 +230,12 @@ fn plan(root: &Path, data_dir: &Path, needs: &Needs, accel: Accel) -> Result<Vec
         binds.push((b.clone(), false));
     }
     if let Some(disk) = &needs.disk {
-        let below = chain::below_within(disk, &needs.chain_allowed)
-            .map_err(|e| jail_err(&disk.display().to_string(), format!("{e}; refusing to start")))?;
+        let below = chain::below_within(disk, &needs.chain_allowed).map_err(|e| {
+            jail_err(
+                &disk.display().to_string(),
+                format!("{e}; refusing to start"),
+            )
+        })?;
         for b in below {
             match b {
                 chain::Backing::File(p) => binds.push((p, false)),

@@ -2,7 +2,9 @@
 //! configured range. A claim is a file `<data>/jail/uids/<uid>` created
 //! with `O_EXCL` and holding the VM id, so two tine processes (the server
 //! and the CLI) never hand out the same uid; a claim whose VM directory is
-//! gone (a crash) is taken back.
+//! gone (a crash) is taken back. Claims are made under an exclusive
+//! `flock` on `<data>/jail/uids/.lock`: without it, two processes could
+//! both take back the same stale claim and hand out one uid twice.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,16 @@ fn claims_dir(data_dir: &Path) -> PathBuf {
 pub fn claim(data_dir: &Path, vms_dir: &Path, vm_id: &str, base: u32, count: u32) -> Result<u32> {
     let dir = claims_dir(data_dir);
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    let lock_path = dir.join(".lock");
+    let lock_file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .ctx(|| format!("opening {}", lock_path.display()))?;
+    let _locked = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| std::io::Error::from(e))
+        .ctx(|| format!("locking {}", lock_path.display()))?;
     // Start where the VM id points, so claims spread and rarely collide.
     let start = vm_id
         .bytes()
@@ -40,7 +52,11 @@ pub fn claim(data_dir: &Path, vms_dir: &Path, vm_id: &str, base: u32, count: u32
                     // Taken: by a VM that still has its directory, or left
                     // behind by one that is gone.
                     let owner = std::fs::read_to_string(&path).unwrap_or_default();
-                    if owner.is_empty() || owner == vm_id || vms_dir.join(&owner).exists() {
+                    if owner == vm_id {
+                        // A restart of the same VM keeps its uid.
+                        return Ok(uid);
+                    }
+                    if owner.is_empty() || vms_dir.join(&owner).exists() {
                         break;
                     }
                     let _ = std::fs::remove_file(&path);
@@ -83,6 +99,11 @@ mod tests {
         let a = claim(d.path(), &vms, "a", 1000, 2).unwrap();
         let b = claim(d.path(), &vms, "b", 1000, 2).unwrap();
         assert_ne!(a, b);
+        assert_eq!(
+            claim(d.path(), &vms, "a", 1000, 2).unwrap(),
+            a,
+            "a VM keeps its uid"
+        );
         assert!(
             claim(d.path(), &vms, "c", 1000, 2).is_err(),
             "the range is full"

@@ -215,6 +215,18 @@ impl Vm {
         std::fs::rename(self.active_disk(), &disk).ctx(|| "sealing the disk overlay".into())?;
         crate::jail::share(&disk)?;
         if self.record.ram_shared {
+            // The RAM directory was the jail's: QEMU could have left a
+            // link there to a file it could not read. It has quit, so
+            // nothing changes the file between this check and the move.
+            let kind = std::fs::symlink_metadata(&self.record.ram)
+                .ctx(|| format!("stat {}", self.record.ram.display()))?
+                .file_type();
+            if !kind.is_file() {
+                return Err(Error::Snapshot {
+                    path: self.record.ram.clone(),
+                    detail: format!("is not a regular file ({kind:?}); not capturing it"),
+                });
+            }
             let ram = dir.join("ram");
             crate::snapshot::move_sparse(&self.record.ram, &ram)
                 .ctx(|| "freezing the RAM file".into())?;

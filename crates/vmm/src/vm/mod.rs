@@ -369,8 +369,15 @@ impl Vm {
                     Origin::Disk(s) | Origin::Restore(s) => s.disk_lineage(),
                 },
             };
-            let mut vm =
-                Vm::launch(paths, record, netns, opts.probe.clone(), "during boot", origin).await?;
+            let mut vm = Vm::launch(
+                paths,
+                record,
+                netns,
+                opts.probe.clone(),
+                "during boot",
+                origin,
+            )
+            .await?;
             vm.state = VmState::Running;
             vm.wait_ready(opts.ready_timeout.unwrap_or(BOOT_TIMEOUT), "during boot")
                 .await?;
@@ -858,11 +865,7 @@ fn prepare_jail(
         rw_dirs: vec![files.dir.clone(), files.ram_dir.clone()],
         ro_files: ro,
         disk: Some(disk),
-        chain_allowed: allowed_disks(
-            paths,
-            record.disk_over.as_deref(),
-            &record.artifacts.rootfs,
-        ),
+        chain_allowed: allowed_disks(paths, record.disk_over.as_deref(), &record.artifacts.rootfs),
         binary,
     };
     jail::Prepared::new(

@@ -113,6 +113,20 @@ def test_templates_belong_to_the_team_that_builds_them(other_key):
     code, _, body = http("GET", "/templates", key=other_key)
     assert code == 200 and name not in body.decode()
     assert "base" in body.decode()
+    # Another team's template cannot be built from either: it is unknown.
+    code, _, body = http("POST", "/v3/templates", {"name": name + "-mine"}, key=other_key)
+    assert code == 202, body
+    build_id = json.loads(body)["buildID"]
+    err = assert_error(http("POST", f"/v2/templates/{name}-mine/builds/{build_id}",
+                            {"fromTemplate": name, "steps": []}, key=other_key), 400)
+    assert "not found" in err["message"], err
+    # Shared templates are the operator's (the default team's): another
+    # team uses them but does not delete, re-tag or build over them.
+    assert_error(http("DELETE", "/templates/base", key=other_key), 403)
+    assert_error(http("POST", "/templates/tags", {"target": "base", "tags": ["mine"]}, key=other_key), 403)
+    assert_error(http("DELETE", "/templates/tags", {"name": "base", "tags": ["latest"]}, key=other_key), 403)
+    assert_error(http("POST", "/v3/templates", {"name": "base"}, key=other_key), 409)
+    assert http("GET", "/templates/base/tags", key=other_key)[0] == 200
 
 
 def test_team_limits_give_429(limited_key):

@@ -98,7 +98,7 @@ pub async fn delete_snapshot(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    super::super::templates::check_visible(&s, &key.team, &id)?;
+    super::super::templates::check_owned(&s, &key.team, &id)?;
     s.manager.delete_snapshot(&id)?;
     Ok(StatusCode::NO_CONTENT)
 }
