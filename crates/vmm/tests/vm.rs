@@ -42,10 +42,12 @@ impl Drop for Reap {
             .flatten()
             .flatten()
         {
-            let name = format!("tine-{}", entry.file_name().to_string_lossy());
+            let id = entry.file_name().to_string_lossy().into_owned();
             let _ = std::process::Command::new("ip")
-                .args(["netns", "delete", &name])
+                .args(["netns", "delete", &format!("tine-{id}")])
                 .status();
+            // Its cgroup leaf, now that its QEMU is gone.
+            tine_vmm::jail::release(&tine_vmm::JailConfig::from_env(), &self.0, &id);
         }
     }
 }
