@@ -47,12 +47,13 @@ pub struct SnapshotMeta {
     /// snapshot, which holds its whole RAM.
     #[serde(default)]
     pub parent: Option<String>,
-    /// The snapshots whose disks this one's disk is layered over, nearest
-    /// first (the base image lies under them all), as tine created them:
-    /// the qcow2 headers that name them were writable by the VM. `None`
-    /// for snapshots from before tine recorded it.
+    /// The snapshot disks this one's disk is layered over, nearest first
+    /// (the base image lies under them all), as tine created them: the
+    /// qcow2 headers that name them were writable by the VM. Absolute
+    /// paths, as in those headers. `None` for snapshots from before tine
+    /// recorded it.
     #[serde(default)]
-    pub disk_over: Option<Vec<String>>,
+    pub disk_over: Option<Vec<PathBuf>>,
 }
 
 /// An opened snapshot. Its RAM files (root and layers) are held open, so
@@ -81,12 +82,15 @@ impl Snapshot {
     pub fn layer_path(&self) -> PathBuf {
         self.dir.join(LAYER_FILE)
     }
-    /// This snapshot and those its disk is layered over, nearest first;
-    /// `None` if that was not recorded.
-    pub fn disk_lineage(&self) -> Option<Vec<String>> {
+    /// This snapshot's disk and those it is layered over, nearest first;
+    /// `None` if that was not recorded (or not as absolute paths).
+    pub fn disk_lineage(&self) -> Option<Vec<PathBuf>> {
         let below = self.meta.disk_over.as_ref()?;
+        if below.iter().any(|p| !p.is_absolute()) {
+            return None;
+        }
         Some(
-            std::iter::once(self.meta.id.clone())
+            std::iter::once(self.disk_path())
                 .chain(below.iter().cloned())
                 .collect(),
         )

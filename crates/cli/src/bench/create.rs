@@ -81,7 +81,6 @@ pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             Err(e) => errors.push(format!("create: {e:#}")),
         }
     }
-    let jailed = api_ms.clone();
     out.rows.push(
         Row::new("P1", "create via API until the agent answers", "ms")
             .samples(api_ms)
@@ -106,56 +105,74 @@ pub async fn p1(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         let _ = ctx.api.clean_up(false).await;
         own.lock().await.restart(0).await?;
         out.rows.push(warm?);
-        let row = jail_cost(ctx, jailed, n, out).await?;
+        let row = jail_cost(ctx, n, out).await?;
         out.rows.push(row);
     }
     Ok(())
 }
 
-/// The jail's cost on a create: P1's creates (jailed) against the same
-/// creates with the server restarted with `[jail] enabled = false`.
-async fn jail_cost(ctx: &Ctx, jailed: Vec<f64>, n: usize, out: &mut Out) -> anyhow::Result<Row> {
+/// The jail's cost on a create: the same creates with the server jailed
+/// and restarted with `[jail] enabled = false`, in blocks on, off, off, on
+/// (so a drift in the machine's load over the run hits both sides alike).
+async fn jail_cost(ctx: &Ctx, n: usize, out: &mut Out) -> anyhow::Result<Row> {
     let own = ctx.own.as_ref().expect("only with the bench's own server");
     let (cpus, mem) = (ctx.args.cpus, ctx.args.memory_mb);
-    ctx.step("restarting the server with the jail off");
-    {
-        let mut server = own.lock().await;
-        server.jail = false;
-        server.restart(0).await?;
-    }
-    let mut free = Vec::new();
-    let mut errors = Vec::new();
-    for i in 1..=n {
-        ctx.step(format!("jail off {i}/{n}: create through the API"));
-        let mark = stages::mark(ctx.server_log.as_deref());
-        let t = Instant::now();
-        match ctx.api.create(cpus, mem).await {
-            Ok(sb) => {
-                let took = ms(t);
-                free.push(took);
-                out.stage("API: POST /v2/sandboxes (jail off)", took);
-                for (name, v) in stages::since(ctx.server_log.as_deref(), mark) {
-                    out.stage(format!("{name} (jail off)"), v);
+    let block = n.div_ceil(2);
+    let initial = own.lock().await.jail;
+    let (mut on, mut off, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    for (b, jail) in [true, false, false, true].into_iter().enumerate() {
+        if own.lock().await.jail != jail {
+            ctx.step(format!("restarting the server with the jail {}", on_off(jail)));
+            let mut server = own.lock().await;
+            server.jail = jail;
+            server.restart(0).await?;
+        }
+        for i in 1..=block {
+            ctx.step(format!(
+                "block {}/4, jail {} {i}/{block}: create through the API",
+                b + 1,
+                on_off(jail)
+            ));
+            let mark = stages::mark(ctx.server_log.as_deref());
+            let t = Instant::now();
+            match ctx.api.create(cpus, mem).await {
+                Ok(sb) => {
+                    let took = ms(t);
+                    let label = if jail { "jail on" } else { "jail off" };
+                    out.stage(format!("API: POST /v2/sandboxes ({label})"), took);
+                    for (name, v) in stages::since(ctx.server_log.as_deref(), mark) {
+                        out.stage(format!("{name} ({label})"), v);
+                    }
+                    if jail { &mut on } else { &mut off }.push(took);
+                    ctx.api.kill(&sb.id).await?;
                 }
-                ctx.api.kill(&sb.id).await?;
+                Err(e) => errors.push(format!("create, jail {}: {e:#}", on_off(jail))),
             }
-            Err(e) => errors.push(format!("create without the jail: {e:#}")),
         }
     }
-    ctx.step("restarting the server with the jail on");
-    {
+    if own.lock().await.jail != initial {
+        ctx.step("restarting the server as it was");
         let mut server = own.lock().await;
-        server.jail = true;
+        server.jail = initial;
         server.restart(0).await?;
     }
     Ok(
         Row::new("P1", "create via API, jail on (vs jail off)", "ms")
-            .samples(jailed)
-            .floor("the same create with [jail] enabled = false", free)
+            .samples(on)
+            .floor("the same create with [jail] enabled = false", off)
             .diff_target(5.0, "p50 on − off ≤ 5 ms")
-            .param("iterations", n)
+            .param("iterations", 2 * block)
+            .param("order", "blocks of creates: jail on, off, off, on")
             .error(errors.first().cloned()),
     )
+}
+
+fn on_off(jail: bool) -> &'static str {
+    if jail {
+        "on"
+    } else {
+        "off"
+    }
 }
 
 /// Warm VMs the server keeps for the warm-pool row of P1.

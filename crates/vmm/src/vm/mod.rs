@@ -77,10 +77,10 @@ pub struct VmRecord {
     /// The uid (and gid) its jailed QEMU runs as; `None`: not jailed.
     #[serde(default)]
     pub uid: Option<u32>,
-    /// The snapshots whose disks its overlay is layered over, nearest
-    /// first (see [`SnapshotMeta::disk_over`]); `None`: not recorded.
+    /// The snapshot disks its overlay is layered over, nearest first (see
+    /// [`crate::snapshot::SnapshotMeta::disk_over`]); `None`: not recorded.
     #[serde(default)]
-    pub disk_over: Option<Vec<String>>,
+    pub disk_over: Option<Vec<PathBuf>>,
 }
 
 /// Options for boot and restore.
@@ -787,20 +787,19 @@ enum Origin<'a> {
     Restore(&'a Snapshot),
 }
 
-/// The files the backing chain of an overlay made over the disks of
-/// snapshots `disk_over` (nearest first) may name: those disks and the
-/// base image `rootfs`. The chain is read from qcow2 headers, which a VM
+/// The files the backing chain of an overlay made over the snapshot disks
+/// `disk_over` (nearest first) may name: those disks and the base image
+/// `rootfs`. The chain is read from qcow2 headers, which a VM
 /// that was captured could have written; nothing else is let into its
 /// jail or read by tine. For an overlay over a snapshot from before tine
 /// recorded that (`None`), any snapshot's disk.
 pub(crate) fn allowed_disks(
     paths: &Paths,
-    disk_over: Option<&[String]>,
+    disk_over: Option<&[PathBuf]>,
     rootfs: &RootDisk,
 ) -> Vec<PathBuf> {
-    let disk = |id: &String| paths.snapshot_dir(id).join("disk.qcow2");
     let mut out: Vec<PathBuf> = match disk_over {
-        Some(ids) => ids.iter().map(disk).collect(),
+        Some(disks) => disks.to_vec(),
         None => std::fs::read_dir(paths.snapshots_dir())
             .into_iter()
             .flatten()
