@@ -267,7 +267,10 @@ async fn capture(
         return Err(e);
     }
     progress("capturing");
-    vm.capture_and_kill(snap_id).await.map_err(vm_err)
+    match vm.capture_and_kill(snap_id).await {
+        Ok(snapshot) => Ok(snapshot),
+        Err(failed) => Err(vm_err(failed.discard().await)),
+    }
 }
 
 /// The shell command that gives an image without a `user` account one

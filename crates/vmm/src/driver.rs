@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{Artifacts, Machine};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::firewall::EgressRules;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -123,6 +123,29 @@ pub struct Capture {
     pub vcpus_stopped: Duration,
 }
 
+/// A [`VmHandle::capture_and_kill`] that failed.
+pub struct CaptureFailed {
+    pub error: Error,
+    /// The VM, if the capture failed before its QEMU exited: whole, and
+    /// running again if it was running. `None`: it is gone.
+    pub vm: Option<Box<dyn VmHandle>>,
+}
+
+impl CaptureFailed {
+    /// A failure after which the VM is gone.
+    pub fn gone(error: Error) -> Self {
+        Self { error, vm: None }
+    }
+
+    /// For callers that do not keep the VM: remove it, give the error.
+    pub async fn discard(self) -> Error {
+        if let Some(vm) = self.vm {
+            let _ = vm.kill().await;
+        }
+        self.error
+    }
+}
+
 /// One VM.
 #[async_trait::async_trait]
 pub trait VmHandle: Send + Sync {
@@ -138,10 +161,18 @@ pub trait VmHandle: Send + Sync {
     async fn start(&mut self) -> Result<()>;
     /// Stop its vCPUs (it keeps its memory and process).
     async fn pause(&mut self) -> Result<()>;
+    /// Let its vCPUs run if they are stopped (after a pause, or a capture
+    /// cut short by a crash of the server); nothing if they run.
+    async fn ensure_running(&mut self) -> Result<()>;
     /// Capture it as snapshot `snapshot_id`; it goes on (running if it was).
     async fn capture(&mut self, snapshot_id: &str) -> Result<Capture>;
-    /// Capture it as snapshot `snapshot_id`, then remove it.
-    async fn capture_and_kill(self: Box<Self>, snapshot_id: &str) -> Result<SnapshotRef>;
+    /// Capture it as snapshot `snapshot_id`, then remove it. A capture
+    /// that fails while the VM can go on gives it back (a full disk must
+    /// not cost the sandbox that was being paused).
+    async fn capture_and_kill(
+        self: Box<Self>,
+        snapshot_id: &str,
+    ) -> std::result::Result<SnapshotRef, CaptureFailed>;
     /// Stop it and remove everything it held (its snapshots stay).
     async fn kill(self: Box<Self>) -> Result<()>;
 }

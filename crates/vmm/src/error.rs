@@ -74,10 +74,15 @@ pub enum ErrorKind {
     Guest,
     /// The host failed: missing artifacts, spawning, namespaces, files, QMP.
     Host,
+    /// The host's disk (or a file size limit) is full.
+    NoSpace,
 }
 
 impl Error {
     pub fn kind(&self) -> ErrorKind {
+        if self.is_no_space() {
+            return ErrorKind::NoSpace;
+        }
         match self {
             Error::NotFound { .. } => ErrorKind::NotFound,
             Error::InvalidState { .. } => ErrorKind::InvalidState,
@@ -88,6 +93,30 @@ impl Error {
             | Error::Qmp(_)
             | Error::Netns { .. }
             | Error::Io { .. } => ErrorKind::Host,
+        }
+    }
+}
+
+impl Error {
+    /// A write failed for lack of space: `ENOSPC`, `EDQUOT` or `EFBIG`
+    /// from tine's own I/O, or QEMU reporting the same for a file it
+    /// wrote (QMP gives only the text).
+    fn is_no_space(&self) -> bool {
+        let os = |e: &std::io::Error| {
+            matches!(
+                e.raw_os_error(),
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)
+            )
+        };
+        match self {
+            Error::Io { source, .. } => os(source),
+            Error::Qmp(crate::qmp::QmpError::Io(e)) => os(e),
+            Error::Qmp(crate::qmp::QmpError::Command { desc, .. }) => {
+                desc.contains("No space left on device")
+                    || desc.contains("Disk quota exceeded")
+                    || desc.contains("File too large")
+            }
+            _ => false,
         }
     }
 }
@@ -103,5 +132,33 @@ impl<T> IoContext<T> for std::io::Result<T> {
             context: context(),
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_is_its_own_kind() {
+        let io = |errno| Error::Io {
+            context: "writing".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        assert_eq!(io(libc::ENOSPC).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EFBIG).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EIO).kind(), ErrorKind::Host);
+        let qmp = |desc: &str| {
+            Error::Qmp(crate::qmp::QmpError::Command {
+                command: "xen-save-devices-state".into(),
+                class: "GenericError".into(),
+                desc: desc.into(),
+            })
+        };
+        assert_eq!(
+            qmp("Failed to save: No space left on device").kind(),
+            ErrorKind::NoSpace
+        );
+        assert_eq!(qmp("Device busy").kind(), ErrorKind::Host);
     }
 }

@@ -34,7 +34,8 @@ mod vm;
 
 pub use config::{Accel, Artifacts, Machine, Paths, RootDisk};
 pub use driver::{
-    BoxFuture, Capture, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef, VmHandle,
+    BoxFuture, Capture, CaptureFailed, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef,
+    VmHandle,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use firewall::{EgressRules, Net4};

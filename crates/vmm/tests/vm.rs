@@ -573,3 +573,96 @@ async fn damaged_snapshots_are_refused_clearly() {
     let err = Snapshot::open(&paths, id).err().expect("must fail");
     assert!(err.to_string().contains("RAM file is"), "{err}");
 }
+
+/// Unmounts a test's small file system when the test ends.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A capture that runs out of disk space while writing its RAM layer
+/// (before QEMU exits) gives the VM back, running and whole, with an error
+/// of kind `NoSpace`; with the space back, the capture works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_on_a_full_disk_gives_the_vm_back() {
+    let real = Paths::from_env();
+    let artifacts = real.current_artifacts();
+    artifacts
+        .resolve()
+        .expect("artifacts (scripts/setup-host.sh)");
+    let outer = tempfile::Builder::new()
+        .prefix("tine-test-full-")
+        .tempdir_in(&real.data_dir)
+        .unwrap();
+    let data = outer.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=512m,mode=0700", "tmpfs"])
+        .arg(&data)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a small tmpfs for the data dir");
+    let _unmount = Unmount(data.clone());
+    std::fs::create_dir_all("/dev/shm/tine-test").unwrap();
+    let shm = tempfile::tempdir_in("/dev/shm/tine-test").unwrap();
+    let paths = Paths {
+        data_dir: data.clone(),
+        shm_dir: shm.path().to_path_buf(),
+        jail: tine_vmm::JailConfig::from_env(),
+    };
+    let _reap = Reap(data.clone());
+
+    let id = uniq("full");
+    let mut vm = Vm::boot(&paths, &id, machine(), &artifacts, opts())
+        .await
+        .expect("boot");
+    // A root snapshot: the VM goes on as a clone of it, and its next
+    // capture writes a RAM layer of the pages it changes.
+    vm.snapshot(&uniq("root")).await.expect("root snapshot");
+    let (sum, code) = sh(
+        &vm,
+        "head -c 48M /dev/urandom > /dev/shm/blob && sha256sum < /dev/shm/blob",
+    )
+    .await;
+    assert_eq!(code, 0);
+
+    // Fill the file system but for 4 MiB.
+    let free = nix::sys::statvfs::statvfs(&data).unwrap();
+    let left = free.blocks_available() as u64 * free.fragment_size() as u64;
+    let filler = data.join("filler");
+    let f = std::fs::File::create(&filler).unwrap();
+    nix::fcntl::posix_fallocate(&f, 0, (left - (4 << 20)) as i64).unwrap();
+    drop(f);
+
+    let snap_id = uniq("layer");
+    let (err, back) = match vm.capture_and_kill(&snap_id).await {
+        Ok(_) => panic!("a capture with 4 MiB free must fail"),
+        Err(failed) => failed,
+    };
+    assert_eq!(err.kind(), tine_vmm::ErrorKind::NoSpace, "{err}");
+    let vm = back.expect("the VM is given back");
+    assert_eq!(vm.state(), VmState::Running, "running again");
+    assert_eq!(sh(&vm, "sha256sum < /dev/shm/blob").await.0, sum);
+    assert!(
+        !paths.snapshot_dir(&snap_id).exists(),
+        "the failed snapshot is removed"
+    );
+
+    // With the space back, the same capture works.
+    std::fs::remove_file(&filler).unwrap();
+    let snap = match vm.capture_and_kill(&snap_id).await {
+        Ok(s) => s,
+        Err((e, _)) => panic!("capture with space: {e}"),
+    };
+    let clone = Vm::restore(&paths, &uniq("again"), &snap, opts())
+        .await
+        .expect("restore the capture");
+    assert_eq!(sh(&clone, "sha256sum < /dev/shm/blob").await.0, sum);
+    clone.kill().await.unwrap();
+}

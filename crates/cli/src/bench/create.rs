@@ -122,7 +122,10 @@ async fn jail_cost(ctx: &Ctx, n: usize, out: &mut Out) -> anyhow::Result<Row> {
     let (mut on, mut off, mut errors) = (Vec::new(), Vec::new(), Vec::new());
     for (b, jail) in [true, false, false, true].into_iter().enumerate() {
         if own.lock().await.jail != jail {
-            ctx.step(format!("restarting the server with the jail {}", on_off(jail)));
+            ctx.step(format!(
+                "restarting the server with the jail {}",
+                on_off(jail)
+            ));
             let mut server = own.lock().await;
             server.jail = jail;
             server.restart(0).await?;

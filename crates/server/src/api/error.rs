@@ -50,6 +50,7 @@ fn vm_status(kind: tine_vmm::ErrorKind) -> StatusCode {
     match kind {
         ErrorKind::NotFound => StatusCode::NOT_FOUND,
         ErrorKind::InvalidState => StatusCode::CONFLICT,
+        ErrorKind::NoSpace => StatusCode::INSUFFICIENT_STORAGE,
         ErrorKind::Damaged | ErrorKind::Guest | ErrorKind::Host => {
             StatusCode::INTERNAL_SERVER_ERROR
         }
@@ -124,5 +125,22 @@ mod tests {
         let e = ApiError::from(vm(damaged));
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert!(e.message.contains("RAM layer: short"), "{}", e.message);
+        // A full disk is 507 (28: ENOSPC, 5: EIO on Linux).
+        let full = tine_vmm::Error::Io {
+            context: "writing the RAM layer".into(),
+            source: std::io::Error::from_raw_os_error(28),
+        };
+        assert_eq!(
+            ApiError::from(vm(full)).status,
+            StatusCode::INSUFFICIENT_STORAGE
+        );
+        let other = tine_vmm::Error::Io {
+            context: "x".into(),
+            source: std::io::Error::from_raw_os_error(5),
+        };
+        assert_eq!(
+            ApiError::from(vm(other)).status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 }

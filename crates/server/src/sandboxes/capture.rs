@@ -130,11 +130,23 @@ impl Manager {
             let _chains = self.chains.read().await;
             vm.capture_and_kill(&row.id).await
         };
-        self.remove_live(id);
         let snapshot = match captured {
-            Ok(snapshot) => snapshot,
-            Err(e) => {
-                let e = SandboxError::vm(id, "pause failed, the VM is gone")(e);
+            Ok(snapshot) => {
+                self.remove_live(id);
+                snapshot
+            }
+            Err(failed) if failed.vm.is_some() => {
+                // It failed before the VM's QEMU exited (a full disk while
+                // writing its state or memory): the sandbox keeps running.
+                *live.vm.lock().await = failed.vm;
+                let e =
+                    SandboxError::vm(id, "pause failed; the sandbox keeps running")(failed.error);
+                self.event(id, "pause_failed", &e.to_string());
+                return Err(e);
+            }
+            Err(failed) => {
+                self.remove_live(id);
+                let e = SandboxError::vm(id, "pause failed, the VM is gone")(failed.error);
                 let why = e.to_string();
                 self.db.set_state(
                     id,

@@ -25,7 +25,12 @@ impl Manager {
             };
             match adopted {
                 // (VM directories that belong to no sandbox are removed below.)
-                Ok(vm) => {
+                Ok(mut vm) => {
+                    // A capture cut short by the restart left its vCPUs
+                    // stopped: the sandbox is running, so is its VM.
+                    if let Err(e) = vm.ensure_running().await {
+                        tracing::warn!(sandbox = %rec.id, "continuing its VM: {e}");
+                    }
                     // The firewall lives in the namespace; the egress proxy
                     // (if any) lived in the previous process.
                     let guest = vm.guest();

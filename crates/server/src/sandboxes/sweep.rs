@@ -12,6 +12,9 @@ use crate::db::now_ms;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
+/// When an auto-pause failed but left the sandbox running, the next try.
+const AUTO_PAUSE_RETRY: Duration = Duration::from_secs(30);
+
 impl Manager {
     /// Kill sandboxes whose time is up and forget those whose VM died.
     pub async fn sweep(&self) {
@@ -41,10 +44,18 @@ impl Manager {
                     paused = self.pause_with(&id, true, false).await;
                 }
                 if let Err(e) = paused {
-                    tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
-                    let _ = self
-                        .kill(&id, &format!("timeout (auto-pause failed: {e})"))
-                        .await;
+                    if self.live(&id).is_some() {
+                        // The sandbox is whole and running (a full disk,
+                        // say): try again in a while rather than lose it.
+                        tracing::warn!(sandbox = %id, "auto-pause at timeout failed, retried in {AUTO_PAUSE_RETRY:?}: {e}");
+                        let retry = now + AUTO_PAUSE_RETRY.as_millis() as i64;
+                        let _ = self.db.set_end_at(&id, retry);
+                    } else {
+                        tracing::warn!(sandbox = %id, "auto-pause at timeout failed: {e}");
+                        let _ = self
+                            .kill(&id, &format!("timeout (auto-pause failed: {e})"))
+                            .await;
+                    }
                 }
             } else if expired {
                 let _ = self.kill(&id, "timeout").await;

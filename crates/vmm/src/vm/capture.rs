@@ -97,13 +97,34 @@ impl Vm {
     }
 
     /// Capture the VM as snapshot `snap_id`, then remove the VM (pause,
-    /// template builds).
-    pub async fn capture_and_kill(mut self, snap_id: &str) -> Result<Snapshot> {
-        let captured = self.capture(snap_id, After::Exit).await;
-        self.kill().await?;
-        let snapshot = captured?;
-        snapshot.sync()?;
-        Ok(snapshot)
+    /// template builds). If the capture fails before QEMU exits (a full
+    /// disk while writing the state or the RAM layer), the VM is given
+    /// back with the error, running again if it was; otherwise it is gone.
+    pub async fn capture_and_kill(
+        mut self,
+        snap_id: &str,
+    ) -> std::result::Result<Snapshot, (Error, Option<Vm>)> {
+        let was_running = self.state == VmState::Running;
+        match self.capture(snap_id, After::Exit).await {
+            Ok(snapshot) => {
+                let done = self.kill().await.and_then(|()| snapshot.sync());
+                done.map(|()| snapshot).map_err(|e| (e, None))
+            }
+            Err(e) => {
+                if self.state != VmState::Stopped && self.process.exit_status().is_none() {
+                    let back = match (was_running, self.state) {
+                        (true, VmState::Paused) => self.resume().await,
+                        _ => Ok(()),
+                    };
+                    if back.is_ok() {
+                        tracing::warn!(vm = self.id(), "capture failed, the VM goes on: {e}");
+                        return Err((e, Some(self)));
+                    }
+                }
+                let _ = self.kill().await;
+                Err((e, None))
+            }
+        }
     }
 
     async fn capture(&mut self, snap_id: &str, after: After) -> Result<Snapshot> {
@@ -139,6 +160,8 @@ impl Vm {
     }
 
     async fn capture_into(&mut self, snap_id: &str, dir: &Path, after: After) -> Result<Snapshot> {
+        // What its disk is layered over now: the snapshot's disk will be.
+        let disk_over = self.record.disk_over.clone();
         // The overlay QEMU will switch to is made before the VM stops.
         let next = match after {
             After::Continue => Some(self.prepare_next_overlay(dir).await?),
@@ -169,7 +192,7 @@ impl Vm {
             Some(ram) => Some(self.finish_layer(ram, dir).await?),
             None => None,
         };
-        let snapshot = self.write_meta(snap_id, dir, parent, after)?;
+        let snapshot = self.write_meta(snap_id, dir, parent, disk_over, after)?;
         tracing::debug!(
             vm = self.id(),
             snapshot = snap_id,
@@ -242,6 +265,7 @@ impl Vm {
         snap_id: &str,
         dir: &Path,
         parent: Option<String>,
+        disk_over: Option<Vec<std::path::PathBuf>>,
         after: After,
     ) -> Result<Snapshot> {
         let meta = SnapshotMeta {
@@ -253,7 +277,7 @@ impl Vm {
             extra_cmdline: self.record.extra_cmdline.clone(),
             created_unix_ms: unix_ms(),
             parent,
-            disk_over: self.record.disk_over.clone(),
+            disk_over,
         };
         write_atomic(
             &dir.join("meta.json"),
@@ -261,9 +285,7 @@ impl Vm {
         )?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
         if after == After::Continue {
-            // It writes on over the sealed disk now.
             self.record.parent = Some(snap_id.to_string());
-            self.record.disk_over = snapshot.disk_lineage();
             self.save_record()?;
         }
         Ok(snapshot)
@@ -381,10 +403,17 @@ impl Vm {
             let _ = std::fs::remove_file(&sealed);
             return Err(e);
         }
-        // QEMU holds it read-only now; every clone's jail may read it.
-        crate::jail::share(&sealed)?;
+        // Recorded at once: after a crash, the VM is adopted with the
+        // overlay QEMU writes now, over the sealed one.
         self.record.disk_generation += 1;
-        Ok(())
+        self.record.disk_over = self
+            .record
+            .disk_over
+            .take()
+            .map(|below| std::iter::once(sealed.clone()).chain(below).collect());
+        self.save_record()?;
+        // QEMU holds it read-only now; every clone's jail may read it.
+        crate::jail::share(&sealed)
     }
 
     /// Ask QEMU to exit (killing it if it does not); the VM is `Stopped`.

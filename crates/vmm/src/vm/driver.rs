@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use super::{cleanup, list, Vm};
 use crate::config::{Artifacts, Machine, Paths};
-use crate::driver::{Capture, Driver, Guest, Probe, SnapshotInfo, SnapshotRef, VmHandle};
+use crate::driver::{
+    Capture, CaptureFailed, Driver, Guest, Probe, SnapshotInfo, SnapshotRef, VmHandle,
+};
 use crate::error::{Error, Result};
 use crate::snapshot::Snapshot;
 use crate::StartOptions;
@@ -169,6 +171,13 @@ impl VmHandle for Vm {
         Vm::pause(self).await
     }
 
+    async fn ensure_running(&mut self) -> Result<()> {
+        match self.state() {
+            super::VmState::Paused => Vm::resume(self).await,
+            _ => Ok(()),
+        }
+    }
+
     async fn capture(&mut self, snapshot_id: &str) -> Result<Capture> {
         let snapshot = self.snapshot(snapshot_id).await?;
         Ok(Capture {
@@ -177,10 +186,17 @@ impl VmHandle for Vm {
         })
     }
 
-    async fn capture_and_kill(self: Box<Self>, snapshot_id: &str) -> Result<SnapshotRef> {
+    async fn capture_and_kill(
+        self: Box<Self>,
+        snapshot_id: &str,
+    ) -> std::result::Result<SnapshotRef, CaptureFailed> {
         Vm::capture_and_kill(*self, snapshot_id)
             .await
             .map(snapshot_ref)
+            .map_err(|(error, vm)| CaptureFailed {
+                error,
+                vm: vm.map(|vm| Box::new(vm) as Box<dyn VmHandle>),
+            })
     }
 
     async fn kill(self: Box<Self>) -> Result<()> {

@@ -122,7 +122,8 @@ impl Runner<'_> {
         );
         self.info("capturing the template".into());
         let vm = self.vm.take().expect("the build VM is running");
-        if let Err(e) = vm.capture_and_kill(&id).await {
+        if let Err(failed) = vm.capture_and_kill(&id).await {
+            let e = failed.discard().await;
             let _ = self.env.driver.delete_snapshot(&id);
             return Err(fail("finalize", format!("capturing the template: {e}")));
         }

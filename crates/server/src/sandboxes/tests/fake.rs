@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tine_vmm::{
-    Artifacts, BoxFuture, Capture, Driver, Error, Guest, GuestNet, Machine, SnapshotInfo,
-    SnapshotRef, VmHandle,
+    Artifacts, BoxFuture, Capture, CaptureFailed, Driver, Error, Guest, GuestNet, Machine,
+    SnapshotInfo, SnapshotRef, VmHandle,
 };
 
 /// What the fake agent was sent: method, path, `x-access-token`, body.
@@ -306,6 +306,10 @@ impl VmHandle for FakeVm {
     async fn pause(&mut self) -> tine_vmm::Result<()> {
         self.driver.enter("pause", format!("pause {}", self.id))
     }
+    async fn ensure_running(&mut self) -> tine_vmm::Result<()> {
+        self.driver
+            .enter("ensure_running", format!("ensure_running {}", self.id))
+    }
     async fn capture(&mut self, snapshot_id: &str) -> tine_vmm::Result<Capture> {
         self.driver
             .enter("capture", format!("capture {} {snapshot_id}", self.id))?;
@@ -318,13 +322,23 @@ impl VmHandle for FakeVm {
             vcpus_stopped: Duration::from_millis(1),
         })
     }
-    async fn capture_and_kill(self: Box<Self>, snapshot_id: &str) -> tine_vmm::Result<SnapshotRef> {
-        let entered = self.driver.enter(
-            "capture",
-            format!("capture_and_kill {} {snapshot_id}", self.id),
-        );
+    async fn capture_and_kill(
+        self: Box<Self>,
+        snapshot_id: &str,
+    ) -> Result<SnapshotRef, CaptureFailed> {
+        // "capture" fails it before QEMU exits (the VM goes on),
+        // "capture_exit" after (the VM is gone).
+        let call = format!("capture_and_kill {} {snapshot_id}", self.id);
+        if let Err(error) = self.driver.enter("capture", call) {
+            return Err(CaptureFailed {
+                error,
+                vm: Some(self),
+            });
+        }
         self.driver.state.lock().unwrap().vms.remove(&self.id);
-        entered?;
+        self.driver
+            .enter("capture_exit", format!("exited {} {snapshot_id}", self.id))
+            .map_err(CaptureFailed::gone)?;
         Ok(self
             .driver
             .add_snapshot(snapshot_id, self.machine, self.parent.clone()))

@@ -118,6 +118,35 @@ async fn a_failed_restore_keeps_its_kind_and_leaves_a_failed_row() {
 }
 
 #[tokio::test]
+async fn a_pause_that_fails_before_the_vm_exits_keeps_the_sandbox() {
+    let s = setup().await;
+    let sb = s.manager.create(base()).await.unwrap();
+    let from = s.db.sandbox_snapshot(&sb.id).unwrap();
+    s.driver.fail("capture", 1);
+    let err = s.manager.pause(&sb.id).await.unwrap_err();
+    assert!(err.to_string().contains("keeps running"), "{err}");
+    assert_eq!(s.manager.get(&sb.id).unwrap().state, SandboxState::Running);
+    assert_eq!(s.manager.live_count(), 1, "its VM is back in place");
+    assert_eq!(
+        s.db.sandbox_snapshot(&sb.id).unwrap(),
+        from,
+        "no pause recorded"
+    );
+    // It pauses (and resumes) normally afterwards.
+    s.manager.pause(&sb.id).await.unwrap();
+    assert_eq!(s.manager.get(&sb.id).unwrap().state, SandboxState::Paused);
+
+    // A failure after the VM's QEMU exited loses the VM: the sandbox is
+    // killed, with the reason.
+    let other = s.manager.create(base()).await.unwrap();
+    s.driver.fail("capture_exit", 1);
+    let err = s.manager.pause(&other.id).await.unwrap_err();
+    assert!(err.to_string().contains("the VM is gone"), "{err}");
+    let row = s.db.get_sandbox(&other.id).unwrap().unwrap();
+    assert_eq!(row.state, SandboxState::Killed);
+}
+
+#[tokio::test]
 async fn fork_captures_once_and_each_child_fails_alone() {
     let s = setup().await;
     let src = s.manager.create(base()).await.unwrap();
