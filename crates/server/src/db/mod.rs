@@ -20,7 +20,7 @@ use rusqlite::Connection;
 pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
 pub use keys::{valid_team, ApiKey, NewKey, DEFAULT_TEAM};
-pub use sandboxes::ListFilter;
+pub use sandboxes::{ListFilter, TeamUsage};
 pub use snapshots::{SnapshotKind, SnapshotRow};
 
 #[derive(Debug, thiserror::Error)]

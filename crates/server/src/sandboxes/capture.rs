@@ -206,8 +206,8 @@ impl Manager {
                 id: id.to_string(),
                 detail: "paused without a capture".into(),
             })?;
-        self.check_capacity(1)?;
-        self.check_team(&rec.team, 1, rec_machine(&rec))?;
+        // Held until it runs (its row counts as running from then on).
+        let _ticket = self.admit(&rec.team, 1, rec_machine(&rec))?;
         let snapshot = self
             .driver
             .open_snapshot(&snap_id)
@@ -354,9 +354,8 @@ impl Manager {
     ) -> Result<Vec<ForkResult>, SandboxError> {
         let count = limits::fork_count(&self.config, count)?;
         let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
-        self.check_capacity(count)?;
         let source_rec = self.get(id)?;
-        self.check_team(&source_rec.team, count as u64, rec_machine(&source_rec))?;
+        let ticket = self.admit(&source_rec.team, count as u64, rec_machine(&source_rec))?;
         let (row, mut snapshot) = {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
@@ -386,7 +385,7 @@ impl Manager {
         let machine = source.snapshot.info().machine;
         let children = (0..count).map(|_| {
             let rec = self.new_record(&source_rec.template_id, machine, &req, timeout_secs);
-            self.launch(rec, &source, timeout_secs, None)
+            self.launch(rec, &source, timeout_secs, None, &ticket)
         });
         let results = join_all(children).await;
         self.event(id, "forked", &format!("{count} children from {}", row.id));

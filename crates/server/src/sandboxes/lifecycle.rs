@@ -225,15 +225,18 @@ impl Manager {
     pub async fn create(&self, mut req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
         let machine = limits::machine(&self.config, req.cpu_count, req.memory_mb)?;
         let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
-        self.check_capacity(1)?;
         if req.team.is_empty() {
             req.team = crate::db::DEFAULT_TEAM.to_string();
         }
         // Before a template may be built for the shape; again after, as a
         // snapshot brings its own shape.
-        self.check_team(&req.team, 1, machine)?;
-        let (source, machine) = self.resolve(&req.template_id, machine).await?;
-        self.check_team(&req.team, 1, machine)?;
+        let mut ticket = self.admit(&req.team, 1, machine)?;
+        let (source, resolved) = self.resolve(&req.template_id, machine).await?;
+        if resolved != machine {
+            drop(ticket);
+            ticket = self.admit(&req.team, 1, resolved)?;
+        }
+        let machine = resolved;
         if req.network.is_none() && !source.template {
             req.network = self.snapshot_policy(source.snapshot_id.as_deref())?;
         }
@@ -250,7 +253,7 @@ impl Manager {
         if let Some(p) = &pooled {
             rec.id = p.vm.id().to_string();
         }
-        self.launch(rec, &source, timeout, pooled).await
+        self.launch(rec, &source, timeout, pooled, &ticket).await
     }
 
     /// Insert `rec`, start its VM from `source`, make it live.
@@ -260,10 +263,12 @@ impl Manager {
         source: &Source,
         timeout_secs: Option<u64>,
         pooled: Option<pool::Pooled>,
+        ticket: &limits::Ticket<'_>,
     ) -> Result<SandboxRecord, SandboxError> {
         let id = rec.id.clone();
         rec.disk_size_mb = source.snapshot.info().disk_size_mb;
         self.db.insert_sandbox(&rec)?;
+        ticket.counted();
         self.db
             .set_sandbox_snapshot(&id, source.snapshot_id.as_deref())?;
         self.event(&id, "create", &format!("from {}", source.snapshot.id()));

@@ -1,10 +1,14 @@
 //! Validation of what callers ask for, in one place: timeouts, machine
 //! shapes, fork counts, and the capacity left.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use tine_vmm::Machine;
 
 use super::{Manager, SandboxError};
 use crate::config::Config;
+use crate::db::TeamUsage;
 
 fn invalid<T>(message: String) -> Result<T, SandboxError> {
     Err(SandboxError::InvalidArgument(message))
@@ -68,17 +72,123 @@ pub fn fork_count(config: &Config, count: i64) -> Result<usize, SandboxError> {
     }
 }
 
+/// Starts admitted but not yet counted where the limits look (live VMs,
+/// sandbox rows). Checks and reservations happen under one lock, so
+/// concurrent creates cannot pass a limit together.
+#[derive(Default)]
+pub(super) struct Admission(std::sync::Mutex<Reserved>);
+
+#[derive(Default)]
+struct Reserved {
+    /// VM starts admitted and not yet live.
+    starts: usize,
+    /// Per team: admitted sandboxes whose rows do not yet count as
+    /// starting or running.
+    teams: HashMap<String, TeamUsage>,
+}
+
+fn add(a: &mut TeamUsage, b: TeamUsage, times: u64) {
+    a.sandboxes += b.sandboxes * times;
+    a.vcpus += b.vcpus * times;
+    a.memory_mb += b.memory_mb * times;
+}
+
+fn sub(a: &mut TeamUsage, b: TeamUsage, times: u64) {
+    a.sandboxes = a.sandboxes.saturating_sub(b.sandboxes * times);
+    a.vcpus = a.vcpus.saturating_sub(b.vcpus * times);
+    a.memory_mb = a.memory_mb.saturating_sub(b.memory_mb * times);
+}
+
+/// Room reserved for `starts` sandboxes of one team; given back when
+/// dropped (the sandboxes are live by then, or failed).
+pub(super) struct Ticket<'a> {
+    admission: &'a Admission,
+    starts: usize,
+    team: String,
+    /// One sandbox's share of the team's usage.
+    each: TeamUsage,
+    /// Sandboxes whose team share is still reserved here.
+    uncounted: AtomicU64,
+}
+
+impl Ticket<'_> {
+    /// One of its sandboxes now counts in the database (its row is
+    /// starting or running): its team share is no longer reserved here.
+    pub(super) fn counted(&self) {
+        let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
+        if self
+            .uncounted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            if let Some(t) = r.teams.get_mut(&self.team) {
+                sub(t, self.each, 1);
+            }
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
+        r.starts = r.starts.saturating_sub(self.starts);
+        let left = *self.uncounted.get_mut();
+        if let Some(t) = r.teams.get_mut(&self.team) {
+            sub(t, self.each, left);
+            if *t == TeamUsage::default() {
+                r.teams.remove(&self.team);
+            }
+        }
+    }
+}
+
 impl Manager {
-    /// Room in team `team`'s limits for `more` running sandboxes of
-    /// `machine`'s shape.
-    pub(super) fn check_team(
+    /// Admit `more` sandboxes of `machine`'s shape for team `team`: room
+    /// under `max_sandboxes` (live VMs and starts admitted before) and in
+    /// the team's limits (its starting and running rows and its admitted
+    /// starts), reserved until the ticket is dropped.
+    pub(super) fn admit(
         &self,
         team: &str,
         more: u64,
         machine: Machine,
+    ) -> Result<Ticket<'_>, SandboxError> {
+        let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = self.live_count() + r.starts;
+        if n + more as usize > self.config.max_sandboxes {
+            return Err(SandboxError::Capacity(n));
+        }
+        let mut used = self.db.team_usage(team)?;
+        if let Some(reserved) = r.teams.get(team) {
+            add(&mut used, *reserved, 1);
+        }
+        self.check_team(team, used, more, machine)?;
+        let each = TeamUsage {
+            sandboxes: 1,
+            vcpus: u64::from(machine.vcpus),
+            memory_mb: u64::from(machine.memory_mib),
+        };
+        r.starts += more as usize;
+        add(r.teams.entry(team.to_string()).or_default(), each, more);
+        Ok(Ticket {
+            admission: &self.admission,
+            starts: more as usize,
+            team: team.to_string(),
+            each,
+            uncounted: AtomicU64::new(more),
+        })
+    }
+
+    /// Room in team `team`'s limits, with `used` in use, for `more`
+    /// sandboxes of `machine`'s shape.
+    fn check_team(
+        &self,
+        team: &str,
+        used: TeamUsage,
+        more: u64,
+        machine: Machine,
     ) -> Result<(), SandboxError> {
         let limits = self.config.team_limits(team);
-        let used = self.db.team_usage(team)?;
         let over = |what: &str, used: u64, adding: u64, max: u64| {
             SandboxError::TeamLimit(format!(
                 "team {team} would exceed its {what}: {used} in use + {adding} asked > {max}"
@@ -120,15 +230,6 @@ impl Manager {
             return Err(SandboxError::TeamLimit(format!(
                 "team {team} would exceed its max_snapshot_bytes: {used} bytes of snapshots on disk, limit {max}"
             )));
-        }
-        Ok(())
-    }
-
-    /// Room for `more` running sandboxes under `max_sandboxes`.
-    pub(super) fn check_capacity(&self, more: usize) -> Result<(), SandboxError> {
-        let n = self.live_count();
-        if n + more > self.config.max_sandboxes {
-            return Err(SandboxError::Capacity(n));
         }
         Ok(())
     }

@@ -174,6 +174,8 @@ pub struct Manager {
     /// runs it.
     gc_pending: AtomicBool,
     samples: samples::Samples,
+    /// Starts admitted under the capacity and team limits, not yet live.
+    admission: limits::Admission,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -216,6 +218,7 @@ impl Manager {
             chains: tokio::sync::RwLock::new(()),
             gc_pending: Default::default(),
             samples: Default::default(),
+            admission: Default::default(),
             config,
         }
     }

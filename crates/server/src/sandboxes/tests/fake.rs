@@ -223,6 +223,8 @@ impl Driver for FakeDriver {
         snapshot: &SnapshotRef,
     ) -> tine_vmm::Result<Box<dyn VmHandle>> {
         self.enter("restore", format!("restore {id} {}", snapshot.id()))?;
+        // A real restore takes a while: let concurrent callers interleave.
+        tokio::task::yield_now().await;
         Ok(self.vm(id, snapshot.info().machine, Some(snapshot.id().to_string())))
     }
 

@@ -147,6 +147,54 @@ async fn a_pause_that_fails_before_the_vm_exits_keeps_the_sandbox() {
 }
 
 #[tokio::test]
+async fn concurrent_creates_get_exactly_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
+    let driver = FakeDriver::start().await;
+    let mut cfg = config();
+    cfg.max_sandboxes = 3;
+    cfg.teams.insert(
+        "small".into(),
+        crate::config::TeamLimits {
+            max_sandboxes: Some(2),
+            ..Default::default()
+        },
+    );
+    let artifacts = Artifacts {
+        kernel: "/fake/kernel".into(),
+        initramfs: "/fake/initramfs".into(),
+        rootfs: "/fake/rootfs".into(),
+    };
+    let d: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
+    let templates = Templates::new(d.clone(), artifacts, db.clone());
+    let manager = Manager::new(cfg, db.clone(), d, templates.into(), network());
+    // The template is built first, so every create below only restores.
+    let first = manager.create(base()).await.unwrap();
+    manager.kill(&first.id, "test").await.unwrap();
+
+    let small = || CreateRequest {
+        team: "small".into(),
+        ..base()
+    };
+    let results = futures::future::join_all((0..5).map(|_| manager.create(small()))).await;
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(ok, 2, "the team's limit, exactly");
+    assert!(results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .all(|e| matches!(e, SandboxError::TeamLimit(_))));
+
+    let results = futures::future::join_all((0..5).map(|_| manager.create(base()))).await;
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(ok, 1, "the server's limit (3, two in use), exactly");
+    assert!(results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .all(|e| matches!(e, SandboxError::Capacity(_))));
+    assert_eq!(manager.live_count(), 3);
+}
+
+#[tokio::test]
 async fn fork_captures_once_and_each_child_fails_alone() {
     let s = setup().await;
     let src = s.manager.create(base()).await.unwrap();
