@@ -61,6 +61,13 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
         std::fs::copy(snap.disk_path(), &disk_tmp)
             .ctx(|| format!("copying {}", snap.disk_path().display()))?;
         disk::rebase(&disk_tmp, &root.disk_path(), BackingFormat::Qcow2).await?;
+        // On disk before they replace the old files (and before garbage
+        // collection may delete the chain those replaced).
+        for f in [&layer_tmp, &disk_tmp] {
+            std::fs::File::open(f)
+                .and_then(|f| f.sync_all())
+                .ctx(|| format!("syncing {}", f.display()))?;
+        }
 
         std::fs::rename(&layer_tmp, snap.layer_path()).ctx(|| "replacing the RAM layer".into())?;
         std::fs::rename(&disk_tmp, snap.disk_path()).ctx(|| "replacing the disk".into())?;
