@@ -34,6 +34,13 @@ pub enum DbError {
     Sql(#[from] rusqlite::Error),
     #[error("database holds a corrupt value in {0}")]
     Corrupt(String),
+    /// A bug: a state change the sandbox lifecycle does not have.
+    #[error("sandbox {id}: the lifecycle has no transition {from} -> {to}")]
+    Transition {
+        id: String,
+        from: &'static str,
+        to: &'static str,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, DbError>;

@@ -145,15 +145,71 @@ impl Db {
 
     /// Move `id` to `state` (recording `error`), if it is in one of `from`.
     /// Returns whether it moved.
+    /// Move sandbox `id` from one of the states `from` to `state` and
+    /// record `event` (kind, detail) with it, in one transaction. `Ok(false)`:
+    /// it is in none of `from`, and nothing changed. A change the lifecycle
+    /// does not have ([`SandboxState::can_become`]) is an error: a bug.
     pub fn set_state(
         &self,
         id: &str,
         from: &[SandboxState],
         state: SandboxState,
         error: Option<&str>,
+        event: (&str, &str),
     ) -> Result<bool> {
-        let conn = self.conn();
-        let current: Option<String> = conn
+        self.change_state(id, from, state, error, event, |_| Ok(()))
+    }
+
+    /// [`Db::set_state`] to paused, in the same transaction as the pause's
+    /// capture row, the sandbox's pointer to it and its lifecycle: a crash
+    /// leaves the sandbox running with none of them, or paused with all.
+    pub fn set_paused(
+        &self,
+        id: &str,
+        capture: &super::SnapshotRow,
+        lifecycle: &crate::model::Lifecycle,
+        event: (&str, &str),
+    ) -> Result<bool> {
+        self.change_state(
+            id,
+            &[SandboxState::Running],
+            SandboxState::Paused,
+            None,
+            event,
+            |tx| {
+                super::snapshots::insert_snapshot_on(tx, capture)?;
+                tx.execute(
+                    "UPDATE sandboxes SET snapshot_id = ?2, lifecycle = ?3 WHERE id = ?1",
+                    params![
+                        id,
+                        capture.id,
+                        serde_json::to_string(lifecycle).expect("a lifecycle serializes")
+                    ],
+                )?;
+                Ok(())
+            },
+        )
+    }
+
+    fn change_state(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        state: SandboxState,
+        error: Option<&str>,
+        (kind, detail): (&str, &str),
+        also: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<()>,
+    ) -> Result<bool> {
+        if let Some(bad) = from.iter().find(|f| !f.can_become(state)) {
+            return Err(DbError::Transition {
+                id: id.to_string(),
+                from: bad.as_str(),
+                to: state.as_str(),
+            });
+        }
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let current: Option<String> = tx
             .query_row("SELECT state FROM sandboxes WHERE id = ?1", [id], |r| {
                 r.get(0)
             })
@@ -164,10 +220,16 @@ impl Db {
         if !from.contains(&current) {
             return Ok(false);
         }
-        conn.execute(
+        tx.execute(
             "UPDATE sandboxes SET state = ?2, error = COALESCE(?3, error) WHERE id = ?1",
             params![id, state.as_str(), error],
         )?;
+        tx.execute(
+            "INSERT INTO events (sandbox_id, at_ms, kind, detail) VALUES (?1, ?2, ?3, ?4)",
+            params![id, super::now_ms(), kind, detail],
+        )?;
+        also(&tx)?;
+        tx.commit()?;
         Ok(true)
     }
 

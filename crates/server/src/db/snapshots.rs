@@ -64,6 +64,27 @@ pub struct SnapshotRow {
 
 const COLUMNS: &str = "id, kind, sandbox_id, parent_id, names, template_id, cpu_count, memory_mb, source_token, created_ms";
 
+pub(super) fn insert_snapshot_on(conn: &rusqlite::Connection, s: &SnapshotRow) -> Result<()> {
+    conn.execute(
+        &format!(
+            "INSERT OR IGNORE INTO snapshots ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)"
+        ),
+        params![
+            s.id,
+            s.kind.as_str(),
+            s.sandbox_id,
+            s.parent_id,
+            serde_json::to_string(&s.names).expect("strings serialize"),
+            s.template_id,
+            s.cpu_count,
+            s.memory_mb,
+            s.source_token,
+            s.created_ms
+        ],
+    )?;
+    Ok(())
+}
+
 fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, DbError>> {
     let id: String = r.get(0)?;
     let kind: String = r.get(1)?;
@@ -89,22 +110,7 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, Db
 
 impl Db {
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<()> {
-        self.conn().execute(
-            &format!("INSERT OR IGNORE INTO snapshots ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10)"),
-            params![
-                s.id,
-                s.kind.as_str(),
-                s.sandbox_id,
-                s.parent_id,
-                serde_json::to_string(&s.names).expect("strings serialize"),
-                s.template_id,
-                s.cpu_count,
-                s.memory_mb,
-                s.source_token,
-                s.created_ms
-            ],
-        )?;
-        Ok(())
+        insert_snapshot_on(&self.conn(), s)
     }
 
     /// A snapshot that has not been deleted.

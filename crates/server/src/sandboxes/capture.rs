@@ -153,24 +153,15 @@ impl Manager {
                     &[SandboxState::Running],
                     SandboxState::Killed,
                     Some(&why),
+                    ("killed", &why),
                 )?;
-                self.event(id, "killed", &why);
                 return Err(e);
             }
         };
-        self.db.insert_snapshot(&row)?;
-        self.db.set_sandbox_snapshot(id, Some(&row.id))?;
-        if rec.lifecycle.paused_disk_only == keep_memory {
-            rec.lifecycle.paused_disk_only = !keep_memory;
-            self.db.set_lifecycle(id, &rec.lifecycle)?;
-        }
+        rec.lifecycle.paused_disk_only = !keep_memory;
+        let detail = format!("{} in {} ms", row.id, t.elapsed().as_millis());
         self.db
-            .set_state(id, &[SandboxState::Running], SandboxState::Paused, None)?;
-        self.event(
-            id,
-            "paused",
-            &format!("{} in {} ms", row.id, t.elapsed().as_millis()),
-        );
+            .set_paused(id, &row, &rec.lifecycle, ("paused", &detail))?;
         self.gc();
         self.maybe_compact(&snapshot);
         Ok(())
@@ -240,20 +231,21 @@ impl Manager {
             rec.lifecycle.paused_disk_only = false;
             self.db.set_lifecycle(id, &rec.lifecycle)?;
         }
-        self.db
-            .set_state(id, &[SandboxState::Paused], SandboxState::Running, None)?;
-        rec.state = SandboxState::Running;
-        self.add_live(&rec, vm);
         let how = if cold_boot {
             "cold-booted from its disk"
         } else {
             "resumed"
         };
-        self.event(
+        let detail = format!("{how} in {} ms", t.elapsed().as_millis());
+        self.db.set_state(
             id,
-            "resumed",
-            &format!("{how} in {} ms", t.elapsed().as_millis()),
-        );
+            &[SandboxState::Paused],
+            SandboxState::Running,
+            None,
+            ("resumed", &detail),
+        )?;
+        rec.state = SandboxState::Running;
+        self.add_live(&rec, vm);
         Ok((rec, true))
     }
 

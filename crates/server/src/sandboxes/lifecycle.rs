@@ -281,8 +281,8 @@ impl Manager {
                     &[SandboxState::Starting],
                     SandboxState::Failed,
                     Some(&detail),
+                    ("failed", &detail),
                 )?;
-                self.event(&id, "failed", &detail);
                 self.gc();
                 return Err(e);
             }
@@ -292,11 +292,15 @@ impl Manager {
         rec.started_at_ms = now_ms();
         rec.end_at_ms = rec.started_at_ms + timeout * 1000;
         self.db.set_times(&id, rec.started_at_ms, rec.end_at_ms)?;
-        self.db
-            .set_state(&id, &[SandboxState::Starting], SandboxState::Running, None)?;
+        self.db.set_state(
+            &id,
+            &[SandboxState::Starting],
+            SandboxState::Running,
+            None,
+            ("running", ""),
+        )?;
         rec.state = SandboxState::Running;
         self.add_live(&rec, vm);
-        self.event(&id, "running", "");
         Ok(rec)
     }
 
@@ -325,10 +329,14 @@ impl Manager {
                 }
             }
         }
-        self.db
-            .set_state(id, &[rec.state], SandboxState::Killed, Some(reason))?;
+        self.db.set_state(
+            id,
+            &[rec.state],
+            SandboxState::Killed,
+            Some(reason),
+            ("killed", reason),
+        )?;
         self.samples.forget(id);
-        self.event(id, "killed", reason);
         self.gc();
         Ok(())
     }

@@ -44,9 +44,13 @@ impl Manager {
                 Err(detail) => {
                     self.driver.cleanup(&rec.id).await;
                     let why = format!("lost across a server restart: {detail}");
-                    self.db
-                        .set_state(&rec.id, &[rec.state], SandboxState::Killed, Some(&why))?;
-                    self.event(&rec.id, "killed", &why);
+                    self.db.set_state(
+                        &rec.id,
+                        &[rec.state],
+                        SandboxState::Killed,
+                        Some(&why),
+                        ("killed", &why),
+                    )?;
                     tracing::warn!(sandbox = %rec.id, "{why}");
                 }
             }

@@ -132,8 +132,35 @@ async fn a_pause_that_fails_before_the_vm_exits_keeps_the_sandbox() {
         from,
         "no pause recorded"
     );
-    // It pauses (and resumes) normally afterwards.
+    // It pauses normally afterwards: state, capture row, pointer and
+    // event together.
     s.manager.pause(&sb.id).await.unwrap();
+    assert_eq!(s.manager.get(&sb.id).unwrap().state, SandboxState::Paused);
+    let capture = s.db.sandbox_snapshot(&sb.id).unwrap().unwrap();
+    assert!(capture.starts_with("p-"), "{capture}");
+    assert!(s.db.get_snapshot(&capture).unwrap().is_some());
+    let kinds: Vec<String> =
+        s.db.events(&sb.id)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+    assert!(
+        kinds.ends_with(&["pause_failed".into(), "paused".into()]),
+        "{kinds:?}"
+    );
+    // A change the lifecycle does not have is refused loudly, and changes
+    // nothing.
+    let err =
+        s.db.set_state(
+            &sb.id,
+            &[SandboxState::Paused],
+            SandboxState::Failed,
+            None,
+            ("x", ""),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("paused -> failed"), "{err}");
     assert_eq!(s.manager.get(&sb.id).unwrap().state, SandboxState::Paused);
 
     // A failure after the VM's QEMU exited loses the VM: the sandbox is
