@@ -70,8 +70,10 @@ pub enum ErrorKind {
     InvalidState,
     /// A snapshot's files are damaged or of another version.
     Damaged,
-    /// The guest did not come up or its QEMU died.
+    /// The guest's QEMU died.
     Guest,
+    /// The guest did not answer in time.
+    Timeout,
     /// The host failed: missing artifacts, spawning, namespaces, files, QMP.
     Host,
     /// The host's disk (or a file size limit) is full.
@@ -87,7 +89,8 @@ impl Error {
             Error::NotFound { .. } => ErrorKind::NotFound,
             Error::InvalidState { .. } => ErrorKind::InvalidState,
             Error::Snapshot { .. } => ErrorKind::Damaged,
-            Error::QemuExited { .. } | Error::NotReady { .. } => ErrorKind::Guest,
+            Error::QemuExited { .. } => ErrorKind::Guest,
+            Error::NotReady { .. } => ErrorKind::Timeout,
             Error::MissingArtifact { .. }
             | Error::Spawn { .. }
             | Error::Qmp(_)

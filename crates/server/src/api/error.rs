@@ -51,9 +51,9 @@ fn vm_status(kind: tine_vmm::ErrorKind) -> StatusCode {
         ErrorKind::NotFound => StatusCode::NOT_FOUND,
         ErrorKind::InvalidState => StatusCode::CONFLICT,
         ErrorKind::NoSpace => StatusCode::INSUFFICIENT_STORAGE,
-        ErrorKind::Damaged | ErrorKind::Guest | ErrorKind::Host => {
-            StatusCode::INTERNAL_SERVER_ERROR
-        }
+        ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+        ErrorKind::Guest => StatusCode::BAD_GATEWAY,
+        ErrorKind::Damaged | ErrorKind::Host => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 
@@ -142,5 +142,21 @@ mod tests {
             ApiError::from(vm(other)).status,
             StatusCode::INTERNAL_SERVER_ERROR
         );
+        // A guest that does not come up in time is 504; one whose QEMU
+        // died, 502.
+        let slow = tine_vmm::Error::NotReady {
+            vm: "s".into(),
+            secs: 30,
+            console: String::new(),
+        };
+        assert_eq!(ApiError::from(vm(slow)).status, StatusCode::GATEWAY_TIMEOUT);
+        let died = tine_vmm::Error::QemuExited {
+            vm: "s".into(),
+            status: "signal 9".into(),
+            during: "during boot",
+            qemu_log: String::new(),
+            console: String::new(),
+        };
+        assert_eq!(ApiError::from(vm(died)).status, StatusCode::BAD_GATEWAY);
     }
 }
