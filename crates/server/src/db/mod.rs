@@ -146,6 +146,9 @@ ALTER TABLE sandboxes ADD COLUMN team TEXT NOT NULL DEFAULT 'default';
 ALTER TABLE builds ADD COLUMN team TEXT;
 CREATE INDEX sandboxes_by_team ON sandboxes (team, state);
 "#,
+    r#"
+ALTER TABLE sandboxes ADD COLUMN intent TEXT;
+"#,
 ];
 
 impl Db {

@@ -191,6 +191,27 @@ impl Db {
         )
     }
 
+    /// Record what operation on sandbox `id` is in flight (`None`: none),
+    /// so that a restart after a crash knows (see `sandboxes/recover.rs`).
+    pub fn set_intent(&self, id: &str, intent: Option<&str>) -> Result<()> {
+        self.conn().execute(
+            "UPDATE sandboxes SET intent = ?2 WHERE id = ?1",
+            params![id, intent],
+        )?;
+        Ok(())
+    }
+
+    /// The operation in flight on sandbox `id`, if any.
+    pub fn intent(&self, id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row("SELECT intent FROM sandboxes WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()?
+            .flatten())
+    }
+
     fn change_state(
         &self,
         id: &str,
@@ -221,7 +242,8 @@ impl Db {
             return Ok(false);
         }
         tx.execute(
-            "UPDATE sandboxes SET state = ?2, error = COALESCE(?3, error) WHERE id = ?1",
+            "UPDATE sandboxes SET state = ?2, error = COALESCE(?3, error), intent = NULL \
+             WHERE id = ?1",
             params![id, state.as_str(), error],
         )?;
         tx.execute(

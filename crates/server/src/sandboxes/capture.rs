@@ -126,10 +126,23 @@ impl Manager {
             vec![],
         )?;
         let t = Instant::now();
+        // A crash from here on is finished by `recover`, from this.
+        let intent = PauseIntent {
+            capture: row.id.clone(),
+            keep_memory,
+        };
+        if let Err(e) = self.db.set_intent(id, Some(&intent.to_string())) {
+            *live.vm.lock().await = Some(vm);
+            return Err(e.into());
+        }
+        crate::failpoint::hit("pause.before_capture");
         let captured = {
             let _chains = self.chains.read().await;
             vm.capture_and_kill(&row.id).await
         };
+        if captured.is_ok() {
+            crate::failpoint::hit("pause.after_capture");
+        }
         let snapshot = match captured {
             Ok(snapshot) => {
                 self.remove_live(id);
@@ -139,6 +152,7 @@ impl Manager {
                 // It failed before the VM's QEMU exited (a full disk while
                 // writing its state or memory): the sandbox keeps running.
                 *live.vm.lock().await = failed.vm;
+                let _ = self.db.set_intent(id, None);
                 let e =
                     SandboxError::vm(id, "pause failed; the sandbox keeps running")(failed.error);
                 self.event(id, "pause_failed", &e.to_string());
@@ -165,6 +179,32 @@ impl Manager {
         self.gc();
         self.maybe_compact(&snapshot);
         Ok(())
+    }
+
+    /// After a restart: finish the pause of `rec` that `intent` says was in
+    /// flight when the server died with its VM already gone. If the
+    /// capture is whole, the sandbox becomes paused (resumable) and this
+    /// says true; a half-written one is deleted and this says false.
+    pub(super) fn finish_pause(
+        &self,
+        rec: &SandboxRecord,
+        intent: &PauseIntent,
+    ) -> Result<bool, SandboxError> {
+        if let Err(e) = self.driver.open_snapshot(&intent.capture) {
+            tracing::warn!(sandbox = %rec.id, capture = %intent.capture, "the cut-short pause's capture is not whole, deleted: {e}");
+            let _ = self.driver.delete_snapshot(&intent.capture);
+            return Ok(false);
+        }
+        let row = self.capture_row(rec, SnapshotKind::Pause, intent.capture.clone(), vec![])?;
+        let mut lifecycle = rec.lifecycle;
+        lifecycle.paused_disk_only = !intent.keep_memory;
+        let detail = format!(
+            "{}: its pause was cut short by a server restart and completed from its capture",
+            intent.capture
+        );
+        Ok(self
+            .db
+            .set_paused(&rec.id, &row, &lifecycle, ("paused", &detail))?)
     }
 
     /// `connect`: a running sandbox is returned as is (its timeout moved to
@@ -415,3 +455,36 @@ fn rec_machine(rec: &SandboxRecord) -> tine_vmm::Machine {
         ..tine_vmm::Machine::default()
     }
 }
+
+/// A pause in flight, as recorded in the sandbox's row: `pause <capture
+/// id> memory|disk`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PauseIntent {
+    pub capture: String,
+    pub keep_memory: bool,
+}
+
+impl std::fmt::Display for PauseIntent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = if self.keep_memory { "memory" } else { "disk" };
+        write!(f, "pause {} {what}", self.capture)
+    }
+}
+
+impl std::str::FromStr for PauseIntent {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.split(' ').collect::<Vec<_>>()[..] {
+            ["pause", capture, what] if !capture.is_empty() => Ok(PauseIntent {
+                capture: capture.to_string(),
+                keep_memory: match what {
+                    "memory" => true,
+                    "disk" => false,
+                    _ => return Err(()),
+                },
+            }),
+            _ => Err(()),
+        }
+    }
+}
+

@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 
+use super::capture::PauseIntent;
 use super::{Manager, SandboxError};
 use crate::db::ListFilter;
 use crate::model::SandboxState;
@@ -18,6 +19,11 @@ impl Manager {
             ..Default::default()
         };
         for rec in self.db.list_sandboxes(&filter)? {
+            // An operation the crash cut short, if any.
+            let pause = self
+                .db
+                .intent(&rec.id)?
+                .and_then(|i| i.parse::<PauseIntent>().ok());
             let adopted = if rec.state == SandboxState::Running {
                 self.driver.adopt(&rec.id).await.map_err(|e| e.to_string())
             } else {
@@ -31,6 +37,17 @@ impl Manager {
                     if let Err(e) = vm.ensure_running().await {
                         tracing::warn!(sandbox = %rec.id, "continuing its VM: {e}");
                     }
+                    if let Some(p) = &pause {
+                        // The pause did not get as far as its QEMU's exit:
+                        // the VM goes on, a half-written capture goes.
+                        let _ = self.driver.delete_snapshot(&p.capture);
+                        self.db.set_intent(&rec.id, None)?;
+                        self.event(
+                            &rec.id,
+                            "pause_failed",
+                            "cut short by a server restart; the sandbox keeps running",
+                        );
+                    }
                     // The firewall lives in the namespace; the egress proxy
                     // (if any) lived in the previous process.
                     let guest = vm.guest();
@@ -43,6 +60,12 @@ impl Manager {
                 }
                 Err(detail) => {
                     self.driver.cleanup(&rec.id).await;
+                    if let Some(p) = &pause {
+                        if self.finish_pause(&rec, p)? {
+                            tracing::info!(sandbox = %rec.id, "a pause cut short by the restart, completed");
+                            continue;
+                        }
+                    }
                     let why = format!("lost across a server restart: {detail}");
                     self.db.set_state(
                         &rec.id,

@@ -16,8 +16,9 @@ from conftest import API, HERE, RUN, http
 SERVER_SH = os.path.join(os.path.dirname(HERE), "server.sh")
 
 
-def server(*args):
-    p = subprocess.run([SERVER_SH, *args], capture_output=True, text=True, timeout=120)
+def server(*args, env=None):
+    p = subprocess.run([SERVER_SH, *args], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, **(env or {})))
     assert p.returncode == 0, f"server.sh {' '.join(args)}: {p.stderr}"
 
 
@@ -92,6 +93,50 @@ def test_a_vm_that_died_while_the_server_was_down_is_reported_dead(fresh):
     # Its envd traffic is refused by the proxy, not sent anywhere.
     with pytest.raises(Exception):
         s.commands.run("true", request_timeout=30)
+
+
+@pytest.mark.parametrize("point,after", [("pause.before_capture", "running"),
+                                         ("pause.after_capture", "paused")])
+def test_a_pause_cut_short_by_a_crash_loses_nothing(fresh, point, after):
+    """The server dies (SIGKILL, from a failpoint) in the middle of a
+    pause: the restarted server finishes it from its capture, or lets the
+    VM run on; either way the sandbox, its memory and its files are whole."""
+    import time
+
+    s = fresh(timeout=600, metadata={"group": f"crash-{point}"})
+    mark = uuid.uuid4().hex
+    s.files.write("/tmp/tine-e2e-crash", mark)
+    blob = s.commands.run("head -c 8M /dev/urandom > /dev/shm/blob && sha256sum < /dev/shm/blob",
+                          user="root").stdout
+    server("stop", "TERM")
+    server("start", env={"TINE_FAILPOINTS": point})
+    with pytest.raises(Exception):
+        # The server kills itself at the failpoint: no answer.
+        code, _, body = http("POST", f"/sandboxes/{s.sandbox_id}/pause", {}, timeout=120)
+        raise AssertionError(f"the pause answered {code}: {body[:200]!r}")
+    deadline = time.time() + 30
+    while server_up():
+        assert time.time() < deadline, "the server outlived its failpoint"
+        time.sleep(0.2)
+    server("start")
+
+    assert s.get_info().state.value == after
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.get_info().state == SandboxState.RUNNING
+    assert again.files.read("/tmp/tine-e2e-crash") == mark
+    assert again.commands.run("sha256sum < /dev/shm/blob", user="root").stdout == blob
+    # No capture of it is left that no row owns, and it pauses as usual.
+    import sqlite3
+
+    data = os.environ["TINE_DATA_DIR"]
+    dirs = {d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")}
+    with sqlite3.connect(f"file:{data}/tine.db?mode=ro", uri=True) as db:
+        rows = {r[0] for r in db.execute("SELECT id FROM snapshots WHERE sandbox_id = ? AND deleted_ms IS NULL",
+                                         (s.sandbox_id,))}
+    assert dirs <= rows, (dirs, rows)
+    assert again.pause() is True
+    assert Sandbox.connect(s.sandbox_id).commands.run("cat /tmp/tine-e2e-crash").stdout == mark
+    assert Sandbox.kill(s.sandbox_id) is True
 
 
 def test_create_after_restart(fresh):

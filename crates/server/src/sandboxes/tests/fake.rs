@@ -143,7 +143,7 @@ impl FakeDriver {
         })
     }
 
-    fn add_snapshot(&self, id: &str, machine: Machine, parent: Option<String>) -> SnapshotRef {
+    pub fn add_snapshot(&self, id: &str, machine: Machine, parent: Option<String>) -> SnapshotRef {
         let layers = match &parent {
             Some(p) => self.state.lock().unwrap().snapshots[p].0.layers + 1,
             None => 0,

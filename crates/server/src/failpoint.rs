@@ -1,0 +1,23 @@
+//! Named failpoints for crash tests: `TINE_FAILPOINTS=name[,name…]` makes
+//! the server kill itself (SIGKILL, as a crash would) when it reaches one
+//! of them. Compiled in debug builds only (what the end-to-end tests run);
+//! in a release build [`hit`] does nothing.
+//!
+//! The points: `pause.before_capture` (the pause's intent is recorded, the
+//! VM not yet captured) and `pause.after_capture` (the capture is on disk
+//! and the VM gone, the database not yet updated).
+
+/// Die here if failpoint `name` is set.
+#[cfg(debug_assertions)]
+pub fn hit(name: &str) {
+    let Ok(set) = std::env::var("TINE_FAILPOINTS") else {
+        return;
+    };
+    if set.split(',').any(|p| p.trim() == name) {
+        tracing::error!("failpoint {name}: the server kills itself");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+#[cfg(not(debug_assertions))]
+pub fn hit(_name: &str) {}
