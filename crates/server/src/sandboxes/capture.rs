@@ -487,4 +487,3 @@ impl std::str::FromStr for PauseIntent {
         }
     }
 }
-

@@ -341,22 +341,19 @@ async fn recovery_finishes_or_undoes_a_pause_the_crash_cut_short() {
     s.driver.state.lock().unwrap().vms.remove(&done.id);
     s.driver
         .add_snapshot("p-done", tine_vmm::Machine::default(), None);
-    s.db
-        .set_intent(&done.id, Some("pause p-done memory"))
+    s.db.set_intent(&done.id, Some("pause p-done memory"))
         .unwrap();
     // Cut short before its QEMU exited: it runs on; a half-written
     // capture goes.
     let running = s.manager.create(base()).await.unwrap();
     s.driver
         .add_snapshot("p-half", tine_vmm::Machine::default(), None);
-    s.db
-        .set_intent(&running.id, Some("pause p-half disk"))
+    s.db.set_intent(&running.id, Some("pause p-half disk"))
         .unwrap();
     // Cut short with its VM gone and no whole capture: lost, and said so.
     let lost = s.manager.create(base()).await.unwrap();
     s.driver.state.lock().unwrap().vms.remove(&lost.id);
-    s.db
-        .set_intent(&lost.id, Some("pause p-lost memory"))
+    s.db.set_intent(&lost.id, Some("pause p-lost memory"))
         .unwrap();
 
     let next = manager_over(&s.driver, &s.db);
@@ -364,7 +361,10 @@ async fn recovery_finishes_or_undoes_a_pause_the_crash_cut_short() {
 
     let row = s.db.get_sandbox(&done.id).unwrap().unwrap();
     assert_eq!(row.state, SandboxState::Paused);
-    assert_eq!(s.db.sandbox_snapshot(&done.id).unwrap().as_deref(), Some("p-done"));
+    assert_eq!(
+        s.db.sandbox_snapshot(&done.id).unwrap().as_deref(),
+        Some("p-done")
+    );
     assert!(s.db.get_snapshot("p-done").unwrap().is_some());
     assert_eq!(s.db.intent(&done.id).unwrap(), None);
     // It resumes from that capture.
@@ -372,12 +372,23 @@ async fn recovery_finishes_or_undoes_a_pause_the_crash_cut_short() {
     assert!(resumed);
 
     assert!(next.live(&running.id).is_some());
-    assert_eq!(s.db.get_sandbox(&running.id).unwrap().unwrap().state, SandboxState::Running);
+    assert_eq!(
+        s.db.get_sandbox(&running.id).unwrap().unwrap().state,
+        SandboxState::Running
+    );
     assert!(!s.driver.has_snapshot("p-half"));
     assert_eq!(s.db.intent(&running.id).unwrap(), None);
-    assert_eq!(s.driver.calls(&format!("ensure_running {}", running.id)).len(), 1);
+    assert_eq!(
+        s.driver
+            .calls(&format!("ensure_running {}", running.id))
+            .len(),
+        1
+    );
 
-    assert_eq!(s.db.get_sandbox(&lost.id).unwrap().unwrap().state, SandboxState::Killed);
+    assert_eq!(
+        s.db.get_sandbox(&lost.id).unwrap().unwrap().state,
+        SandboxState::Killed
+    );
 }
 
 #[tokio::test]
