@@ -37,6 +37,10 @@ fn network() -> Arc<crate::network::Network> {
 }
 
 fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
+    manager_with(driver, db, config())
+}
+
+fn manager_with(driver: &FakeDriver, db: &Arc<Db>, config: Config) -> Manager {
     let artifacts = Artifacts {
         kernel: "/fake/kernel".into(),
         initramfs: "/fake/initramfs".into(),
@@ -44,7 +48,7 @@ fn manager_over(driver: &FakeDriver, db: &Arc<Db>) -> Manager {
     };
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
     let templates = Templates::new(driver.clone(), artifacts, db.clone());
-    Manager::new(config(), db.clone(), driver, templates.into(), network())
+    Manager::new(config, db.clone(), driver, templates.into(), network())
 }
 
 async fn setup() -> Setup {
@@ -187,14 +191,7 @@ async fn concurrent_creates_get_exactly_the_limit() {
             ..Default::default()
         },
     );
-    let artifacts = Artifacts {
-        kernel: "/fake/kernel".into(),
-        initramfs: "/fake/initramfs".into(),
-        rootfs: "/fake/rootfs".into(),
-    };
-    let d: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
-    let templates = Templates::new(d.clone(), artifacts, db.clone());
-    let manager = Manager::new(cfg, db.clone(), d, templates.into(), network());
+    let manager = manager_with(&driver, &db, cfg);
     // The template is built first, so every create below only restores.
     let first = manager.create(base()).await.unwrap();
     manager.kill(&first.id, "test").await.unwrap();
@@ -396,18 +393,11 @@ async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
     let dir = tempfile::tempdir().unwrap();
     let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
     let fake = FakeDriver::start().await;
-    let artifacts = Artifacts {
-        kernel: "/fake/kernel".into(),
-        initramfs: "/fake/initramfs".into(),
-        rootfs: "/fake/rootfs".into(),
-    };
-    let driver: Arc<dyn tine_vmm::Driver> = Arc::new(fake.clone());
-    let templates = Templates::new(driver.clone(), artifacts, db.clone());
     let config = Config {
         pool_size: 1,
         ..config()
     };
-    let manager = Manager::new(config, db.clone(), driver, templates.into(), network());
+    let manager = manager_with(&fake, &db, config);
     let sandbox = manager.create(base()).await.unwrap();
     let snapshot = db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
