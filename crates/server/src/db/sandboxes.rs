@@ -143,8 +143,6 @@ impl Db {
             .transpose()
     }
 
-    /// Move `id` to `state` (recording `error`), if it is in one of `from`.
-    /// Returns whether it moved.
     /// Move sandbox `id` from one of the states `from` to `state` and
     /// record `event` (kind, detail) with it, in one transaction. `Ok(false)`:
     /// it is in none of `from`, and nothing changed. A change the lifecycle
