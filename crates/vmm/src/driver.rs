@@ -208,6 +208,16 @@ pub trait Driver: Send + Sync {
     fn open_snapshot(&self, id: &str) -> Result<SnapshotRef>;
     /// Delete every file of snapshot `id` (gone already is fine).
     fn delete_snapshot(&self, id: &str) -> Result<()>;
+    /// Snapshots with files here that nothing needs: not in `keep`, not
+    /// under a VM here, not under a snapshot that is needed, and older
+    /// than `grace` (see [`crate::reclaim`]).
+    fn unneeded_snapshots(
+        &self,
+        _keep: &std::collections::HashSet<String>,
+        _grace: Duration,
+    ) -> Vec<String> {
+        Vec::new()
+    }
     /// Bytes snapshot `id`'s files take on disk (0 if unknown).
     fn snapshot_bytes(&self, _id: &str) -> u64 {
         0

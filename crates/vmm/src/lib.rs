@@ -29,6 +29,7 @@ mod process;
 mod qemu;
 mod qmp;
 pub mod ram;
+pub mod reclaim;
 pub mod snapshot;
 mod vm;
 

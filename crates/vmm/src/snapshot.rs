@@ -54,6 +54,11 @@ pub struct SnapshotMeta {
     /// recorded it.
     #[serde(default)]
     pub disk_over: Option<Vec<PathBuf>>,
+    /// CRC-32 of its files by name (`state`), checked at every open; a
+    /// RAM layer carries its own. Empty in snapshots from before tine
+    /// wrote them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub checksums: std::collections::BTreeMap<String, u32>,
 }
 
 /// An opened snapshot. Its RAM files (root and layers) are held open, so
@@ -153,6 +158,9 @@ impl Snapshot {
             )));
         }
         check_state_file(&dir.join("state")).map_err(bad)?;
+        if let Some(&want) = meta.checksums.get("state") {
+            check_crc(&dir.join("state"), want).map_err(bad)?;
+        }
         std::fs::metadata(dir.join("disk.qcow2")).map_err(|e| bad(format!("disk.qcow2: {e}")))?;
         let want = u64::from(meta.machine.memory_mib) << 20;
         if let Some(parent_id) = meta.parent.clone() {
@@ -242,6 +250,31 @@ fn check_layer_file(path: &Path) -> std::result::Result<(), String> {
         .map_err(|e| format!("RAM layer {}: {e}", path.display()))?;
     if &magic != crate::ram::layer::MAGIC {
         return Err(format!("RAM layer {} is damaged", path.display()));
+    }
+    Ok(())
+}
+
+/// CRC-32 of the whole file at `path`.
+pub(crate) fn file_crc(path: &Path) -> std::io::Result<u32> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf)? {
+            0 => return Ok(hasher.finalize()),
+            n => hasher.update(&buf[..n]),
+        }
+    }
+}
+
+fn check_crc(path: &Path, want: u32) -> std::result::Result<(), String> {
+    let got = file_crc(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if got != want {
+        return Err(format!(
+            "{} is damaged: CRC-32 {got:08x}, meta.json says {want:08x}",
+            path.display()
+        ));
     }
     Ok(())
 }

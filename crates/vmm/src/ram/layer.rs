@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! offset 0      header (one page): magic "TINERAML", version, page size,
-//!               RAM size, entry count, data page count, index offset
+//!               RAM size, entry count, data page count, index offset,
+//!               CRC-32 of everything after the header (version 2)
 //! offset 4096   data: one page per non-zero entry, in index order
 //! index_offset  index: one u64 per entry, ascending page numbers; the top
 //!               bit marks a page that is all zeros (it has no data)
@@ -10,7 +11,8 @@
 //!
 //! Data comes first so a capture can stream pages out as it finds them and
 //! write the index and header last; a file whose header was never written
-//! (a crash mid-capture) fails the magic check.
+//! (a crash mid-capture) fails the magic check, and a page damaged later
+//! fails [`Layer::verify`].
 
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
@@ -19,7 +21,8 @@ use std::path::Path;
 
 pub const PAGE: usize = 4096;
 pub(crate) const MAGIC: &[u8; 8] = b"TINERAML";
-const VERSION: u32 = 1;
+/// 2 added the checksum; 1 (no checksum) is still read.
+const VERSION: u32 = 2;
 const ZERO_BIT: u64 = 1 << 63;
 
 fn invalid(detail: String) -> io::Error {
@@ -40,13 +43,15 @@ pub struct Layer {
     file: File,
     ram_bytes: u64,
     entries: Vec<(u64, PageData)>,
+    /// CRC-32 of the bytes after the header; `None` in a version-1 layer.
+    crc: Option<u32>,
 }
 
 impl Layer {
     pub fn open(path: &Path) -> io::Result<Self> {
         let file = File::open(path)?;
         let len = file.metadata()?.len();
-        let mut header = [0u8; 48];
+        let mut header = [0u8; 52];
         file.read_exact_at(&mut header, 0)
             .map_err(|_| invalid("truncated header".into()))?;
         if &header[0..8] != MAGIC {
@@ -57,7 +62,7 @@ impl Layer {
         let (version, page_size) = (u32_at(8), u32_at(12));
         let (ram_bytes, count, data_pages, index_at) =
             (u64_at(16), u64_at(24), u64_at(32), u64_at(40));
-        if version != VERSION || page_size as usize != PAGE {
+        if !(1..=VERSION).contains(&version) || page_size as usize != PAGE {
             return Err(invalid(format!(
                 "version {version}, page size {page_size} (this tine reads {VERSION}, {PAGE})"
             )));
@@ -99,7 +104,33 @@ impl Layer {
             file,
             ram_bytes,
             entries,
+            crc: (version >= 2).then(|| u32_at(48)),
         })
+    }
+
+    /// Read the whole layer and check it against its checksum (a layer
+    /// without one passes).
+    pub fn verify(&self) -> io::Result<()> {
+        let Some(want) = self.crc else {
+            return Ok(());
+        };
+        let len = self.file.metadata()?.len();
+        let mut hasher = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = PAGE as u64;
+        while at < len {
+            let n = ((len - at) as usize).min(buf.len());
+            self.file.read_exact_at(&mut buf[..n], at)?;
+            hasher.update(&buf[..n]);
+            at += n as u64;
+        }
+        let got = hasher.finalize();
+        if got != want {
+            return Err(invalid(format!(
+                "checksum mismatch (CRC-32 {got:08x}, its header says {want:08x}): the file is damaged"
+            )));
+        }
+        Ok(())
     }
 
     pub fn ram_bytes(&self) -> u64 {
@@ -134,6 +165,7 @@ pub struct LayerWriter {
     ram_bytes: u64,
     index: Vec<u64>,
     data_pages: u64,
+    crc: crc32fast::Hasher,
 }
 
 impl LayerWriter {
@@ -146,6 +178,7 @@ impl LayerWriter {
             ram_bytes,
             index: Vec::new(),
             data_pages: 0,
+            crc: crc32fast::Hasher::new(),
         })
     }
 
@@ -159,6 +192,7 @@ impl LayerWriter {
             self.index.push(page | ZERO_BIT);
         } else {
             self.out.write_all(bytes)?;
+            self.crc.update(bytes);
             self.index.push(page);
             self.data_pages += 1;
         }
@@ -179,9 +213,10 @@ impl LayerWriter {
     pub fn finish(mut self) -> io::Result<(u64, u64)> {
         for word in &self.index {
             self.out.write_all(&word.to_le_bytes())?;
+            self.crc.update(&word.to_le_bytes());
         }
         let file = self.out.into_inner().map_err(|e| e.into_error())?;
-        let mut header = Vec::with_capacity(48);
+        let mut header = Vec::with_capacity(52);
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
         header.extend_from_slice(&(PAGE as u32).to_le_bytes());
@@ -190,6 +225,7 @@ impl LayerWriter {
         header.extend_from_slice(&self.data_pages.to_le_bytes());
         let index_at = PAGE as u64 + self.data_pages * PAGE as u64;
         header.extend_from_slice(&index_at.to_le_bytes());
+        header.extend_from_slice(&self.crc.finalize().to_le_bytes());
         file.write_all_at(&header, 0)?;
         Ok((self.index.len() as u64, self.data_pages))
     }
@@ -269,9 +305,17 @@ mod tests {
         beyond[at..].copy_from_slice(&1000u64.to_le_bytes());
         std::fs::write(&path, &beyond).unwrap();
         assert!(Layer::open(&path).is_err());
+        // A flipped bit in a data page: it opens, and fails verification.
+        let mut flipped = bytes.clone();
+        flipped[PAGE + 100] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        let err = Layer::open(&path).unwrap().verify().unwrap_err();
+        assert!(err.to_string().contains("checksum mismatch"), "{err}");
         // Intact again.
         std::fs::write(&path, &bytes).unwrap();
-        assert_eq!(Layer::open(&path).unwrap().entries().len(), 1);
+        let l = Layer::open(&path).unwrap();
+        assert_eq!(l.entries().len(), 1);
+        l.verify().unwrap();
     }
 
     #[test]

@@ -278,6 +278,12 @@ impl Vm {
             created_unix_ms: unix_ms(),
             parent,
             disk_over,
+            checksums: [(
+                "state".to_string(),
+                crate::snapshot::file_crc(&dir.join("state"))
+                    .ctx(|| format!("reading {}", dir.join("state").display()))?,
+            )]
+            .into(),
         };
         write_atomic(
             &dir.join("meta.json"),

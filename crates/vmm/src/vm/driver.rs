@@ -120,6 +120,14 @@ impl Driver for QemuDriver {
         Snapshot::open(&self.paths, id).map(snapshot_ref)
     }
 
+    fn unneeded_snapshots(
+        &self,
+        keep: &std::collections::HashSet<String>,
+        grace: Duration,
+    ) -> Vec<String> {
+        crate::reclaim::unneeded_snapshots(&self.paths, keep, grace)
+    }
+
     fn snapshot_bytes(&self, id: &str) -> u64 {
         use std::os::unix::fs::MetadataExt;
         std::fs::read_dir(self.paths.snapshot_dir(id))
