@@ -136,7 +136,6 @@ impl Builds {
         if n > 0 {
             tracing::warn!("{n} template builds ended by a server restart");
         }
-        remove_orphan_layers(&env);
         Ok(Self {
             env: Arc::new(env),
             db,
@@ -371,29 +370,6 @@ impl Builds {
                 let l = l.lock().unwrap_or_else(|e| e.into_inner());
                 l.finished_at.is_none_or(|t| t.elapsed() < LOG_RETENTION)
             });
-    }
-}
-
-/// Layer directories no row knows: captures a stopped server (or a killed
-/// CLI build) left half done. Recent ones may be a CLI build's, between
-/// its capture and its row, and are left for the next start.
-fn remove_orphan_layers(env: &BuildEnv) {
-    let Ok(dir) = std::fs::read_dir(env.data_dir.join("snapshots")) else {
-        return;
-    };
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let old = entry
-            .metadata()
-            .and_then(|m| m.modified())
-            .ok()
-            .and_then(|t| t.elapsed().ok())
-            .is_some_and(|age| age > Duration::from_secs(600));
-        if name.starts_with("lyr-") && old && matches!(env.db.snapshot_row_exists(&name), Ok(false))
-        {
-            tracing::info!(snapshot = %name, "removing a build layer no row knows (an interrupted build)");
-            let _ = env.driver.delete_snapshot(&name);
-        }
     }
 }
 

@@ -189,6 +189,57 @@ impl Db {
         )
     }
 
+    /// [`Db::set_state`] from paused to running, in the same transaction as
+    /// its new end time and lifecycle.
+    pub fn set_resumed(
+        &self,
+        id: &str,
+        end_at_ms: i64,
+        lifecycle: &crate::model::Lifecycle,
+        event: (&str, &str),
+    ) -> Result<bool> {
+        self.change_state(
+            id,
+            &[SandboxState::Paused],
+            SandboxState::Running,
+            None,
+            event,
+            |tx| {
+                tx.execute(
+                    "UPDATE sandboxes SET end_at_ms = ?2, lifecycle = ?3 WHERE id = ?1",
+                    params![
+                        id,
+                        end_at_ms,
+                        serde_json::to_string(lifecycle).expect("a lifecycle serializes")
+                    ],
+                )?;
+                Ok(())
+            },
+        )
+    }
+
+    /// A capture of running sandbox `id` is whole: its row, the sandbox's
+    /// pointer to it and the end of its intent, in one transaction.
+    pub fn record_capture(&self, id: &str, capture: &super::SnapshotRow) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        super::snapshots::insert_snapshot_on(&tx, capture)?;
+        tx.execute(
+            "UPDATE sandboxes SET snapshot_id = ?2, intent = NULL WHERE id = ?1",
+            params![id, capture.id],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Every recorded intent: `(sandbox id, intent)`.
+    pub fn intents(&self) -> Result<Vec<(String, String)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT id, intent FROM sandboxes WHERE intent IS NOT NULL")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// Record what operation on sandbox `id` is in flight (`None`: none),
     /// so that a restart after a crash knows (see `sandboxes/recover.rs`).
     pub fn set_intent(&self, id: &str, intent: Option<&str>) -> Result<()> {

@@ -25,7 +25,7 @@ pub enum SnapshotKind {
 }
 
 impl SnapshotKind {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SnapshotKind::Pause => "pause",
             SnapshotKind::Fork => "fork",
@@ -34,7 +34,7 @@ impl SnapshotKind {
             SnapshotKind::Layer => "layer",
         }
     }
-    fn parse(s: &str) -> Option<Self> {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "pause" => SnapshotKind::Pause,
             "fork" => SnapshotKind::Fork,
@@ -248,6 +248,15 @@ impl Db {
             .query_row("SELECT 1 FROM snapshots WHERE id = ?1", [id], |_| Ok(()))
             .optional()?
             .is_some())
+    }
+
+    /// The id of every row, deleted or not (their files are the garbage
+    /// collection's to delete).
+    pub fn all_snapshot_ids(&self) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT id FROM snapshots")?;
+        let rows = stmt.query_map([], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// The newest build layer with cache key `key`.

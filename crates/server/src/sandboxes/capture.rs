@@ -12,6 +12,7 @@ use std::time::Instant;
 use futures::future::join_all;
 use tine_vmm::SnapshotRef;
 
+use super::intent::Intent;
 use super::{agent, guest_env, limits, CreateRequest, Live, Manager, SandboxError, Source};
 use crate::db::{now_ms, SnapshotKind, SnapshotRow};
 use crate::model::{SandboxRecord, SandboxState};
@@ -20,7 +21,7 @@ use crate::model::{SandboxRecord, SandboxState};
 pub type ForkResult = Result<SandboxRecord, SandboxError>;
 
 impl Manager {
-    fn capture_row(
+    pub(super) fn capture_row(
         &self,
         rec: &SandboxRecord,
         kind: SnapshotKind,
@@ -127,7 +128,7 @@ impl Manager {
         )?;
         let t = Instant::now();
         // A crash from here on is finished by `recover`, from this.
-        let intent = PauseIntent {
+        let intent = Intent::Pause {
             capture: row.id.clone(),
             keep_memory,
         };
@@ -181,26 +182,38 @@ impl Manager {
         Ok(())
     }
 
-    /// After a restart: finish the pause of `rec` that `intent` says was in
-    /// flight when the server died with its VM already gone. If the
-    /// capture is whole, the sandbox becomes paused (resumable) and this
-    /// says true; a half-written one is deleted and this says false.
-    pub(super) fn finish_pause(
+    /// After a restart: finish the capture of `rec` that `intent` says was
+    /// in flight when the server died with its VM already gone. If the
+    /// capture is whole, the sandbox becomes paused there (resumable) and
+    /// this says true; one that is not is deleted (unless a VM still
+    /// needs its files) and this says false.
+    pub(super) async fn finish_capture(
         &self,
         rec: &SandboxRecord,
-        intent: &PauseIntent,
+        intent: &Intent,
     ) -> Result<bool, SandboxError> {
-        if let Err(e) = self.driver.open_snapshot(&intent.capture) {
-            tracing::warn!(sandbox = %rec.id, capture = %intent.capture, "the cut-short pause's capture is not whole, deleted: {e}");
-            let _ = self.driver.delete_snapshot(&intent.capture);
+        let capture = intent.capture();
+        if let Err(e) = self.driver.open_snapshot(capture) {
+            tracing::warn!(sandbox = %rec.id, capture, "the cut-short capture is not whole: {e}");
+            self.discard_capture(capture).await?;
             return Ok(false);
         }
-        let row = self.capture_row(rec, SnapshotKind::Pause, intent.capture.clone(), vec![])?;
+        let names = match intent {
+            Intent::Capture { names, .. } => names.clone(),
+            Intent::Pause { .. } => vec![],
+        };
+        let row = self.capture_row(rec, intent.kind(), capture.to_string(), names)?;
         let mut lifecycle = rec.lifecycle;
-        lifecycle.paused_disk_only = !intent.keep_memory;
+        lifecycle.paused_disk_only = matches!(
+            intent,
+            Intent::Pause {
+                keep_memory: false,
+                ..
+            }
+        );
         let detail = format!(
-            "{}: its pause was cut short by a server restart and completed from its capture",
-            intent.capture
+            "{capture}: its {} was cut short by a server restart and completed from its capture",
+            intent.kind().as_str()
         );
         Ok(self
             .db
@@ -265,25 +278,17 @@ impl Manager {
                 },
                 other => other,
             })?;
+        crate::failpoint::hit("resume.after_start");
         rec.end_at_ms = now_ms() + timeout * 1000;
-        self.db.set_end_at(id, rec.end_at_ms)?;
-        if rec.lifecycle.paused_disk_only {
-            rec.lifecycle.paused_disk_only = false;
-            self.db.set_lifecycle(id, &rec.lifecycle)?;
-        }
+        rec.lifecycle.paused_disk_only = false;
         let how = if cold_boot {
             "cold-booted from its disk"
         } else {
             "resumed"
         };
         let detail = format!("{how} in {} ms", t.elapsed().as_millis());
-        self.db.set_state(
-            id,
-            &[SandboxState::Paused],
-            SandboxState::Running,
-            None,
-            ("resumed", &detail),
-        )?;
+        self.db
+            .set_resumed(id, rec.end_at_ms, &rec.lifecycle, ("resumed", &detail))?;
         rec.state = SandboxState::Running;
         self.add_live(&rec, vm);
         Ok((rec, true))
@@ -315,18 +320,33 @@ impl Manager {
             .ok_or_else(|| SandboxError::Conflict(format!("sandbox {id} is busy")))?;
         let t = Instant::now();
         let pid = vm.process_id();
-        let capture = {
+        // A crash from here on is finished (or undone) by `recover`.
+        let intent = Intent::Capture {
+            capture: row.id.clone(),
+            kind: kind.as_str().to_string(),
+            names: row.names.clone(),
+        };
+        self.db.set_intent(id, Some(&intent.to_string()))?;
+        crate::failpoint::hit(&format!("{}.before_capture", kind.as_str()));
+        let captured = {
             let _chains = self.chains.read().await;
             vm.capture(&row.id).await
-        }
-        .map_err(SandboxError::vm(id, "capture"))?;
+        };
+        let capture = match captured {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = self.db.set_intent(id, None);
+                return Err(SandboxError::vm(id, "capture")(e));
+            }
+        };
+        crate::failpoint::hit(&format!("{}.after_capture", kind.as_str()));
         if vm.process_id() != pid {
             // A new process: connections to the old one are gone.
             live.renew();
         }
         // The source's clock stood still and its RNG state is now shared
         // with whatever starts from the capture: reseed it.
-        agent::init(
+        let reseeded = agent::init(
             &live.guest,
             &rec.id,
             guest_env(&rec),
@@ -337,10 +357,11 @@ impl Manager {
         .map_err(SandboxError::agent(
             id,
             "reseeding the source after its capture",
-        ))?;
+        ));
         drop(guard);
-        self.db.insert_snapshot(&row)?;
-        self.db.set_sandbox_snapshot(id, Some(&row.id))?;
+        // The capture is whole whether or not the reseed worked: keep it.
+        self.db.record_capture(id, &row)?;
+        reseeded?;
         self.event(
             id,
             "captured",
@@ -453,37 +474,5 @@ fn rec_machine(rec: &SandboxRecord) -> tine_vmm::Machine {
         vcpus: rec.cpu_count,
         memory_mib: rec.memory_mb,
         ..tine_vmm::Machine::default()
-    }
-}
-
-/// A pause in flight, as recorded in the sandbox's row: `pause <capture
-/// id> memory|disk`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct PauseIntent {
-    pub capture: String,
-    pub keep_memory: bool,
-}
-
-impl std::fmt::Display for PauseIntent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what = if self.keep_memory { "memory" } else { "disk" };
-        write!(f, "pause {} {what}", self.capture)
-    }
-}
-
-impl std::str::FromStr for PauseIntent {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s.split(' ').collect::<Vec<_>>()[..] {
-            ["pause", capture, what] if !capture.is_empty() => Ok(PauseIntent {
-                capture: capture.to_string(),
-                keep_memory: match what {
-                    "memory" => true,
-                    "disk" => false,
-                    _ => return Err(()),
-                },
-            }),
-            _ => Err(()),
-        }
     }
 }

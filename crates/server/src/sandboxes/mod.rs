@@ -17,6 +17,7 @@ pub mod agent;
 mod capture;
 mod compaction;
 mod gc;
+mod intent;
 mod lifecycle;
 pub mod limits;
 mod pool;

@@ -1,13 +1,25 @@
-//! After a (re)start of the server: the VMs of sandboxes the database says
-//! are running are adopted; the others are marked killed and cleaned up,
-//! and so is every VM no sandbox owns.
+//! After a (re)start of the server, and periodically: the database, the
+//! files on disk and the running QEMU processes are brought to agree.
+//!
+//! At start, the VMs of sandboxes the database says are running are
+//! adopted (and continued, if a capture cut short left them stopped); an
+//! operation a crash cut short (its intent, see `intent.rs`) is finished
+//! from its files or undone; sandboxes whose VM is gone are marked killed;
+//! VMs no sandbox owns are removed. Then, at start and every few minutes,
+//! snapshot directories nothing needs are deleted (never one a row, an
+//! intent, a VM or a needed snapshot depends on).
 
 use std::collections::HashSet;
+use std::time::Duration;
 
-use super::capture::PauseIntent;
-use super::{Manager, SandboxError};
+use super::intent::Intent;
+use super::{agent, guest_env, Manager, SandboxError};
 use crate::db::ListFilter;
-use crate::model::SandboxState;
+use crate::model::{SandboxRecord, SandboxState};
+
+/// How old a snapshot directory nothing names must be before it is
+/// reclaimed: an operation (a build's step, say) may be writing it.
+pub(super) const RECLAIM_GRACE: Duration = Duration::from_secs(600);
 
 impl Manager {
     /// Adopt the VMs of sandboxes the database says are alive; mark the
@@ -20,10 +32,10 @@ impl Manager {
         };
         for rec in self.db.list_sandboxes(&filter)? {
             // An operation the crash cut short, if any.
-            let pause = self
+            let intent = self
                 .db
                 .intent(&rec.id)?
-                .and_then(|i| i.parse::<PauseIntent>().ok());
+                .and_then(|i| i.parse::<Intent>().ok());
             let adopted = if rec.state == SandboxState::Running {
                 self.driver.adopt(&rec.id).await.map_err(|e| e.to_string())
             } else {
@@ -37,20 +49,12 @@ impl Manager {
                     if let Err(e) = vm.ensure_running().await {
                         tracing::warn!(sandbox = %rec.id, "continuing its VM: {e}");
                     }
-                    if let Some(p) = &pause {
-                        // The pause did not get as far as its QEMU's exit:
-                        // the VM goes on, a half-written capture goes.
-                        let _ = self.driver.delete_snapshot(&p.capture);
-                        self.db.set_intent(&rec.id, None)?;
-                        self.event(
-                            &rec.id,
-                            "pause_failed",
-                            "cut short by a server restart; the sandbox keeps running",
-                        );
+                    let guest = vm.guest();
+                    if let Some(intent) = &intent {
+                        self.settle_beside_vm(&rec, intent, &guest).await?;
                     }
                     // The firewall lives in the namespace; the egress proxy
                     // (if any) lived in the previous process.
-                    let guest = vm.guest();
                     if let Err(e) = self.network.apply(&rec.id, &guest, &rec.network).await {
                         tracing::warn!(sandbox = %rec.id, "re-applying its network policy: {e}");
                     }
@@ -60,9 +64,9 @@ impl Manager {
                 }
                 Err(detail) => {
                     self.driver.cleanup(&rec.id).await;
-                    if let Some(p) = &pause {
-                        if self.finish_pause(&rec, p)? {
-                            tracing::info!(sandbox = %rec.id, "a pause cut short by the restart, completed");
+                    if let Some(intent) = &intent {
+                        if self.finish_capture(&rec, intent).await? {
+                            self.resume_recovered(&rec.id, intent).await;
                             continue;
                         }
                     }
@@ -79,7 +83,123 @@ impl Manager {
             }
         }
         self.remove_unowned_vms().await;
+        self.reclaim_snapshots(RECLAIM_GRACE).await;
         Ok(())
+    }
+
+    /// The VM of `rec` outlived the crash that cut `intent` short: a pause
+    /// is undone (the VM goes on); a capture that is whole is kept (as if
+    /// its request had finished), one that is not is dropped. Either way
+    /// the guest is reseeded: its clock stood still during the capture.
+    async fn settle_beside_vm(
+        &self,
+        rec: &SandboxRecord,
+        intent: &Intent,
+        guest: &tine_vmm::Guest,
+    ) -> Result<(), SandboxError> {
+        let capture = intent.capture();
+        let kind = intent.kind().as_str();
+        let whole = self.driver.open_snapshot(capture).is_ok();
+        match intent {
+            Intent::Capture { names, .. } if whole => {
+                let row =
+                    self.capture_row(rec, intent.kind(), capture.to_string(), names.clone())?;
+                self.db.record_capture(&rec.id, &row)?;
+                self.event(
+                    &rec.id,
+                    "captured",
+                    &format!("{capture}: cut short by a server restart, completed from its files"),
+                );
+            }
+            _ => {
+                self.discard_capture(capture).await?;
+                self.db.set_intent(&rec.id, None)?;
+                self.event(
+                    &rec.id,
+                    &format!("{kind}_failed"),
+                    "cut short by a server restart; the sandbox keeps running",
+                );
+            }
+        }
+        let token = &rec.envd_access_token;
+        let reseeded = agent::init(guest, &rec.id, guest_env(rec), token, Some(token)).await;
+        if let Err(e) = reseeded {
+            tracing::warn!(sandbox = %rec.id, "reseeding its guest after a cut-short {kind}: {e}");
+        }
+        Ok(())
+    }
+
+    /// A sandbox whose VM was lost in a capture that is whole is paused
+    /// there; if it was running (a snapshot or fork, not a pause), it runs
+    /// again. A resume that fails leaves it paused (the next connect tries).
+    async fn resume_recovered(&self, id: &str, intent: &Intent) {
+        if matches!(intent, Intent::Pause { .. }) {
+            tracing::info!(sandbox = %id, "a pause cut short by the restart, completed");
+            return;
+        }
+        match self.connect(id, None, true).await {
+            Ok(_) => {
+                tracing::info!(sandbox = %id, "its VM was lost in a cut-short capture; resumed from it")
+            }
+            Err(e) => tracing::warn!(sandbox = %id, "resuming from its cut-short capture: {e}"),
+        }
+    }
+
+    /// Delete the files of capture `id` that an operation cut short, unless
+    /// something needs them (a VM's disk sealed into it, say).
+    pub(super) async fn discard_capture(&self, id: &str) -> Result<(), SandboxError> {
+        let _exclusive = self.chains.write().await;
+        let keep: HashSet<String> = self.db.all_snapshot_ids()?.into_iter().collect();
+        if keep.contains(id) {
+            return Ok(());
+        }
+        if self
+            .driver
+            .unneeded_snapshots(&keep, Duration::ZERO)
+            .iter()
+            .any(|u| u == id)
+        {
+            if let Err(e) = self.driver.delete_snapshot(id) {
+                tracing::warn!(snapshot = %id, "deleting a cut-short capture: {e}");
+            }
+        } else {
+            tracing::info!(snapshot = %id, "a cut-short capture is kept: a VM's disk is layered on it");
+        }
+        Ok(())
+    }
+
+    /// Delete snapshot directories nothing needs and older than `grace`:
+    /// captures a crash cut short, build layers whose row was never
+    /// written. Returns how many.
+    pub async fn reclaim_snapshots(&self, grace: Duration) -> usize {
+        let _exclusive = self.chains.write().await;
+        let keep = match self.kept_snapshots() {
+            Ok(keep) => keep,
+            Err(e) => {
+                tracing::warn!("reclaiming snapshot files: {e}");
+                return 0;
+            }
+        };
+        let unneeded = self.driver.unneeded_snapshots(&keep, grace);
+        for id in &unneeded {
+            tracing::info!(snapshot = %id, "removing snapshot files nothing needs (left by a crash or an interrupted build)");
+            if let Err(e) = self.driver.delete_snapshot(id) {
+                tracing::warn!(snapshot = %id, "removing snapshot files: {e}");
+            }
+        }
+        unneeded.len()
+    }
+
+    /// Snapshots the database needs: every row, and the capture of every
+    /// operation in flight.
+    fn kept_snapshots(&self) -> Result<HashSet<String>, SandboxError> {
+        let mut keep: HashSet<String> = self.db.all_snapshot_ids()?.into_iter().collect();
+        for (_, intent) in self.db.intents()? {
+            if let Ok(i) = intent.parse::<Intent>() {
+                keep.insert(i.capture().to_string());
+            }
+        }
+        Ok(keep)
     }
 
     /// VMs no sandbox owns: a previous run's warm pool, template builds or

@@ -12,6 +12,9 @@ use crate::db::now_ms;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
+/// How often the files on disk are reconciled with the database.
+const RECONCILE_EVERY: Duration = Duration::from_secs(300);
+
 /// When an auto-pause failed but left the sandbox running, the next try.
 const AUTO_PAUSE_RETRY: Duration = Duration::from_secs(30);
 
@@ -67,11 +70,26 @@ impl Manager {
         }
     }
 
-    /// Run [`Manager::sweep`] forever.
+    /// Run [`Manager::sweep`] forever, and every [`RECONCILE_EVERY`]
+    /// [`Manager::reconcile`].
     pub async fn sweep_loop(self: Arc<Self>) {
+        let mut last_reconcile = std::time::Instant::now();
         loop {
             tokio::time::sleep(SWEEP_EVERY).await;
             self.sweep().await;
+            if last_reconcile.elapsed() >= RECONCILE_EVERY {
+                last_reconcile = std::time::Instant::now();
+                self.reconcile().await;
+            }
+        }
+    }
+
+    /// What the start's recovery does that can also go wrong later:
+    /// snapshot files nothing needs are deleted.
+    pub async fn reconcile(&self) {
+        let n = self.reclaim_snapshots(super::recover::RECLAIM_GRACE).await;
+        if n > 0 {
+            tracing::info!("reconcile: {n} snapshot directories nothing needed were removed");
         }
     }
 }

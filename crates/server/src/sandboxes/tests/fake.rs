@@ -262,6 +262,31 @@ impl Driver for FakeDriver {
         Ok(SnapshotRef::new(info.clone(), ()))
     }
 
+    /// Those not kept and below none that is (the fake's VMs sit on
+    /// nothing); the grace is not modelled.
+    fn unneeded_snapshots(
+        &self,
+        keep: &std::collections::HashSet<String>,
+        _grace: std::time::Duration,
+    ) -> Vec<String> {
+        let st = self.state.lock().unwrap();
+        let mut needed = std::collections::HashSet::new();
+        let mut queue: Vec<String> = keep.iter().cloned().collect();
+        while let Some(id) = queue.pop() {
+            if needed.insert(id.clone()) {
+                queue.extend(st.snapshots.get(&id).and_then(|s| s.1.clone()));
+            }
+        }
+        let mut out: Vec<String> = st
+            .snapshots
+            .keys()
+            .filter(|id| !needed.contains(*id))
+            .cloned()
+            .collect();
+        out.sort();
+        out
+    }
+
     fn delete_snapshot(&self, id: &str) -> tine_vmm::Result<()> {
         self.enter("delete_snapshot", format!("delete_snapshot {id}"))?;
         self.state.lock().unwrap().snapshots.remove(id);

@@ -418,3 +418,99 @@ async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
     assert!(manager.pool.ids().is_empty());
     assert!(fake.calls("kill").contains(&format!("kill {}", pooled[0])));
 }
+
+#[tokio::test]
+async fn recovery_keeps_whole_captures_and_resumes_from_them() {
+    let s = setup().await;
+    let capture = |id: &str, kind: &str| {
+        super::intent::Intent::Capture {
+            capture: id.into(),
+            kind: kind.into(),
+            names: vec!["named".into()],
+        }
+        .to_string()
+    };
+    // Its VM outlived the crash and the capture is whole: the snapshot is
+    // kept (named as asked), the guest reseeded.
+    let kept = s.manager.create(base()).await.unwrap();
+    s.driver
+        .add_snapshot("snap-kept", tine_vmm::Machine::default(), None);
+    s.db.set_intent(&kept.id, Some(&capture("snap-kept", "snapshot")))
+        .unwrap();
+    // Its VM was lost (a booted VM continues as a new QEMU after its
+    // capture) but the fork's capture is whole: it runs again from it.
+    let moved = s.manager.create(base()).await.unwrap();
+    s.driver.state.lock().unwrap().vms.remove(&moved.id);
+    s.driver
+        .add_snapshot("f-moved", tine_vmm::Machine::default(), None);
+    s.db.set_intent(&moved.id, Some(&capture("f-moved", "fork")))
+        .unwrap();
+    // A capture that is not whole, VM alive: dropped; the sandbox runs on.
+    let half = s.manager.create(base()).await.unwrap();
+    s.db.set_intent(&half.id, Some(&capture("snap-half", "snapshot")))
+        .unwrap();
+    let inits_before = s.driver.inits().len();
+
+    let next = manager_over(&s.driver, &s.db);
+    next.recover().await.unwrap();
+
+    let row = s.db.get_snapshot("snap-kept").unwrap().unwrap();
+    assert_eq!(row.names, vec!["named".to_string()]);
+    assert_eq!(
+        s.db.sandbox_snapshot(&kept.id).unwrap().as_deref(),
+        Some("snap-kept")
+    );
+    assert_eq!(s.db.intent(&kept.id).unwrap(), None);
+    assert!(next.live(&kept.id).is_some());
+
+    let moved_row = s.db.get_sandbox(&moved.id).unwrap().unwrap();
+    assert_eq!(
+        moved_row.state,
+        SandboxState::Running,
+        "resumed from its capture"
+    );
+    assert!(next.live(&moved.id).is_some());
+    let restores = s.driver.calls(&format!("restore {}", moved.id));
+    assert!(restores.last().unwrap().contains("f-moved"), "{restores:?}");
+
+    assert!(next.live(&half.id).is_some());
+    assert_eq!(s.db.intent(&half.id).unwrap(), None);
+    assert!(s.db.get_snapshot("snap-half").unwrap().is_none());
+    // Both adopted VMs were reseeded, and the resumed one was started with
+    // its own token.
+    assert!(s.driver.inits().len() >= inits_before + 3);
+}
+
+#[tokio::test]
+async fn reclaim_deletes_only_what_nothing_needs() {
+    let s = setup().await;
+    let sb = s.manager.create(base()).await.unwrap();
+    s.manager.pause(&sb.id).await.unwrap();
+    let paused_at = s.db.sandbox_snapshot(&sb.id).unwrap().unwrap();
+    // Left by a crash: no row, no intent.
+    s.driver
+        .add_snapshot("snap-orphan", tine_vmm::Machine::default(), None);
+    // Named by an operation in flight on another sandbox.
+    let busy = s.manager.create(base()).await.unwrap();
+    s.driver
+        .add_snapshot("snap-busy", tine_vmm::Machine::default(), None);
+    s.db.set_intent(
+        &busy.id,
+        Some(
+            &super::intent::Intent::Capture {
+                capture: "snap-busy".into(),
+                kind: "snapshot".into(),
+                names: vec![],
+            }
+            .to_string(),
+        ),
+    )
+    .unwrap();
+    let n = s.manager.reclaim_snapshots(std::time::Duration::ZERO).await;
+    assert_eq!(n, 1);
+    assert!(!s.driver.has_snapshot("snap-orphan"));
+    assert!(s.driver.has_snapshot("snap-busy"));
+    assert!(s.driver.has_snapshot(&paused_at));
+    let (_, resumed) = s.manager.connect(&sb.id, None, true).await.unwrap();
+    assert!(resumed);
+}
