@@ -3,9 +3,15 @@
 //! of them. Compiled in debug builds only (what the end-to-end tests run);
 //! in a release build [`hit`] does nothing.
 //!
-//! The points: `pause.before_capture` (the pause's intent is recorded, the
-//! VM not yet captured) and `pause.after_capture` (the capture is on disk
-//! and the VM gone, the database not yet updated).
+//! The points:
+//! - `pause.before_capture`: the pause's intent is recorded, the VM not
+//!   yet captured; `pause.after_capture`: the capture is on disk and the
+//!   VM gone, the database not yet updated;
+//! - `snapshot.before_capture`, `snapshot.after_capture`,
+//!   `fork.before_capture`, `fork.after_capture`: the same for a capture
+//!   of a sandbox that goes on running (after it, the VM runs again);
+//! - `resume.after_start`: a paused sandbox's VM runs, the database still
+//!   says paused.
 
 /// Die here if failpoint `name` is set.
 #[cfg(debug_assertions)]
