@@ -12,6 +12,8 @@
 //! max_sandboxes = 256
 //! max_body_bytes = 1048576
 //! max_fork_count = 32
+//! min_free_memory_mb = 256        # refuse starts (429) below this MemAvailable
+//! min_free_disk_mb = 1024         # refuse starts (507) below this free in the data dir
 //! pool_size = 2                   # warm pool per template shape
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
@@ -67,6 +69,12 @@ pub struct Config {
     pub max_memory_mb: u32,
     /// Sandboxes alive at once; creates beyond it get 429.
     pub max_sandboxes: usize,
+    /// A VM start (create, resume, fork) is refused with 429 while the
+    /// host's `MemAvailable` is below this (0: never).
+    pub min_free_memory_mb: u64,
+    /// A VM start is refused with 507 while the data directory's file
+    /// system has less free than this (0: never).
+    pub min_free_disk_mb: u64,
     /// Largest REST request body.
     pub max_body_bytes: usize,
     /// Most children one fork call may ask for.
@@ -140,6 +148,8 @@ impl Default for Config {
             min_memory_mb: 128,
             max_memory_mb: 8192,
             max_sandboxes: 256,
+            min_free_memory_mb: 256,
+            min_free_disk_mb: 1024,
             max_body_bytes: 1 << 20,
             max_fork_count: 32,
             pool_size: 2,

@@ -164,6 +164,11 @@ pub trait VmHandle: Send + Sync {
     /// Let its vCPUs run if they are stopped (after a pause, or a capture
     /// cut short by a crash of the server); nothing if they run.
     async fn ensure_running(&mut self) -> Result<()>;
+    /// If QEMU stopped the guest on its own while it should run (a failed
+    /// disk write), run it again and say QEMU's reason (`io-error`, ...).
+    async fn check_running(&mut self) -> Result<Option<String>> {
+        Ok(None)
+    }
     /// Capture it as snapshot `snapshot_id`; it goes on (running if it was).
     async fn capture(&mut self, snapshot_id: &str) -> Result<Capture>;
     /// Capture it as snapshot `snapshot_id`, then remove it. A capture
@@ -217,6 +222,11 @@ pub trait Driver: Send + Sync {
         _grace: Duration,
     ) -> Vec<String> {
         Vec::new()
+    }
+    /// Bytes free (to unprivileged writers) where VMs and snapshots are
+    /// kept; `None` if unknown.
+    fn free_disk_bytes(&self) -> Option<u64> {
+        None
     }
     /// Bytes snapshot `id`'s files take on disk (0 if unknown).
     fn snapshot_bytes(&self, _id: &str) -> u64 {

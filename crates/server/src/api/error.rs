@@ -76,7 +76,10 @@ impl From<SandboxError> for ApiError {
             SandboxError::Template(t) => template_status(t),
             SandboxError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
             SandboxError::Conflict(_) => StatusCode::CONFLICT,
-            SandboxError::Capacity(_) | SandboxError::TeamLimit(_) => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::Capacity(_)
+            | SandboxError::TeamLimit(_)
+            | SandboxError::HostMemory(_) => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::HostDisk(_) => StatusCode::INSUFFICIENT_STORAGE,
             SandboxError::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Vm { source, .. } => vm_status(source.kind()),
             SandboxError::Network { source, .. }
@@ -118,6 +121,16 @@ mod tests {
             op: "pause",
         };
         assert_eq!(ApiError::from(vm(busy)).status, StatusCode::CONFLICT);
+        let host_mem = SandboxError::HostMemory("low".into());
+        assert_eq!(
+            ApiError::from(host_mem).status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        let host_disk = SandboxError::HostDisk("full".into());
+        assert_eq!(
+            ApiError::from(host_disk).status,
+            StatusCode::INSUFFICIENT_STORAGE
+        );
         let damaged = tine_vmm::Error::Snapshot {
             path: "/x".into(),
             detail: "RAM layer: short".into(),

@@ -153,8 +153,16 @@ impl Manager {
         more: u64,
         machine: Machine,
     ) -> Result<Ticket<'_>, SandboxError> {
+        self.check_host()?;
         let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
-        let n = self.live_count() + r.starts;
+        // Warm-pool VMs and template builds' VMs hold memory too.
+        let building = self
+            .driver
+            .vm_ids()
+            .iter()
+            .filter(|id| id.starts_with("build-"))
+            .count();
+        let n = self.live_count() + r.starts + self.pool.ids().len() + building;
         if n + more as usize > self.config.max_sandboxes {
             return Err(SandboxError::Capacity(n));
         }
@@ -177,6 +185,33 @@ impl Manager {
             each,
             uncounted: AtomicU64::new(more),
         })
+    }
+
+    /// The host's memory and the data disk's room, against
+    /// `min_free_memory_mb` and `min_free_disk_mb`.
+    fn check_host(&self) -> Result<(), SandboxError> {
+        let min_mem = self.config.min_free_memory_mb;
+        if min_mem > 0 {
+            if let Some(avail) = mem_available_mb() {
+                if avail < min_mem {
+                    return Err(SandboxError::HostMemory(format!(
+                        "the host has {avail} MiB of memory available, below min_free_memory_mb ({min_mem}): no VM is started"
+                    )));
+                }
+            }
+        }
+        let min_disk = self.config.min_free_disk_mb;
+        if min_disk > 0 {
+            if let Some(free) = self.driver.free_disk_bytes() {
+                let free = free >> 20;
+                if free < min_disk {
+                    return Err(SandboxError::HostDisk(format!(
+                        "the host's data disk has {free} MiB free, below min_free_disk_mb ({min_disk}): no VM is started"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Room in team `team`'s limits, with `used` in use, for `more`
@@ -235,9 +270,22 @@ impl Manager {
     }
 }
 
+/// `MemAvailable` of /proc/meminfo, in MiB.
+fn mem_available_mb() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib >> 10)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_hosts_available_memory() {
+        assert!(mem_available_mb().is_some_and(|m| m > 0));
+    }
 
     #[test]
     fn bounds_are_checked_with_clear_messages() {

@@ -62,6 +62,12 @@ pub enum SandboxError {
     Conflict(String),
     #[error("capacity reached: {0} sandboxes are running (max_sandboxes)")]
     Capacity(usize),
+    /// The host lacks the memory a start needs (`min_free_memory_mb`).
+    #[error("{0}")]
+    HostMemory(String),
+    /// The host's data disk lacks the room a start needs (`min_free_disk_mb`).
+    #[error("{0}")]
+    HostDisk(String),
     /// A team's limit (`[teams.<name>]`) would be passed.
     #[error("{0}")]
     TeamLimit(String),

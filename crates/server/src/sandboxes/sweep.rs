@@ -12,6 +12,9 @@ use crate::db::now_ms;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
+/// How often running guests are checked for a stop QEMU made on its own.
+const GUEST_CHECK_EVERY: Duration = Duration::from_secs(10);
+
 /// How often the files on disk are reconciled with the database.
 const RECONCILE_EVERY: Duration = Duration::from_secs(300);
 
@@ -74,12 +77,45 @@ impl Manager {
     /// [`Manager::reconcile`].
     pub async fn sweep_loop(self: Arc<Self>) {
         let mut last_reconcile = std::time::Instant::now();
+        let mut last_check = std::time::Instant::now();
         loop {
             tokio::time::sleep(SWEEP_EVERY).await;
             self.sweep().await;
+            if last_check.elapsed() >= GUEST_CHECK_EVERY {
+                last_check = std::time::Instant::now();
+                self.check_guests().await;
+            }
             if last_reconcile.elapsed() >= RECONCILE_EVERY {
                 last_reconcile = std::time::Instant::now();
                 self.reconcile().await;
+            }
+        }
+    }
+
+    /// Guests that QEMU stopped on its own (a disk write failed: the
+    /// host's disk is full, say) are reported and let run again; while the
+    /// cause lasts, QEMU stops them again and each check reports it.
+    pub async fn check_guests(&self) {
+        for (id, live) in self.all_live() {
+            let Ok(mut guard) = live.vm.try_lock() else {
+                continue; // busy: someone is working on it
+            };
+            let Some(vm) = guard.as_mut() else { continue };
+            match vm.check_running().await {
+                Ok(Some(status)) => {
+                    let why = if status == "io-error" {
+                        "a disk write failed (is the host's disk full?)"
+                    } else {
+                        "not by tine"
+                    };
+                    self.event(
+                        &id,
+                        "guest_stopped",
+                        &format!("QEMU had stopped the guest ({status}: {why}); it runs again"),
+                    );
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!(sandbox = %id, "checking its guest runs: {e}"),
             }
         }
     }

@@ -51,7 +51,9 @@ fn verify_once(path: &Path, layer: &Layer) -> io::Result<()> {
     use std::collections::HashSet;
     use std::os::unix::fs::MetadataExt;
     use std::sync::Mutex;
-    static VERIFIED: Mutex<Option<HashSet<(u64, u64, i64, i64)>>> = Mutex::new(None);
+    /// (device, inode, mtime s, mtime ns) of the files that passed.
+    type FileKey = (u64, u64, i64, i64);
+    static VERIFIED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
     let m = std::fs::metadata(path)?;
     let key = (m.dev(), m.ino(), m.mtime(), m.mtime_nsec());
     let seen = |set: &mut Option<HashSet<_>>| set.get_or_insert_with(HashSet::new).contains(&key);

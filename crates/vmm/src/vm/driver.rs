@@ -128,6 +128,11 @@ impl Driver for QemuDriver {
         crate::reclaim::unneeded_snapshots(&self.paths, keep, grace)
     }
 
+    fn free_disk_bytes(&self) -> Option<u64> {
+        let st = nix::sys::statvfs::statvfs(&self.paths.data_dir).ok()?;
+        Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+    }
+
     fn snapshot_bytes(&self, id: &str) -> u64 {
         use std::os::unix::fs::MetadataExt;
         std::fs::read_dir(self.paths.snapshot_dir(id))
@@ -184,6 +189,10 @@ impl VmHandle for Vm {
             super::VmState::Paused => Vm::resume(self).await,
             _ => Ok(()),
         }
+    }
+
+    async fn check_running(&mut self) -> Result<Option<String>> {
+        Vm::check_running(self).await
     }
 
     async fn capture(&mut self, snapshot_id: &str) -> Result<Capture> {

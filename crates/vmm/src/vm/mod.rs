@@ -694,6 +694,29 @@ impl Vm {
         Ok(())
     }
 
+    /// If QEMU stopped the guest on its own while tine has it running (a
+    /// disk write failed: QEMU's `werror=enospc` stops the guest rather
+    /// than fail the write), let it run again and say why it had stopped
+    /// (QEMU's run state, such as `io-error`). `None`: it runs, or tine
+    /// stopped it.
+    pub async fn check_running(&mut self) -> Result<Option<String>> {
+        if self.state != VmState::Running || self.process.exit_status().is_some() {
+            return Ok(None);
+        }
+        #[derive(serde::Deserialize)]
+        struct Status {
+            running: bool,
+            status: String,
+        }
+        let st: Status = self.qmp.execute("query-status", None).await?;
+        if st.running {
+            return Ok(None);
+        }
+        tracing::warn!(vm = self.id(), status = %st.status, "QEMU had stopped the guest; continuing it");
+        self.qmp.run("cont", None).await?;
+        Ok(Some(st.status))
+    }
+
     fn require(&self, allowed: &[VmState], op: &'static str) -> Result<()> {
         if let Some(status) = self.process.exit_status() {
             return Err(exited(self.id(), &self.files(), status, "unexpectedly"));

@@ -514,3 +514,20 @@ async fn reclaim_deletes_only_what_nothing_needs() {
     let (_, resumed) = s.manager.connect(&sb.id, None, true).await.unwrap();
     assert!(resumed);
 }
+
+#[tokio::test]
+async fn starts_are_refused_when_the_host_lacks_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
+    let fake = FakeDriver::start().await;
+    let config = Config {
+        // More than any host has available.
+        min_free_memory_mb: 1 << 40,
+        ..config()
+    };
+    let manager = manager_with(&fake, &db, config);
+    let err = manager.create(base()).await.unwrap_err();
+    assert!(matches!(err, SandboxError::HostMemory(_)), "{err}");
+    assert!(err.to_string().contains("min_free_memory_mb"), "{err}");
+    assert!(fake.calls("restore").is_empty(), "no VM was started");
+}
