@@ -15,7 +15,7 @@ pub mod app;
 pub mod builds;
 pub mod config;
 pub mod db;
-pub mod failpoint;
+pub use tine_vmm::failpoint;
 pub mod guest_client;
 mod guest_tls;
 pub mod ids;

@@ -205,6 +205,12 @@ pub trait Driver: Send + Sync {
     async fn adopt(&self, id: &str) -> Result<Box<dyn VmHandle>>;
     /// Remove whatever VM `id` left behind (after a crash or a failed start).
     async fn cleanup(&self, id: &str);
+    /// Finish capture `snapshot_id` of VM `id` if a crash cut it short
+    /// after the VM's QEMU exited (its disk is in the capture by then);
+    /// says whether the capture is whole. Call before [`Driver::cleanup`].
+    fn salvage_capture(&self, _id: &str, _snapshot_id: &str) -> Result<bool> {
+        Ok(false)
+    }
     /// Ids of every VM that has files here.
     fn vm_ids(&self) -> Vec<String>;
     /// The serial console (kernel and agent) of VM `id`.

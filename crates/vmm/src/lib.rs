@@ -20,6 +20,7 @@ pub mod config;
 pub mod disk;
 pub mod driver;
 pub mod error;
+pub mod failpoint;
 pub mod firewall;
 #[cfg(feature = "bench")]
 pub mod floor;

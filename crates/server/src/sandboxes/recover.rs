@@ -63,6 +63,12 @@ impl Manager {
                     tracing::info!(sandbox = %rec.id, "adopted after restart");
                 }
                 Err(detail) => {
+                    if let Some(intent) = &intent {
+                        // Its disk may be half-way into the capture.
+                        if let Err(e) = self.driver.salvage_capture(&rec.id, intent.capture()) {
+                            tracing::warn!(sandbox = %rec.id, "finishing its cut-short capture: {e}");
+                        }
+                    }
                     self.driver.cleanup(&rec.id).await;
                     if let Some(intent) = &intent {
                         if self.finish_capture(&rec, intent).await? {

@@ -184,7 +184,10 @@ impl Vm {
                     self.resume().await?;
                 }
             }
-            None => self.exit_into(dir).await?,
+            None => {
+                self.exit_into(dir).await?;
+                crate::failpoint::hit("capture.after_exit");
+            }
         }
         let t_stopped = t.elapsed();
         self.last_stop = Some(t_stopped);

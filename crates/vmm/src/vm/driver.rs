@@ -107,6 +107,10 @@ impl Driver for QemuDriver {
         cleanup(&self.paths, id).await
     }
 
+    fn salvage_capture(&self, id: &str, snapshot_id: &str) -> Result<bool> {
+        super::salvage_capture(&self.paths, id, snapshot_id)
+    }
+
     fn vm_ids(&self) -> Vec<String> {
         list(&self.paths)
     }

@@ -243,6 +243,7 @@ impl VmFiles {
 mod capture;
 mod console;
 mod driver;
+mod salvage;
 
 pub use driver::QemuDriver;
 
@@ -943,16 +944,25 @@ fn exited(id: &str, files: &VmFiles, status: String, during: &'static str) -> Er
 
 /// Remove whatever VM `id` left behind (process, namespace, files), for
 /// failed starts and for cleaning up after a crash.
+/// The pid of VM `id`'s QEMU, if one runs (its pidfile names a process
+/// whose command line names the VM's directory).
+fn cleanup_pid(paths: &Paths, id: &str) -> Option<i32> {
+    let dir = paths.vm_dir(id);
+    let pid = std::fs::read_to_string(VmFiles::new(paths, id).pidfile()).ok()?;
+    let pid = pid.trim().parse::<i32>().ok()?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&cmdline)
+        .contains(&dir.display().to_string())
+        .then_some(pid)
+}
+
+pub(crate) use salvage::salvage_capture;
+
 pub(crate) async fn cleanup(paths: &Paths, id: &str) {
     let dir = paths.vm_dir(id);
-    if let Ok(pid) = std::fs::read_to_string(VmFiles::new(paths, id).pidfile()) {
-        if let Ok(pid) = pid.trim().parse::<i32>() {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&dir.display().to_string()) {
-                if let Ok(p) = QemuProcess::adopt(pid) {
-                    p.kill().await;
-                }
-            }
+    if let Some(pid) = cleanup_pid(paths, id) {
+        if let Ok(p) = QemuProcess::adopt(pid) {
+            p.kill().await;
         }
     }
     let _ = crate::netns::delete_by_name(&format!("{}{id}", crate::netns::NAME_PREFIX)).await;

@@ -100,6 +100,8 @@ def test_a_vm_that_died_while_the_server_was_down_is_reported_dead(fresh):
 CRASH_POINTS = [
     ("pause.before_capture", "pause", "running"),
     ("pause.after_capture", "pause", "paused"),
+    # QEMU has exited and the disk is in the capture; meta.json is not.
+    ("capture.after_exit", "pause", "paused"),
     ("snapshot.before_capture", "snapshot", "running"),
     ("snapshot.after_capture", "snapshot", "running"),
     ("fork.before_capture", "fork", "running"),

@@ -1,7 +1,8 @@
 //! Named failpoints for crash tests: `TINE_FAILPOINTS=name[,name…]` makes
-//! the server kill itself (SIGKILL, as a crash would) when it reaches one
-//! of them. Compiled in debug builds only (what the end-to-end tests run);
-//! in a release build [`hit`] does nothing.
+//! the process (the server) kill itself (SIGKILL, as a crash would) when it
+//! reaches one of them. Compiled in debug builds only (what the end-to-end
+//! tests run); in a release build [`hit`] does nothing. Here, in the
+//! bottom crate, so the VM driver's steps can have them too.
 //!
 //! The points:
 //! - `pause.before_capture`: the pause's intent is recorded, the VM not
@@ -11,7 +12,9 @@
 //!   `fork.before_capture`, `fork.after_capture`: the same for a capture
 //!   of a sandbox that goes on running (after it, the VM runs again);
 //! - `resume.after_start`: a paused sandbox's VM runs, the database still
-//!   says paused.
+//!   says paused;
+//! - `capture.after_exit` (in the driver): a capture's QEMU has exited and
+//!   its disk moved into the capture, whose `meta.json` is not written.
 
 /// Die here if failpoint `name` is set.
 #[cfg(debug_assertions)]

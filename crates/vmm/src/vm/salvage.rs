@@ -1,0 +1,101 @@
+//! Finishing a capture whose QEMU had exited when the process doing it
+//! died: between QEMU's exit and `meta.json` (the capture's last file)
+//! the VM's disk is already in the capture directory, so neither the VM
+//! nor the capture holds the sandbox until the capture is finished.
+
+use super::{cleanup_pid, unix_ms, write_atomic, VmFiles, VmRecord};
+use crate::config::Paths;
+use crate::error::{Error, IoContext, Result};
+use crate::ram::layer::Layer;
+use crate::snapshot::{Snapshot, SnapshotMeta, LAYER_FILE, META_VERSION};
+
+/// Finish capture `snap_id` of VM `vm_id` from the files its capture left,
+/// if its QEMU is gone and the capture got as far as QEMU's exit (device
+/// state saved, RAM layer written). Returns whether the capture is now
+/// whole; `Ok(false)`: there was nothing to finish (call before removing
+/// the VM's files: its disk or RAM may still be there).
+pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Result<bool> {
+    let dir = paths.snapshot_dir(snap_id);
+    if dir.join("meta.json").exists() {
+        return Ok(Snapshot::open(paths, snap_id).is_ok());
+    }
+    let files = VmFiles::new(paths, vm_id);
+    if cleanup_pid(paths, vm_id).is_some() || !dir.join("state").exists() {
+        // Its QEMU runs on, or the capture never saved the device state.
+        return Ok(false);
+    }
+    let record: VmRecord = match std::fs::read(files.record())
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+    {
+        Some(r) => r,
+        None => return Ok(false),
+    };
+    let disk = dir.join("disk.qcow2");
+    if !disk.exists() {
+        let active = files.disk_generation(record.disk_generation);
+        if !active.exists() {
+            return Ok(false);
+        }
+        std::fs::rename(&active, &disk).ctx(|| format!("moving {}", active.display()))?;
+        crate::jail::share(&disk)?;
+    }
+    let parent = if record.ram_shared {
+        let ram = dir.join("ram");
+        if !ram.exists() {
+            if !record.ram.exists() {
+                return Ok(false);
+            }
+            let partial = dir.join("ram.partial");
+            crate::snapshot::move_sparse(&record.ram, &partial)
+                .ctx(|| "freezing the RAM file".into())?;
+            std::fs::rename(&partial, &ram).ctx(|| "installing the RAM file".into())?;
+            crate::jail::share(&ram)?;
+        }
+        None
+    } else {
+        let layer = dir.join(LAYER_FILE);
+        if !layer.exists() {
+            let partial = dir.join(format!("{LAYER_FILE}.partial"));
+            // Written whole before QEMU exits; its header comes last.
+            let whole = Layer::open(&partial).and_then(|l| l.verify());
+            if whole.is_err() {
+                return Ok(false);
+            }
+            std::fs::rename(&partial, &layer).ctx(|| "finishing the RAM layer".into())?;
+        }
+        record.parent.clone()
+    };
+    let meta = SnapshotMeta {
+        version: META_VERSION,
+        id: snap_id.to_string(),
+        source_vm: vm_id.to_string(),
+        machine: record.machine,
+        artifacts: record.artifacts.clone(),
+        extra_cmdline: record.extra_cmdline.clone(),
+        created_unix_ms: unix_ms(),
+        parent,
+        disk_over: record.disk_over.clone(),
+        checksums: [(
+            "state".to_string(),
+            crate::snapshot::file_crc(&dir.join("state"))
+                .ctx(|| format!("reading {}", dir.join("state").display()))?,
+        )]
+        .into(),
+    };
+    write_atomic(
+        &dir.join("meta.json"),
+        &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
+    )?;
+    let snapshot = Snapshot::open(paths, snap_id).map_err(|e| Error::Snapshot {
+        path: dir.clone(),
+        detail: format!("finished from what its capture left, but: {e}"),
+    })?;
+    snapshot.sync()?;
+    tracing::info!(
+        vm = vm_id,
+        snapshot = snap_id,
+        "a capture cut short after its QEMU exited, finished"
+    );
+    Ok(true)
+}
