@@ -3,6 +3,7 @@
 //! front of it is composed in `crate::app`.
 
 mod error;
+mod extract;
 pub mod idempotency;
 mod network;
 mod sandboxes;

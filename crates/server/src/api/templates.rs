@@ -7,12 +7,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 
+use super::extract::{Path, Query};
 use super::{json_body, ApiError, Authed};
 use crate::builds::{BuildError, StartRequest};
 use crate::db::{BuildRow, DbError};

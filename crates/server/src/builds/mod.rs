@@ -348,6 +348,28 @@ impl Builds {
         l.entries[from..].iter().take(limit).cloned().collect()
     }
 
+    /// A conflict if a build of `template` is running (its end would
+    /// publish the template again).
+    pub fn check_not_building(&self, template: &str) -> Result<(), BuildError> {
+        if self
+            .db
+            .list_builds(template)?
+            .iter()
+            .any(|b| b.status == BuildStatus::Building)
+        {
+            return Err(BuildError::Conflict(format!(
+                "a build of template {template} is running; delete it once the build has ended"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Forget the builds of `template` (it is being deleted); returns how
+    /// many there were.
+    pub fn forget(&self, template: &str) -> Result<usize, BuildError> {
+        Ok(self.db.delete_builds(template)?)
+    }
+
     /// Delete layers no build used within the TTL (their files go with
     /// the server's next garbage collection, once nothing sits on them).
     fn expire_layers(&self) {

@@ -199,6 +199,14 @@ impl Db {
         Ok(n == 1)
     }
 
+    /// Delete every build of `template` that is not running.
+    pub fn delete_builds(&self, template: &str) -> Result<usize> {
+        Ok(self.conn().execute(
+            "DELETE FROM builds WHERE template = ?1 AND status != 'building'",
+            [template],
+        )?)
+    }
+
     /// Builds that were running when the server stopped end as errors.
     pub fn fail_unfinished_builds(&self, reason: &str) -> Result<usize> {
         Ok(self.conn().execute(

@@ -90,6 +90,34 @@ def test_negative_timeout_on_a_sandbox_is_400(sbx):
     assert sbx.commands.run("true").exit_code == 0
 
 
+@pytest.mark.parametrize("path", [
+    "/v2/sandboxes?limit=abc",
+    "/v2/sandboxes?state=running&state=paused",
+    "/sandboxes?limit=-1",
+    "/snapshots?limit=-1",
+    "/templates/base/builds/x/status?logsOffset=abc",
+    "/templates/%FF/tags",
+    "/templates/%FF",
+])
+def test_bad_query_strings_and_paths_are_400_in_the_e2b_shape(path):
+    assert_error(http("GET", path), 400)
+
+
+def test_bad_query_on_a_sandbox_route_is_400(sbx):
+    assert_error(http("GET", f"/sandboxes/{sbx.sandbox_id}/logs?start=abc"), 400)
+
+
+def test_a_template_registered_but_never_built_can_be_deleted():
+    name = f"e2e-never-built-{RUN}"
+    code, _, body = http("POST", "/v3/templates", {"name": name, "cpuCount": 1, "memoryMB": 256})
+    assert code == 202, body
+    assert http("GET", f"/templates/{name}")[0] == 200
+    code, _, body = http("DELETE", f"/templates/{name}")
+    assert code == 204, body
+    assert_error(http("GET", f"/templates/{name}"), 404)
+    assert_error(http("DELETE", f"/templates/{name}"), 404)
+
+
 def test_body_over_max_body_bytes_is_413():
     big = {"templateID": "base", "metadata": {**BAD, "pad": "x" * (MAX_BODY + 1024)}}
     assert_error(create(big), 413)

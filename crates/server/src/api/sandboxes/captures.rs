@@ -2,12 +2,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::StatusCode;
 use serde::Deserialize;
 
+use super::super::extract::Path;
 use super::super::{json_body, ApiError, Authed, Owned};
 use super::sandbox_out;
 use crate::state::AppState;
@@ -99,7 +100,20 @@ pub async fn delete_snapshot(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     super::super::templates::check_owned(&s, &key.team, &id)?;
-    s.manager.delete_snapshot(&id)?;
+    // A template's builds go with it; one that is running must end first.
+    s.builds.check_not_building(&id)?;
+    match s.manager.delete_snapshot(&id) {
+        Ok(()) => {
+            s.builds.forget(&id)?;
+        }
+        // Registered (`POST /v3/templates`) but never built: only builds.
+        Err(crate::sandboxes::SandboxError::NotFound(what)) => {
+            if s.builds.forget(&id)? == 0 {
+                return Err(crate::sandboxes::SandboxError::NotFound(what).into());
+            }
+        }
+        Err(e) => return Err(e.into()),
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 

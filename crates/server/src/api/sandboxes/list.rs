@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use http::{HeaderMap, HeaderValue};
 use serde::Deserialize;
 
+use super::super::extract::Query;
 use super::super::{ApiError, Authed};
 use super::{detail, rfc3339, DetailOut};
 use crate::db::ListFilter;

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 
+use super::super::extract::Query;
 use super::super::{ApiError, Owned};
 use super::rfc3339;
 use crate::state::AppState;
@@ -32,10 +33,11 @@ fn unix_seconds(t: i64) -> i64 {
 pub async fn metrics(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    q: Result<Query<MetricsQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<MetricsQuery>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let Query(q) =
-        q.map_err(|e| ApiError::bad_request(format!("start and end are Unix seconds: {e}")))?;
+    let Query(q) = q.map_err(|e| {
+        ApiError::bad_request(format!("start and end are Unix seconds: {}", e.message))
+    })?;
     let q = MetricsQuery {
         start: q.start.map(unix_seconds),
         end: q.end.map(unix_seconds),
