@@ -70,6 +70,7 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
         }
 
         std::fs::rename(&layer_tmp, snap.layer_path()).ctx(|| "replacing the RAM layer".into())?;
+        crate::failpoint::hit("compact.after_layer");
         std::fs::rename(&disk_tmp, snap.disk_path()).ctx(|| "replacing the disk".into())?;
         let meta = SnapshotMeta {
             parent: Some(root_id.clone()),

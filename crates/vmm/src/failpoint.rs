@@ -13,6 +13,11 @@
 //!   of a sandbox that goes on running (after it, the VM runs again);
 //! - `resume.after_start`: a paused sandbox's VM runs, the database still
 //!   says paused;
+//! - `compact.after_layer` (in the driver): a compaction replaced the
+//!   snapshot's RAM layer with the merged one, not yet its disk or
+//!   `meta.json`;
+//! - `gc.after_delete`: a collected capture's files are deleted, its row
+//!   is not;
 //! - `capture.after_exit` (in the driver): a capture's QEMU has exited and
 //!   its disk moved into the capture, whose `meta.json` is not written.
 

@@ -29,6 +29,7 @@ impl Manager {
                     tracing::warn!(snapshot = %id, "deleting snapshot files: {e}");
                     return;
                 }
+                crate::failpoint::hit("gc.after_delete");
                 let _ = self.db.remove_snapshot_row(&id);
                 tracing::debug!(snapshot = %id, "snapshot files deleted");
             }

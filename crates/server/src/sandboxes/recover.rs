@@ -89,6 +89,8 @@ impl Manager {
             }
         }
         self.remove_unowned_vms().await;
+        // Rows of captures whose files a collection cut short had deleted.
+        self.gc();
         self.reclaim_snapshots(RECLAIM_GRACE).await;
         Ok(())
     }

@@ -282,3 +282,61 @@ def test_a_restart_ends_a_running_build_and_leaves_nothing():
     Template.build(Template().from_template("base").run_cmd(step), "e2e-restart-build",
                    cpu_count=1, memory_mb=256, on_build_logs=logs.append)
     assert any(m.message.startswith("CACHED [1/1] RUN") for m in logs), [m.message for m in logs]
+
+
+def test_a_compaction_cut_short_loses_nothing(fresh):
+    """The server dies while compacting a capture chain (the merged RAM
+    layer is in place, the disk and meta.json are not): the sandbox
+    resumes whole, and compacts as usual afterwards."""
+    s, mark, blob = marked_sandbox(fresh, "crash-compact")
+    server("stop", "TERM")
+    server("start", env={"TINE_FAILPOINTS": "compact.after_layer"})
+    # Every pause adds a layer; past compact_after_layers (3) the chain is
+    # compacted in the background, where the server dies.
+    for _ in range(8):
+        if not server_up():
+            break
+        try:
+            http("POST", f"/sandboxes/{s.sandbox_id}/pause", {}, timeout=120)
+            http("POST", f"/sandboxes/{s.sandbox_id}/connect", {"timeout": 600}, timeout=120)
+        except Exception:
+            break
+        import time
+
+        time.sleep(1)
+    assert not server_up(), "no compaction reached its failpoint"
+    server("stop", "KILL")
+    server("start")
+    again = assert_whole(s, mark, blob)
+    for _ in range(4):
+        assert again.pause() is True
+        again = assert_whole(s, mark, blob)
+    assert captures_without_rows(s.sandbox_id) == set()
+    assert Sandbox.kill(s.sandbox_id) is True
+
+
+def test_a_collection_cut_short_loses_nothing(fresh):
+    """The server dies between deleting a collected capture's files and its
+    row: at restart the row goes too, and other sandboxes are untouched."""
+    import sqlite3
+
+    other, mark, blob = marked_sandbox(fresh, "crash-gc")
+    gone = fresh(timeout=600, metadata={"group": "crash-gc"})
+    assert gone.pause() is True
+    data = os.environ["TINE_DATA_DIR"]
+    with sqlite3.connect(f"file:{data}/tine.db?mode=ro", uri=True) as db:
+        (capture,) = db.execute("SELECT snapshot_id FROM sandboxes WHERE id = ?", (gone.sandbox_id,)).fetchone()
+    server("stop", "TERM")
+    server("start", env={"TINE_FAILPOINTS": "gc.after_delete"})
+    with pytest.raises(Exception):
+        code, _, answer = http("DELETE", f"/sandboxes/{gone.sandbox_id}", timeout=120)
+        raise AssertionError(f"the kill answered {code}: {answer[:200]!r}")
+    server("stop", "KILL")
+    server("start")
+    assert not os.path.exists(os.path.join(data, "snapshots", capture))
+    with sqlite3.connect(f"file:{data}/tine.db?mode=ro", uri=True) as db:
+        assert db.execute("SELECT 1 FROM snapshots WHERE id = ?", (capture,)).fetchone() is None
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(gone.sandbox_id)
+    assert_whole(other, mark, blob)
+    assert Sandbox.kill(other.sandbox_id) is True
