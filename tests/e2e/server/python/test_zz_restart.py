@@ -164,6 +164,21 @@ def captures_without_rows(sandbox_id):
     return made - rows - needed
 
 
+def stray_vms():
+    """VMs (a directory, or a QEMU process) of sandboxes that are not
+    running: nothing owns them."""
+    import sqlite3
+
+    data = os.environ["TINE_DATA_DIR"]
+    with sqlite3.connect(f"file:{data}/tine.db?mode=ro", uri=True) as db:
+        not_running = {r[0] for r in db.execute("SELECT id FROM sandboxes WHERE state != 'running'")}
+    dirs = set(os.listdir(os.path.join(data, "vms"))) if os.path.isdir(os.path.join(data, "vms")) else set()
+    p = subprocess.run(["pgrep", "-af", "qemu-system"], capture_output=True, text=True)
+    procs = {m for line in p.stdout.splitlines() for m in
+             [seg.split("/")[0] for seg in line.split(os.path.join(data, "vms") + "/")[1:]]}
+    return sorted((dirs | procs) & not_running)
+
+
 @pytest.mark.parametrize("point,op,after", CRASH_POINTS)
 def test_an_operation_cut_short_by_a_crash_loses_nothing(fresh, point, op, after):
     """The server dies (SIGKILL, from a failpoint) in the middle of an
@@ -192,6 +207,7 @@ def test_an_operation_cut_short_by_a_crash_loses_nothing(fresh, point, op, after
         assert code == 200 and len(json.loads(listed)) == 1, listed
     again = assert_whole(s, mark, blob)
     assert captures_without_rows(s.sandbox_id) == set()
+    assert stray_vms() == []
     # Fork children the crash cut off are not left running or listed.
     q = SandboxQuery(metadata={"tine-e2e": RUN, "group": f"crash-{point}"})
     assert [i.sandbox_id for i in Sandbox.list(query=q).next_items()] == [s.sandbox_id]
@@ -211,7 +227,7 @@ def test_random_sigkills_during_captures_lose_and_freeze_nothing(fresh):
     import time
 
     rng = random.Random(RUN)
-    rounds = int(os.environ.get("TINE_E2E_KILL_ROUNDS", "6"))
+    rounds = int(os.environ.get("TINE_E2E_KILL_ROUNDS", "10"))
     s, mark, blob = marked_sandbox(fresh, "sigkill-loop")
     seen = []
     for n in range(rounds):
@@ -241,6 +257,7 @@ def test_random_sigkills_during_captures_lose_and_freeze_nothing(fresh):
                 child.kill()
         assert_whole(s, mark, blob)
         assert captures_without_rows(s.sandbox_id) == set(), seen
+        assert stray_vms() == [], seen
     print("rounds:", seen)
     assert Sandbox.kill(s.sandbox_id) is True
 
