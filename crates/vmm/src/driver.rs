@@ -229,6 +229,11 @@ pub trait Driver: Send + Sync {
     ) -> Vec<String> {
         Vec::new()
     }
+    /// Remove temp files of snapshot rewrites (compaction, materializing)
+    /// cut short, older than `grace`; returns how many.
+    fn remove_stale_temp_files(&self, _grace: Duration) -> usize {
+        0
+    }
     /// Bytes free (to unprivileged writers) where VMs and snapshots are
     /// kept; `None` if unknown.
     fn free_disk_bytes(&self) -> Option<u64> {

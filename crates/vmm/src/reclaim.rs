@@ -80,6 +80,35 @@ pub fn unneeded_snapshots(paths: &Paths, keep: &HashSet<String>, grace: Duration
     unneeded
 }
 
+/// Temp files that a compaction or RAM materialization cut short left in
+/// whole snapshot directories (those with a `meta.json`), older than
+/// `grace`.
+pub fn stale_temp_files(paths: &Paths, grace: Duration) -> Vec<std::path::PathBuf> {
+    const TEMP: [&str; 3] = ["ram.layer.compact", "disk.compact.qcow2", "ram.partial"];
+    let Ok(entries) = std::fs::read_dir(paths.snapshots_dir()) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for dir in entries.flatten().map(|e| e.path()) {
+        if !dir.join("meta.json").exists() {
+            continue;
+        }
+        for name in TEMP {
+            let f = dir.join(name);
+            let old = std::fs::symlink_metadata(&f)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age >= grace);
+            if old {
+                out.push(f);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// The snapshot ids of the disks in `disks` that lie in `snapshots`.
 fn dirs_of<'a>(
     snapshots: &'a Path,
@@ -174,6 +203,14 @@ mod tests {
         );
         // Too young to judge.
         assert!(unneeded_snapshots(&paths, &keep, Duration::from_secs(600)).is_empty());
+        // A compaction's temp file in a whole snapshot, not in a half one.
+        std::fs::write(paths.snapshot_dir("kept").join("ram.layer.compact"), b"x").unwrap();
+        std::fs::write(paths.snapshot_dir("half").join("ram.partial"), b"x").unwrap();
+        assert_eq!(
+            stale_temp_files(&paths, Duration::ZERO),
+            vec![paths.snapshot_dir("kept").join("ram.layer.compact")]
+        );
+        assert!(stale_temp_files(&paths, Duration::from_secs(600)).is_empty());
         // A record that cannot be read: nothing is reclaimed.
         std::fs::write(vm_dir.join("vm.json"), b"{").unwrap();
         assert!(unneeded_snapshots(&paths, &keep, Duration::ZERO).is_empty());

@@ -188,6 +188,8 @@ impl Manager {
                 return 0;
             }
         };
+        // (A rewrite in flight has younger files than the grace.)
+        self.driver.remove_stale_temp_files(grace);
         let unneeded = self.driver.unneeded_snapshots(&keep, grace);
         for id in &unneeded {
             tracing::info!(snapshot = %id, "removing snapshot files nothing needs (left by a crash or an interrupted build)");

@@ -132,6 +132,15 @@ impl Driver for QemuDriver {
         crate::reclaim::unneeded_snapshots(&self.paths, keep, grace)
     }
 
+    fn remove_stale_temp_files(&self, grace: Duration) -> usize {
+        let files = crate::reclaim::stale_temp_files(&self.paths, grace);
+        for f in &files {
+            tracing::info!(file = %f.display(), "removing a temp file a cut-short rewrite left");
+            let _ = std::fs::remove_file(f);
+        }
+        files.len()
+    }
+
     fn free_disk_bytes(&self) -> Option<u64> {
         let st = nix::sys::statvfs::statvfs(&self.paths.data_dir).ok()?;
         Some(st.blocks_available() as u64 * st.fragment_size() as u64)
