@@ -18,13 +18,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{unix_ms, write_atomic, Vm, VmState};
+use super::{write_atomic, Vm, VmState};
 use crate::blocking;
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
 use crate::ram::{self, layer::PAGE, Chain, Current, GuestRam};
-use crate::snapshot::{Snapshot, SnapshotMeta, LAYER_FILE, META_VERSION};
+use crate::snapshot::{Snapshot, LAYER_FILE};
 
 /// Most bytes of changed pages a capture copies out of a VM to let it run
 /// on while the layer is written; beyond it the VM stays stopped until
@@ -271,23 +271,7 @@ impl Vm {
         disk_over: Option<Vec<std::path::PathBuf>>,
         after: After,
     ) -> Result<Snapshot> {
-        let meta = SnapshotMeta {
-            version: META_VERSION,
-            id: snap_id.to_string(),
-            source_vm: self.id().to_string(),
-            machine: self.record.machine,
-            artifacts: self.record.artifacts.clone(),
-            extra_cmdline: self.record.extra_cmdline.clone(),
-            created_unix_ms: unix_ms(),
-            parent,
-            disk_over,
-            checksums: [(
-                "state".to_string(),
-                crate::snapshot::file_crc(&dir.join("state"))
-                    .ctx(|| format!("reading {}", dir.join("state").display()))?,
-            )]
-            .into(),
-        };
+        let meta = super::capture_meta(&self.record, snap_id, dir, parent, disk_over)?;
         write_atomic(
             &dir.join("meta.json"),
             &serde_json::to_vec_pretty(&meta).expect("meta serializes"),

@@ -138,6 +138,32 @@ pub fn log_tail(path: &Path, max: usize) -> String {
 /// Replace `path` with `data` durably: a temp file, fsync, rename, fsync
 /// of the directory (≈ 0.5 ms here). A crash leaves the old file or the
 /// new one, never a torn one or a rename that did not reach the disk.
+/// The `meta.json` of capture `snap_id` of the VM `record` describes, whose
+/// files are in `dir` (its device state checksummed).
+fn capture_meta(
+    record: &VmRecord,
+    snap_id: &str,
+    dir: &Path,
+    parent: Option<String>,
+    disk_over: Option<Vec<PathBuf>>,
+) -> Result<crate::snapshot::SnapshotMeta> {
+    let state = dir.join("state");
+    let state_crc =
+        crate::snapshot::file_crc(&state).ctx(|| format!("reading {}", state.display()))?;
+    Ok(crate::snapshot::SnapshotMeta {
+        version: crate::snapshot::META_VERSION,
+        id: snap_id.to_string(),
+        source_vm: record.id.clone(),
+        machine: record.machine,
+        artifacts: record.artifacts.clone(),
+        extra_cmdline: record.extra_cmdline.clone(),
+        created_unix_ms: unix_ms(),
+        parent,
+        disk_over,
+        checksums: [("state".to_string(), state_crc)].into(),
+    })
+}
+
 pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");

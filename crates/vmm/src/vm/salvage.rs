@@ -3,11 +3,11 @@
 //! the VM's disk is already in the capture directory, so neither the VM
 //! nor the capture holds the sandbox until the capture is finished.
 
-use super::{cleanup_pid, unix_ms, write_atomic, VmFiles, VmRecord};
+use super::{cleanup_pid, write_atomic, VmFiles, VmRecord};
 use crate::config::Paths;
 use crate::error::{Error, IoContext, Result};
 use crate::ram::layer::Layer;
-use crate::snapshot::{Snapshot, SnapshotMeta, LAYER_FILE, META_VERSION};
+use crate::snapshot::{Snapshot, LAYER_FILE};
 
 /// Finish capture `snap_id` of VM `vm_id` from the files its capture left,
 /// if its QEMU is gone and the capture got as far as QEMU's exit (device
@@ -66,23 +66,7 @@ pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Resu
         }
         record.parent.clone()
     };
-    let meta = SnapshotMeta {
-        version: META_VERSION,
-        id: snap_id.to_string(),
-        source_vm: vm_id.to_string(),
-        machine: record.machine,
-        artifacts: record.artifacts.clone(),
-        extra_cmdline: record.extra_cmdline.clone(),
-        created_unix_ms: unix_ms(),
-        parent,
-        disk_over: record.disk_over.clone(),
-        checksums: [(
-            "state".to_string(),
-            crate::snapshot::file_crc(&dir.join("state"))
-                .ctx(|| format!("reading {}", dir.join("state").display()))?,
-        )]
-        .into(),
-    };
+    let meta = super::capture_meta(&record, snap_id, &dir, parent, record.disk_over.clone())?;
     write_atomic(
         &dir.join("meta.json"),
         &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
