@@ -44,6 +44,10 @@ fn every_scenario_runs_with_tiny_counts() {
             "1",
             "--fork-count",
             "2",
+            "--episodes",
+            "1",
+            "--branches",
+            "2",
         ])
         .args([
             "--write-mib",
@@ -71,7 +75,9 @@ fn every_scenario_runs_with_tiny_counts() {
 
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().expect("rows");
-    for id in ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10"] {
+    for id in [
+        "P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11",
+    ] {
         let mine: Vec<_> = rows.iter().filter(|r| r["scenario"] == id).collect();
         assert!(!mine.is_empty(), "no row for {id}:\n{stdout}");
         for r in &mine {

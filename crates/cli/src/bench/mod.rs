@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P10 (docs/benchmarks.md), each with
+//! `tine bench`: the performance scenarios P1–P11 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
@@ -7,7 +7,8 @@
 //! (restores by hand), [`mem`] (PSS and dirtied RAM from /proc), [`stages`] (per-stage
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
-//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9), [`net`] (P10).
+//! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9), [`net`] (P10),
+//! [`rollout`] (P11).
 
 mod build;
 mod capture;
@@ -20,6 +21,7 @@ mod memory;
 mod net;
 mod proxy;
 mod report;
+mod rollout;
 mod sdk;
 mod stages;
 mod stats;
@@ -49,10 +51,11 @@ pub enum Scenario {
     P8,
     P9,
     P10,
+    P11,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 10] = [
+    const ALL: [Scenario; 11] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -63,6 +66,7 @@ impl Scenario {
         Self::P8,
         Self::P9,
         Self::P10,
+        Self::P11,
     ];
 
     fn id(self) -> &'static str {
@@ -77,6 +81,7 @@ impl Scenario {
             Self::P8 => "P8",
             Self::P9 => "P9",
             Self::P10 => "P10",
+            Self::P11 => "P11",
         }
     }
 
@@ -92,13 +97,14 @@ impl Scenario {
             Self::P8 => "first sandbox of a never-seen image (lazy vs full pull)",
             Self::P9 => "template build: cached and last-step-changed vs cold",
             Self::P10 => "100 MiB download through the egress path vs the host",
+            Self::P11 => "RL rollout: episodes that fork at step 3 (Python SDK)",
         }
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P10).
+    /// Scenarios to run (default: all of P1–P11).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
@@ -111,6 +117,12 @@ pub struct BenchArgs {
     /// P6: creates done one at a time for its floor (default: min(10, concurrency)).
     #[arg(long)]
     sequential: Option<usize>,
+    /// P11: episodes run at once.
+    #[arg(long, default_value_t = 4)]
+    episodes: usize,
+    /// P11: children each episode forks into at step 3.
+    #[arg(long, default_value_t = 4)]
+    branches: usize,
     /// P2: children per fork.
     #[arg(long, default_value_t = 16)]
     fork_count: usize,
@@ -226,6 +238,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P8 => image::p8(ctx, out).await,
         Scenario::P9 => build::p9(ctx, out).await,
         Scenario::P10 => net::p10(ctx, out).await,
+        Scenario::P11 => rollout::p11(ctx, out).await,
     }
 }
 

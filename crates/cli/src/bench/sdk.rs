@@ -31,7 +31,7 @@ struct P6Result {
 const E2B_PY_VERSION: &str = "2.63.0";
 
 /// A Python with the E2B SDK: see the module docs.
-async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
+pub(super) async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("TINE_BENCH_PYTHON").map(PathBuf::from) {
         if !p.exists() {
             bail!("TINE_BENCH_PYTHON={} does not exist", p.display());
