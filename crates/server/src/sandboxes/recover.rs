@@ -178,9 +178,13 @@ impl Manager {
 
     /// Delete snapshot directories nothing needs and older than `grace`:
     /// captures a crash cut short, build layers whose row was never
-    /// written. Returns how many.
+    /// written. Returns how many. While a start or capture holds the
+    /// chains, nothing is done (the next round tries again): waiting would
+    /// hold up every start behind it.
     pub async fn reclaim_snapshots(&self, grace: Duration) -> usize {
-        let _exclusive = self.chains.write().await;
+        let Ok(_exclusive) = self.chains.try_write() else {
+            return 0;
+        };
         let keep = match self.kept_snapshots() {
             Ok(keep) => keep,
             Err(e) => {
