@@ -4,6 +4,9 @@
 #   - a Python venv at $TINE_DATA_DIR/venv with the pinned E2B SDK and pytest,
 #     $TINE_DATA_DIR/venv-e2b-oldest with the oldest 2.x SDK (2.0.0) and
 #     $TINE_DATA_DIR/venv-e2b-between with 2.25.0
+#   - $TINE_DATA_DIR/venv-fuzz with the pinned schemathesis (test_y_fuzz.py
+#     runs it against the server suite's server; kept apart from the SDK
+#     venvs so their dependencies cannot clash)
 #   - nss-myhostname, so *.localhost resolves to loopback (domain mode)
 #   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
 #   - the account `user` (E2B images have it; it is the SDKs' default user)
@@ -28,6 +31,10 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$TINE_DATA_DIR/venv"
 VENV_OLDEST="$TINE_DATA_DIR/venv-e2b-oldest"
 VENV_BETWEEN="$TINE_DATA_DIR/venv-e2b-between"
+VENV_FUZZ="$TINE_DATA_DIR/venv-fuzz"
+# The REST API fuzzer (tests/e2e/server/python/test_y_fuzz.py): schemathesis
+# and all its dependencies, pinned.
+FUZZ_REQUIREMENTS="$HERE/fuzz-requirements.txt"
 
 log() { printf '==> %s\n' "$*" >&2; }
 info() { printf '    %s\n' "$*" >&2; }
@@ -47,9 +54,17 @@ if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     apt_install python3-venv
 fi
 # py_venv DIR PACKAGE==VERSION...: a venv holding exactly those versions.
+# py_venv DIR -r FILE: the same for every NAME==VERSION line of FILE (a
+# requirements file as `pip freeze` writes it), installed from FILE.
 py_venv() {
     local venv="$1"
     shift
+    local install=("$@")
+    if [[ "${1:-}" == -r ]]; then
+        local pins
+        mapfile -t pins < <(grep -Ev '^[[:space:]]*(#|$)' "$2")
+        set -- "${pins[@]}"
+    fi
     if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" - "$@" <<'PY' >/dev/null 2>&1; then
 import sys
 from importlib.metadata import version
@@ -61,8 +76,8 @@ PY
     else
         mkdir -p "$TINE_DATA_DIR"
         python3 -m venv "$venv"
-        "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@"
-        info "installed: $*"
+        "$venv/bin/python" -m pip install --disable-pip-version-check -q "${install[@]}"
+        info "installed: ${install[*]}"
     fi
 }
 log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
@@ -71,6 +86,8 @@ log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
 py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
 log "Python E2B SDK ${E2B_PY_BETWEEN} in ${VENV_BETWEEN}"
 py_venv "$VENV_BETWEEN" "e2b==${E2B_PY_BETWEEN}" "${PY_PACKAGES[@]:1}"
+log "$(grep -m1 '^schemathesis==' "$FUZZ_REQUIREMENTS") (the REST API fuzzer) in ${VENV_FUZZ}"
+py_venv "$VENV_FUZZ" -r "$FUZZ_REQUIREMENTS"
 
 # ---- an OCI registry for the image tests ----
 log "docker-registry (Debian's distribution 2.8, run on loopback by the image tests)"

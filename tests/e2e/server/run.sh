@@ -26,12 +26,14 @@ BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 VENV="$BASE_DATA_DIR/venv"
 VENV_OLDEST="$BASE_DATA_DIR/venv-e2b-oldest"
 VENV_BETWEEN="$BASE_DATA_DIR/venv-e2b-between"
+# schemathesis, which test_y_fuzz.py runs against the server.
+VENV_FUZZ="$BASE_DATA_DIR/venv-fuzz"
 PORT="${TINE_E2E_PORT:-3999}"
 
 log() { printf '==> %s\n' "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
-for v in "$VENV_OLDEST" "$VENV_BETWEEN"; do
+for v in "$VENV_OLDEST" "$VENV_BETWEEN" "$VENV_FUZZ"; do
     [[ -x "$v/bin/python" ]] || { echo "error: no venv at $v: run tests/e2e/setup.sh" >&2; exit 1; }
 done
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
@@ -60,6 +62,7 @@ export TINE_E2E_STATE
 TINE_E2E_STATE="$(mktemp -d -t tine-e2e-server.XXXXXX)"
 export TINE_E2E_PORT="$PORT"
 export TINE_E2E_MAX_BODY=65536
+export TINE_FUZZ_VENV="$VENV_FUZZ"
 cat >"$TINE_E2E_STATE/config.toml" <<EOF
 default_cpu_count = 1
 default_memory_mb = 256

@@ -107,6 +107,13 @@ def test_bad_query_on_a_sandbox_route_is_400(sbx):
     assert_error(http("GET", f"/sandboxes/{sbx.sandbox_id}/logs?start=abc"), 400)
 
 
+def test_extreme_metrics_bounds_do_not_crash(sbx):
+    # (Found by the fuzzer: i64::MIN made the handler panic.)
+    lo = -(2**63)
+    code, _, body = http("GET", f"/sandboxes/{sbx.sandbox_id}/metrics?start={lo}&end={lo}")
+    assert code == 200, body[:300]
+
+
 def test_a_template_registered_but_never_built_can_be_deleted():
     name = f"e2e-never-built-{RUN}"
     code, _, body = http("POST", "/v3/templates", {"name": name, "cpuCount": 1, "memoryMB": 256})

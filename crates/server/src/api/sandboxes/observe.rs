@@ -22,7 +22,8 @@ pub struct MetricsQuery {
 /// SDKs before 2.12 send milliseconds: no time in seconds is that large
 /// (1e11 s is in the year 5138).
 fn unix_seconds(t: i64) -> i64 {
-    if t.abs() >= 100_000_000_000 {
+    // (`unsigned_abs`: `abs` of i64::MIN overflows.)
+    if t.unsigned_abs() >= 100_000_000_000 {
         t / 1000
     } else {
         t
