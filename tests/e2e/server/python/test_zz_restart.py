@@ -357,3 +357,39 @@ def test_a_collection_cut_short_loses_nothing(fresh):
         Sandbox.connect(gone.sandbox_id)
     assert_whole(other, mark, blob)
     assert Sandbox.kill(other.sandbox_id) is True
+
+
+def test_qemu_killed_during_a_capture_leaves_a_clear_error_and_nothing_half_done(fresh):
+    """QEMU dies (SIGKILL) while a pause captures it: the request gets an
+    error in the E2B shape, the sandbox is reported dead (its VM and its
+    memory are gone), no half-written capture or VM is left, and the
+    server goes on serving the others."""
+    import threading
+    import time
+
+    other, mark, blob = marked_sandbox(fresh, "qemu-killed")
+    s = fresh(timeout=600, metadata={"group": "qemu-killed"})
+    # 96 MiB of changed pages: the capture's RAM layer takes a while.
+    s.commands.run("head -c 96M /dev/urandom > /dev/shm/big", user="root", timeout=300)
+    data = os.environ["TINE_DATA_DIR"]
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=http("POST", f"/sandboxes/{s.sandbox_id}/pause", {},
+                                                           timeout=300)), daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    while not any(d.startswith(f"p-{s.sandbox_id}-") for d in os.listdir(os.path.join(data, "snapshots"))):
+        assert time.time() < deadline and t.is_alive(), got
+        time.sleep(0.002)
+    subprocess.run(["pkill", "-KILL", "-f", f"qemu-system.*/vms/{s.sandbox_id}/"], check=True)
+    t.join(timeout=300)
+    code, _, body = got["r"]
+    assert code >= 400, (code, body[:300])
+    doc = json.loads(body)
+    assert doc["code"] == code and isinstance(doc["message"], str), doc
+    # Dead, and said so; nothing of the capture or the VM is left.
+    assert http("GET", f"/sandboxes/{s.sandbox_id}")[0] == 404
+    assert [d for d in os.listdir(os.path.join(data, "snapshots")) if d.startswith(f"p-{s.sandbox_id}-")] == []
+    assert not os.path.exists(os.path.join(data, "vms", s.sandbox_id))
+    assert stray_vms() == []
+    assert_whole(other, mark, blob)
+    assert Sandbox.kill(other.sandbox_id) is True
