@@ -47,7 +47,7 @@ impl Manager {
                 .snapshot(crate::templates::DEFAULT_TEMPLATE, machine)
                 .await
             {
-                Ok((snap, _)) => m.pool.refill(snap),
+                Ok((snap, _)) => m.pool.refill(snap, m.pool_room()),
                 Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
             }
         });
@@ -248,7 +248,7 @@ impl Manager {
             None
         };
         if source.template {
-            self.pool.refill(source.snapshot.clone());
+            self.pool.refill(source.snapshot.clone(), self.pool_room());
         }
         if let Some(p) = &pooled {
             rec.id = p.vm.id().to_string();

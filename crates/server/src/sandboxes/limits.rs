@@ -155,16 +155,16 @@ impl Manager {
     ) -> Result<Ticket<'_>, SandboxError> {
         self.check_host()?;
         let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
-        // Warm-pool VMs and template builds' VMs hold memory too.
-        let building = self
-            .driver
-            .vm_ids()
-            .iter()
-            .filter(|id| id.starts_with("build-"))
-            .count();
-        let n = self.live_count() + r.starts + self.pool.ids().len() + building;
+        // Template builds' VMs hold a slot too; warm-pool VMs hold one
+        // until a sandbox needs it.
+        let n = self.live_count() + r.starts + self.building_vms();
         if n + more as usize > self.config.max_sandboxes {
             return Err(SandboxError::Capacity(n));
+        }
+        let pooled = self.pool.ids().len();
+        let excess = (n + pooled + more as usize).saturating_sub(self.config.max_sandboxes);
+        if excess > 0 {
+            self.pool.shrink(excess);
         }
         let mut used = self.db.team_usage(team)?;
         if let Some(reserved) = r.teams.get(team) {
@@ -185,6 +185,25 @@ impl Manager {
             each,
             uncounted: AtomicU64::new(more),
         })
+    }
+
+    /// VMs of template builds running now.
+    fn building_vms(&self) -> usize {
+        let ids = self.driver.vm_ids();
+        ids.iter().filter(|id| id.starts_with("build-")).count()
+    }
+
+    /// How many VMs the warm pool may add: live, starting, building and
+    /// pooled VMs stay within `max_sandboxes`.
+    pub(super) fn pool_room(&self) -> usize {
+        let starts = self
+            .admission
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .starts;
+        let n = self.live_count() + starts + self.building_vms() + self.pool.ids().len();
+        self.config.max_sandboxes.saturating_sub(n)
     }
 
     /// The host's memory and the data disk's room, against

@@ -79,9 +79,10 @@ impl WarmPool {
             .map_or(0, Vec::len)
     }
 
-    /// Top the pool of `snapshot` up to its size, in the background.
-    pub fn refill(self: &Arc<Self>, snapshot: SnapshotRef) {
-        if self.size == 0 {
+    /// Top the pool of `snapshot` up to its size, in the background, with
+    /// at most `room` new VMs (what the sandbox limit leaves).
+    pub fn refill(self: &Arc<Self>, snapshot: SnapshotRef, room: usize) {
+        if self.size == 0 || room == 0 {
             return;
         }
         let key = snapshot.id().to_string();
@@ -95,7 +96,9 @@ impl WarmPool {
         }
         let pool = self.clone();
         tokio::spawn(async move {
-            while pool.count(&key) < pool.size {
+            let mut room = room;
+            while pool.count(&key) < pool.size && room > 0 {
+                room -= 1;
                 pool.warming.fetch_add(1, Ordering::SeqCst);
                 if pool.closed.load(Ordering::SeqCst) {
                     pool.warming.fetch_sub(1, Ordering::SeqCst);
@@ -175,6 +178,35 @@ impl WarmPool {
         for p in all {
             let _ = p.vm.kill().await;
         }
+    }
+
+    /// Let go of up to `n` pooled VMs (killed in the background) to make
+    /// room for sandboxes; returns how many.
+    pub fn shrink(&self, n: usize) -> usize {
+        let gone: Vec<Pooled> = {
+            let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+            let mut gone = Vec::new();
+            for vms in ready.values_mut() {
+                while gone.len() < n {
+                    match vms.pop() {
+                        Some(p) => gone.push(p),
+                        None => break,
+                    }
+                }
+            }
+            gone
+        };
+        let count = gone.len();
+        for p in gone {
+            tracing::info!(
+                vm = p.vm.id(),
+                "warm pool: a pooled VM makes room for a sandbox"
+            );
+            tokio::spawn(async move {
+                let _ = p.vm.kill().await;
+            });
+        }
+        count
     }
 
     /// Ids of pooled VMs (they have directories but no sandbox rows).

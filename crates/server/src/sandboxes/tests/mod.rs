@@ -531,3 +531,35 @@ async fn starts_are_refused_when_the_host_lacks_memory() {
     assert!(err.to_string().contains("min_free_memory_mb"), "{err}");
     assert!(fake.calls("restore").is_empty(), "no VM was started");
 }
+
+#[tokio::test]
+async fn pooled_vms_count_but_make_room_for_sandboxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
+    let fake = FakeDriver::start().await;
+    let config = Config {
+        pool_size: 2,
+        max_sandboxes: 2,
+        ..config()
+    };
+    let manager = manager_with(&fake, &db, config);
+    let first = manager.create(base()).await.unwrap();
+    // The pool fills up to what the limit leaves (one slot).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while manager.pool.ids().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool never filled"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // A second sandbox still fits: it takes (or evicts) the pooled VM.
+    let second = manager.create(base()).await.unwrap();
+    assert_ne!(first.id, second.id);
+    assert_eq!(manager.live_count(), 2);
+    let err = manager.create(base()).await.unwrap_err();
+    assert!(matches!(err, SandboxError::Capacity(2)), "{err}");
+    // Never more VMs than the limit plus the pool's own warm-ups in flight.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(manager.pool.ids().is_empty(), "{:?}", manager.pool.ids());
+}
