@@ -2,7 +2,6 @@
 //! episodes that fork into branches at step 3, against the same steps run
 //! in one sandbox with no snapshot or fork, both in this run.
 
-use anyhow::Context;
 use serde::Deserialize;
 
 use super::report::Row;
@@ -42,35 +41,19 @@ struct P11Result {
 pub async fn p11(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let episodes = ctx.args.episodes.max(1);
     let branches = ctx.args.branches.max(1);
-    let py = super::sdk::python(ctx).await?;
-    let script = ctx.floor_paths.data_dir.join("p11.py");
-    std::fs::create_dir_all(&ctx.floor_paths.data_dir)?;
-    std::fs::write(&script, SCRIPT)?;
     ctx.step(format!(
         "python SDK: {episodes} episodes at once, straight, then forking into {branches} at step 3"
     ));
-    let output = tokio::process::Command::new(&py)
-        .arg(&script)
-        .env("E2B_API_URL", &ctx.api.base)
-        .env("E2B_SANDBOX_URL", &ctx.api.base)
-        .env("E2B_API_KEY", &ctx.api.key)
-        .env("TINE_BENCH_EPISODES", episodes.to_string())
-        .env("TINE_BENCH_BRANCHES", branches.to_string())
-        .env_remove("E2B_DOMAIN")
-        .env_remove("E2B_DEBUG")
-        .kill_on_drop(true)
-        .output()
-        .await
-        .with_context(|| format!("running {}", py.display()))?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let r: P11Result =
-        serde_json::from_str(stdout.lines().last().unwrap_or("")).with_context(|| {
-            format!(
-                "the SDK script printed no result ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            )
-        })?;
+    let r: P11Result = super::sdk::run_script(
+        ctx,
+        "p11.py",
+        SCRIPT,
+        &[
+            ("TINE_BENCH_EPISODES", episodes.to_string()),
+            ("TINE_BENCH_BRANCHES", branches.to_string()),
+        ],
+    )
+    .await?;
     let (b, s) = (&r.branching, &r.straight);
     let steps = 5 + 2 * branches;
     let errors: Vec<String> = b.errors.iter().chain(&s.errors).cloned().collect();

@@ -31,7 +31,7 @@ struct P6Result {
 const E2B_PY_VERSION: &str = "2.63.0";
 
 /// A Python with the E2B SDK: see the module docs.
-pub(super) async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
+async fn python(ctx: &Ctx) -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("TINE_BENCH_PYTHON").map(PathBuf::from) {
         if !p.exists() {
             bail!("TINE_BENCH_PYTHON={} does not exist", p.display());
@@ -107,23 +107,24 @@ fn row(what: String, conc: Vec<f64>, seq: &[f64], n: usize, cores: usize, errors
         )
 }
 
-pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
-    let n = ctx.args.concurrency.max(1);
-    let seq = ctx.args.sequential.unwrap_or(n.min(10)).max(1);
+/// Run the bench's Python `script` (saved as `name`) with the SDK pointed
+/// at the bench's server and `env`; its last line of output is its result.
+pub(super) async fn run_script<T: serde::de::DeserializeOwned>(
+    ctx: &Ctx,
+    name: &str,
+    script: &str,
+    env: &[(&str, String)],
+) -> anyhow::Result<T> {
     let py = python(ctx).await?;
-    let script = ctx.floor_paths.data_dir.join("p6.py");
+    let path = ctx.floor_paths.data_dir.join(name);
     std::fs::create_dir_all(&ctx.floor_paths.data_dir)?;
-    std::fs::write(&script, SCRIPT)?;
-    ctx.step(format!(
-        "python SDK: {seq} creates + echo one at a time, then {n} at once"
-    ));
+    std::fs::write(&path, script)?;
     let output = tokio::process::Command::new(&py)
-        .arg(&script)
+        .arg(&path)
         .env("E2B_API_URL", &ctx.api.base)
         .env("E2B_SANDBOX_URL", &ctx.api.base)
         .env("E2B_API_KEY", &ctx.api.key)
-        .env("TINE_BENCH_CONCURRENCY", n.to_string())
-        .env("TINE_BENCH_SEQUENTIAL", seq.to_string())
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .env_remove("E2B_DOMAIN")
         .env_remove("E2B_DEBUG")
         .kill_on_drop(true)
@@ -131,14 +132,31 @@ pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("running {}", py.display()))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let last = stdout.lines().last().unwrap_or("");
-    let r: P6Result = serde_json::from_str(last).with_context(|| {
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).with_context(|| {
         format!(
             "the SDK script printed no result ({}): {}",
             output.status,
             String::from_utf8_lossy(&output.stderr).trim()
         )
-    })?;
+    })
+}
+
+pub async fn p6(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.args.concurrency.max(1);
+    let seq = ctx.args.sequential.unwrap_or(n.min(10)).max(1);
+    ctx.step(format!(
+        "python SDK: {seq} creates + echo one at a time, then {n} at once"
+    ));
+    let r: P6Result = run_script(
+        ctx,
+        "p6.py",
+        SCRIPT,
+        &[
+            ("TINE_BENCH_CONCURRENCY", n.to_string()),
+            ("TINE_BENCH_SEQUENTIAL", seq.to_string()),
+        ],
+    )
+    .await?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let errors = r.errors.len();
     let first = r.errors.first().cloned();

@@ -52,11 +52,16 @@ fn manager_with(driver: &FakeDriver, db: &Arc<Db>, config: Config) -> Manager {
 }
 
 async fn setup() -> Setup {
+    setup_with(config()).await
+}
+
+/// A manager with `config` over the fake driver and a fresh database.
+async fn setup_with(config: Config) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
     let driver = FakeDriver::start().await;
     Setup {
-        manager: manager_over(&driver, &db),
+        manager: manager_with(&driver, &db, config),
         driver,
         db,
         _dir: dir,
@@ -390,33 +395,33 @@ async fn recovery_finishes_or_undoes_a_pause_the_crash_cut_short() {
 
 #[tokio::test]
 async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
-    let fake = FakeDriver::start().await;
     let config = Config {
         pool_size: 1,
         ..config()
     };
-    let manager = manager_with(&fake, &db, config);
-    let sandbox = manager.create(base()).await.unwrap();
-    let snapshot = db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
+    let s = setup_with(config).await;
+    let sandbox = s.manager.create(base()).await.unwrap();
+    let snapshot = s.db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while manager.pool.ids().is_empty() {
+    while s.manager.pool.ids().is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the pool never filled"
         );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    let pooled: Vec<String> = manager.pool.ids().into_iter().collect();
+    let pooled: Vec<String> = s.manager.pool.ids().into_iter().collect();
     // While the template lives, its pooled VM stays.
-    manager.sweep().await;
-    assert_eq!(manager.pool.ids().len(), 1);
+    s.manager.sweep().await;
+    assert_eq!(s.manager.pool.ids().len(), 1);
     // Rebuilt (its row hidden): the pooled VM is killed.
-    db.hide_snapshot(&snapshot).unwrap();
-    manager.sweep().await;
-    assert!(manager.pool.ids().is_empty());
-    assert!(fake.calls("kill").contains(&format!("kill {}", pooled[0])));
+    s.db.hide_snapshot(&snapshot).unwrap();
+    s.manager.sweep().await;
+    assert!(s.manager.pool.ids().is_empty());
+    assert!(s
+        .driver
+        .calls("kill")
+        .contains(&format!("kill {}", pooled[0])));
 }
 
 #[tokio::test]
@@ -517,36 +522,30 @@ async fn reclaim_deletes_only_what_nothing_needs() {
 
 #[tokio::test]
 async fn starts_are_refused_when_the_host_lacks_memory() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
-    let fake = FakeDriver::start().await;
     let config = Config {
         // More than any host has available.
         min_free_memory_mb: 1 << 40,
         ..config()
     };
-    let manager = manager_with(&fake, &db, config);
-    let err = manager.create(base()).await.unwrap_err();
+    let s = setup_with(config).await;
+    let err = s.manager.create(base()).await.unwrap_err();
     assert!(matches!(err, SandboxError::HostMemory(_)), "{err}");
     assert!(err.to_string().contains("min_free_memory_mb"), "{err}");
-    assert!(fake.calls("restore").is_empty(), "no VM was started");
+    assert!(s.driver.calls("restore").is_empty(), "no VM was started");
 }
 
 #[tokio::test]
 async fn pooled_vms_count_but_make_room_for_sandboxes() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = Arc::new(Db::open(&dir.path().join("tine.db")).unwrap());
-    let fake = FakeDriver::start().await;
     let config = Config {
         pool_size: 2,
         max_sandboxes: 2,
         ..config()
     };
-    let manager = manager_with(&fake, &db, config);
-    let first = manager.create(base()).await.unwrap();
+    let s = setup_with(config).await;
+    let first = s.manager.create(base()).await.unwrap();
     // The pool fills up to what the limit leaves (one slot).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while manager.pool.ids().is_empty() {
+    while s.manager.pool.ids().is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the pool never filled"
@@ -554,12 +553,16 @@ async fn pooled_vms_count_but_make_room_for_sandboxes() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     // A second sandbox still fits: it takes (or evicts) the pooled VM.
-    let second = manager.create(base()).await.unwrap();
+    let second = s.manager.create(base()).await.unwrap();
     assert_ne!(first.id, second.id);
-    assert_eq!(manager.live_count(), 2);
-    let err = manager.create(base()).await.unwrap_err();
+    assert_eq!(s.manager.live_count(), 2);
+    let err = s.manager.create(base()).await.unwrap_err();
     assert!(matches!(err, SandboxError::Capacity(2)), "{err}");
     // Never more VMs than the limit plus the pool's own warm-ups in flight.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    assert!(manager.pool.ids().is_empty(), "{:?}", manager.pool.ids());
+    assert!(
+        s.manager.pool.ids().is_empty(),
+        "{:?}",
+        s.manager.pool.ids()
+    );
 }
