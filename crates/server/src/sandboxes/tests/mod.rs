@@ -68,6 +68,18 @@ async fn setup_with(config: Config) -> Setup {
     }
 }
 
+/// Until the warm pool holds a VM (10 s at most).
+async fn wait_for_the_pool(manager: &Manager) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while manager.pool.ids().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool never filled"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 fn base() -> CreateRequest {
     CreateRequest {
         template_id: "base".into(),
@@ -402,14 +414,7 @@ async fn the_warm_pool_lets_go_of_a_template_that_is_gone() {
     let s = setup_with(config).await;
     let sandbox = s.manager.create(base()).await.unwrap();
     let snapshot = s.db.sandbox_snapshot(&sandbox.id).unwrap().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while s.manager.pool.ids().is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pool never filled"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    wait_for_the_pool(&s.manager).await;
     let pooled: Vec<String> = s.manager.pool.ids().into_iter().collect();
     // While the template lives, its pooled VM stays.
     s.manager.sweep().await;
@@ -544,14 +549,7 @@ async fn pooled_vms_count_but_make_room_for_sandboxes() {
     let s = setup_with(config).await;
     let first = s.manager.create(base()).await.unwrap();
     // The pool fills up to what the limit leaves (one slot).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while s.manager.pool.ids().is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pool never filled"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    wait_for_the_pool(&s.manager).await;
     // A second sandbox still fits: it takes (or evicts) the pooled VM.
     let second = s.manager.create(base()).await.unwrap();
     assert_ne!(first.id, second.id);
