@@ -125,10 +125,11 @@ pub async fn materialize(paths: &Paths, id: &str) -> Result<bool> {
             .ctx(|| format!("writing the RAM layers into {}", out.display()))?;
         file.sync_all()
             .ctx(|| format!("syncing {}", out.display()))?;
-        Ok((copied, pages))
+        let crc = crate::checksum::sparse_crc(&out).ctx(|| format!("reading {}", out.display()))?;
+        Ok((copied, pages, crc))
     })
     .await;
-    let (copied, pages) = match written {
+    let (copied, pages, crc) = match written {
         Ok(w) => w,
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
@@ -138,10 +139,11 @@ pub async fn materialize(paths: &Paths, id: &str) -> Result<bool> {
     // The file first, then meta.json; a reader in between still finds the
     // layer and its parents, which give the same RAM.
     std::fs::rename(&tmp, snap.dir.join("ram")).ctx(|| "installing the RAM file".into())?;
-    let meta = SnapshotMeta {
+    let mut meta = SnapshotMeta {
         parent: None,
         ..snap.meta.clone()
     };
+    meta.checksums.insert("ram".into(), crc);
     crate::vm::write_atomic(
         &snap.dir.join("meta.json"),
         &serde_json::to_vec_pretty(&meta).expect("meta serializes"),

@@ -15,6 +15,7 @@
 //! bench's by-hand restore (its floor) is [`floor`], behind the `bench`
 //! feature.
 
+pub mod checksum;
 pub mod compact;
 pub mod config;
 pub mod disk;

@@ -54,9 +54,10 @@ pub struct SnapshotMeta {
     /// recorded it.
     #[serde(default)]
     pub disk_over: Option<Vec<PathBuf>>,
-    /// CRC-32 of its files by name (`state`), checked at every open; a
-    /// RAM layer carries its own. Empty in snapshots from before tine
-    /// wrote them.
+    /// CRC-32 of its files by name: `state` (checked at every open) and a
+    /// root snapshot's `ram` (its whole content, holes as zeros; checked
+    /// once per process). A RAM layer carries its own. Empty in snapshots
+    /// from before tine wrote them.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub checksums: std::collections::BTreeMap<String, u32>,
 }
@@ -201,6 +202,19 @@ impl Snapshot {
         if ram_len != want {
             return Err(bad(format!("RAM file is {ram_len} bytes, expected {want}")));
         }
+        if let Some(&want) = snap.meta.checksums.get("ram") {
+            crate::checksum::once(&snap.ram, || {
+                let got = crate::checksum::sparse_crc(&snap.ram)?;
+                if got != want {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("CRC-32 {got:08x}, meta.json says {want:08x}"),
+                    ));
+                }
+                Ok(())
+            })
+            .map_err(|e| bad(format!("RAM file {} is damaged: {e}", snap.ram.display())))?;
+        }
         Ok(snap)
     }
 
@@ -254,22 +268,8 @@ fn check_layer_file(path: &Path) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// CRC-32 of the whole file at `path`.
-pub(crate) fn file_crc(path: &Path) -> std::io::Result<u32> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        match f.read(&mut buf)? {
-            0 => return Ok(hasher.finalize()),
-            n => hasher.update(&buf[..n]),
-        }
-    }
-}
-
 fn check_crc(path: &Path, want: u32) -> std::result::Result<(), String> {
-    let got = file_crc(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let got = crate::checksum::file_crc(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if got != want {
         return Err(format!(
             "{} is damaged: CRC-32 {got:08x}, meta.json says {want:08x}",
@@ -390,5 +390,86 @@ mod tests {
         assert_eq!(buf, [7u8; 5]);
         g.read_exact_at(&mut buf, 20 << 20).unwrap();
         assert_eq!(buf, [0u8; 5]);
+    }
+}
+
+#[cfg(test)]
+mod checksum_tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+    use crate::config::{Artifacts, RootDisk};
+
+    /// A root snapshot's files by hand, with the checksums a capture writes.
+    fn make(paths: &Paths, id: &str) {
+        let dir = paths.snapshot_dir(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("state"), b"QEVM and some device state").unwrap();
+        std::fs::write(dir.join("disk.qcow2"), b"").unwrap();
+        let machine = Machine {
+            memory_mib: 16,
+            ..Machine::default()
+        };
+        let ram = std::fs::File::create(dir.join("ram")).unwrap();
+        ram.set_len(16 << 20).unwrap();
+        ram.write_all_at(&[9u8; 8192], 5 << 20).unwrap();
+        let meta = SnapshotMeta {
+            version: META_VERSION,
+            id: id.into(),
+            source_vm: "vm".into(),
+            machine,
+            artifacts: Artifacts {
+                kernel: "/k".into(),
+                initramfs: "/i".into(),
+                rootfs: RootDisk::File("/r".into()),
+            },
+            extra_cmdline: vec![],
+            created_unix_ms: 0,
+            parent: None,
+            disk_over: Some(vec![]),
+            checksums: [
+                (
+                    "state".to_string(),
+                    crate::checksum::file_crc(&dir.join("state")).unwrap(),
+                ),
+                (
+                    "ram".to_string(),
+                    crate::checksum::sparse_crc(&dir.join("ram")).unwrap(),
+                ),
+            ]
+            .into(),
+        };
+        std::fs::write(dir.join("meta.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn damaged_state_or_ram_files_are_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let paths = Paths {
+            data_dir: tmp.path().into(),
+            shm_dir: tmp.path().join("shm"),
+            jail: Default::default(),
+        };
+        make(&paths, "whole");
+        Snapshot::open(&paths, "whole").unwrap();
+
+        make(&paths, "bad-ram");
+        let ram = paths.snapshot_ram("bad-ram");
+        let f = std::fs::OpenOptions::new().write(true).open(&ram).unwrap();
+        f.write_all_at(b"x", (5 << 20) + 17).unwrap();
+        let err = Snapshot::open(&paths, "bad-ram").unwrap_err().to_string();
+        assert!(
+            err.contains("is damaged") && err.contains(&ram.display().to_string()),
+            "{err}"
+        );
+
+        make(&paths, "bad-state");
+        let state = paths.snapshot_dir("bad-state").join("state");
+        std::fs::write(&state, b"QEVM and some device stat!").unwrap();
+        let err = Snapshot::open(&paths, "bad-state").unwrap_err().to_string();
+        assert!(
+            err.contains("is damaged") && err.contains(&state.display().to_string()),
+            "{err}"
+        );
     }
 }

@@ -44,31 +44,6 @@ impl std::fmt::Debug for Chain {
     }
 }
 
-/// Check `layer` (opened from `path`) against its checksum, once per file
-/// in this process: layers are sealed (never written again), so a file
-/// that passed keeps passing until it is replaced (a new inode) or changed.
-fn verify_once(path: &Path, layer: &Layer) -> io::Result<()> {
-    use std::collections::HashSet;
-    use std::os::unix::fs::MetadataExt;
-    use std::sync::Mutex;
-    /// (device, inode, mtime s, mtime ns) of the files that passed.
-    type FileKey = (u64, u64, i64, i64);
-    static VERIFIED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
-    let m = std::fs::metadata(path)?;
-    let key = (m.dev(), m.ino(), m.mtime(), m.mtime_nsec());
-    let seen = |set: &mut Option<HashSet<_>>| set.get_or_insert_with(HashSet::new).contains(&key);
-    if seen(&mut VERIFIED.lock().unwrap_or_else(|e| e.into_inner())) {
-        return Ok(());
-    }
-    layer.verify()?;
-    VERIFIED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(HashSet::new)
-        .insert(key);
-    Ok(())
-}
-
 impl Chain {
     /// Open `root` and `layers` (root-first); each layer must describe RAM
     /// of the root's size.
@@ -79,7 +54,7 @@ impl Chain {
         let mut top = BTreeMap::new();
         for (i, path) in layers.iter().enumerate() {
             let layer = Layer::open(path)
-                .and_then(|l| verify_once(path, &l).map(|()| l))
+                .and_then(|l| crate::checksum::once(path, || l.verify()).map(|()| l))
                 .map_err(|e| {
                     io::Error::new(e.kind(), format!("RAM layer {}: {e}", path.display()))
                 })?;

@@ -149,7 +149,14 @@ fn capture_meta(
 ) -> Result<crate::snapshot::SnapshotMeta> {
     let state = dir.join("state");
     let state_crc =
-        crate::snapshot::file_crc(&state).ctx(|| format!("reading {}", state.display()))?;
+        crate::checksum::file_crc(&state).ctx(|| format!("reading {}", state.display()))?;
+    let mut checksums = std::collections::BTreeMap::from([("state".to_string(), state_crc)]);
+    // A root snapshot's RAM file (a booted VM's, frozen).
+    let ram = dir.join("ram");
+    if ram.exists() {
+        let crc = crate::checksum::sparse_crc(&ram).ctx(|| format!("reading {}", ram.display()))?;
+        checksums.insert("ram".to_string(), crc);
+    }
     Ok(crate::snapshot::SnapshotMeta {
         version: crate::snapshot::META_VERSION,
         id: snap_id.to_string(),
@@ -160,7 +167,7 @@ fn capture_meta(
         created_unix_ms: unix_ms(),
         parent,
         disk_over,
-        checksums: [("state".to_string(), state_crc)].into(),
+        checksums,
     })
 }
 
