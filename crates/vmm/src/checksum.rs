@@ -30,9 +30,13 @@ pub fn file_crc(path: &Path) -> io::Result<u32> {
 /// with `combine`. Equal for files with equal content, whatever their
 /// holes.
 pub fn sparse_crc(path: &Path) -> io::Result<u32> {
+    sparse_crc_of(&File::open(path)?)
+}
+
+/// [`sparse_crc`] of an open file.
+pub fn sparse_crc_of(f: &File) -> io::Result<u32> {
     use nix::unistd::{lseek, Whence};
     const BLOCK: usize = 1 << 20;
-    let f = File::open(path)?;
     let len = f.metadata()?.len();
     let mut zero_block = crc32fast::Hasher::new();
     zero_block.update(&vec![0u8; BLOCK]);
@@ -69,13 +73,14 @@ pub fn sparse_crc(path: &Path) -> io::Result<u32> {
     Ok(hasher.finalize())
 }
 
-/// Run `check` on the file at `path` unless this process saw the same
-/// file pass before.
-pub fn once(path: &Path, check: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+/// Run `check` on the open file `file` unless this process saw the same
+/// file pass before (the open file's identity, not its path's: a file
+/// renamed over the path meanwhile is another one).
+pub fn once(file: &File, check: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
     /// (device, inode, mtime s, mtime ns) of the files that passed.
     type FileKey = (u64, u64, i64, i64);
     static PASSED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
-    let m = std::fs::metadata(path)?;
+    let m = file.metadata()?;
     let key = (m.dev(), m.ino(), m.mtime(), m.mtime_nsec());
     let passed =
         |set: &mut Option<HashSet<FileKey>>| set.get_or_insert_with(HashSet::new).contains(&key);

@@ -24,7 +24,7 @@ use crate::snapshot::{Snapshot, SnapshotMeta};
 
 /// Compaction and materializing both rewrite a snapshot's files and
 /// `meta.json`; they run one at a time so their renames never interleave.
-static REWRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static REWRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Compact snapshot `id` if it has more than one RAM layer. Returns the
 /// root it now sits directly on, or `None` if there was nothing to do.

@@ -39,6 +39,9 @@ pub fn unneeded_snapshots(paths: &Paths, keep: &HashSet<String>, grace: Duration
         })
         .collect();
     let mut queue: VecDeque<String> = keep.iter().cloned().collect();
+    // A VM whose record predates `disk_over` may sit on a disk sealed into
+    // a directory that has no meta.json yet: keep every such directory.
+    let mut lineage_unknown = false;
     for vm in crate::vm::list(paths) {
         let record = paths.vm_dir(&vm).join("vm.json");
         let parsed = std::fs::read(&record)
@@ -46,6 +49,7 @@ pub fn unneeded_snapshots(paths: &Paths, keep: &HashSet<String>, grace: Duration
             .and_then(|b| serde_json::from_slice::<VmRecord>(&b).map_err(|e| e.to_string()));
         match parsed {
             Ok(r) => {
+                lineage_unknown |= r.disk_over.is_none();
                 queue.extend(r.parent);
                 queue.extend(dirs_of(&snapshots, r.disk_over.iter().flatten()));
             }
@@ -71,9 +75,14 @@ pub fn unneeded_snapshots(paths: &Paths, keep: &HashSet<String>, grace: Duration
             queue.extend(dirs_of(&snapshots, meta.disk_over.iter().flatten()));
         }
     }
+    let sealed_only = |id: &str| {
+        let dir = snapshots.join(id);
+        dir.join("disk.qcow2").exists() && !dir.join("meta.json").exists()
+    };
     let mut unneeded: Vec<String> = all
         .into_iter()
         .filter(|(id, age)| !needed.contains(id) && age.is_some_and(|a| a >= grace))
+        .filter(|(id, _)| !(lineage_unknown && sealed_only(id)))
         .map(|(id, _)| id)
         .collect();
     unneeded.sort();
@@ -211,6 +220,21 @@ mod tests {
             vec![paths.snapshot_dir("kept").join("ram.layer.compact")]
         );
         assert!(stale_temp_files(&paths, Duration::from_secs(600)).is_empty());
+        // A VM whose record predates disk_over: a sealed disk without a
+        // meta.json may be under it, so such a directory stays.
+        snapshot(&paths, None, "sealed-old");
+        std::fs::write(paths.snapshot_dir("sealed-old").join("disk.qcow2"), b"").unwrap();
+        let old_vm = paths.vm_dir("old");
+        std::fs::create_dir_all(&old_vm).unwrap();
+        let mut old = record.clone();
+        old["id"] = "old".into();
+        old.as_object_mut().unwrap().remove("disk_over");
+        std::fs::write(old_vm.join("vm.json"), old.to_string()).unwrap();
+        assert_eq!(
+            unneeded_snapshots(&paths, &keep, Duration::ZERO),
+            vec!["half".to_string(), "whole".to_string()]
+        );
+        std::fs::remove_dir_all(&old_vm).unwrap();
         // A record that cannot be read: nothing is reclaimed.
         std::fs::write(vm_dir.join("vm.json"), b"{").unwrap();
         assert!(unneeded_snapshots(&paths, &keep, Duration::ZERO).is_empty());

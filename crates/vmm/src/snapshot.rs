@@ -203,8 +203,8 @@ impl Snapshot {
             return Err(bad(format!("RAM file is {ram_len} bytes, expected {want}")));
         }
         if let Some(&want) = snap.meta.checksums.get("ram") {
-            crate::checksum::once(&snap.ram, || {
-                let got = crate::checksum::sparse_crc(&snap.ram)?;
+            let check = |file: &std::fs::File| {
+                let got = crate::checksum::sparse_crc_of(file)?;
                 if got != want {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::InvalidData,
@@ -212,8 +212,10 @@ impl Snapshot {
                     ));
                 }
                 Ok(())
-            })
-            .map_err(|e| bad(format!("RAM file {} is damaged: {e}", snap.ram.display())))?;
+            };
+            std::fs::File::open(&snap.ram)
+                .and_then(|f| crate::checksum::once(&f, || check(&f)))
+                .map_err(|e| bad(format!("RAM file {} is damaged: {e}", snap.ram.display())))?;
         }
         Ok(snap)
     }

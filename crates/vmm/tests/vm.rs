@@ -359,9 +359,35 @@ async fn boot_snapshot_clone_kill() {
         .err()
         .expect("QMP is held by clones[1]");
     assert!(err.to_string().contains("another process"), "{err}");
+    // A capture sealed its disk in place, then (as after a crash before
+    // its record was saved) the record is rolled back one generation:
+    // adoption asks QEMU which overlay it writes and catches up.
+    let sealed_id = uniq("sealed");
+    clones[1]
+        .snapshot(&sealed_id)
+        .await
+        .expect("in-place capture");
+    let want = clones[1].record().clone();
     drop(clones.remove(1));
-    let adopted = Vm::adopt(&paths, &id1, probe()).await.expect("adopt");
+    let record_path = paths.vm_dir(&id1).join("vm.json");
+    let mut stale: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    stale["disk_generation"] = (want.disk_generation - 1).into();
+    if let Some(list) = stale["disk_over"].as_array_mut() {
+        list.remove(0);
+    }
+    std::fs::write(&record_path, stale.to_string()).unwrap();
+    let mut adopted = Vm::adopt(&paths, &id1, probe()).await.expect("adopt");
+    assert_eq!(adopted.record().disk_generation, want.disk_generation);
+    assert_eq!(adopted.record().disk_over, want.disk_over);
     assert_eq!(adopted.state(), VmState::Running);
+    assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
+    // And it captures on from the right overlay.
+    let next_id = uniq("after-adopt");
+    adopted
+        .snapshot(&next_id)
+        .await
+        .expect("capture after adoption");
     assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
     clones.push(adopted);
 

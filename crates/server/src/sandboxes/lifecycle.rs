@@ -247,6 +247,7 @@ impl Manager {
         } else {
             None
         };
+        self.fit_pool();
         if source.template {
             self.pool.refill(source.snapshot.clone(), self.pool_room());
         }

@@ -161,11 +161,6 @@ impl Manager {
         if n + more as usize > self.config.max_sandboxes {
             return Err(SandboxError::Capacity(n));
         }
-        let pooled = self.pool.ids().len();
-        let excess = (n + pooled + more as usize).saturating_sub(self.config.max_sandboxes);
-        if excess > 0 {
-            self.pool.shrink(excess);
-        }
         let mut used = self.db.team_usage(team)?;
         if let Some(reserved) = r.teams.get(team) {
             add(&mut used, *reserved, 1);
@@ -193,17 +188,34 @@ impl Manager {
         ids.iter().filter(|id| id.starts_with("build-")).count()
     }
 
-    /// How many VMs the warm pool may add: live, starting, building and
-    /// pooled VMs stay within `max_sandboxes`.
-    pub(super) fn pool_room(&self) -> usize {
+    /// Live, starting and building VMs, and the warm pool's (ready and
+    /// warming up).
+    fn vms_in_use(&self) -> (usize, usize) {
         let starts = self
             .admission
             .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .starts;
-        let n = self.live_count() + starts + self.building_vms() + self.pool.ids().len();
-        self.config.max_sandboxes.saturating_sub(n)
+        let pooled = self.pool.ids().len() + self.pool.warming();
+        (self.live_count() + starts + self.building_vms(), pooled)
+    }
+
+    /// How many VMs the warm pool may add: all VMs stay within
+    /// `max_sandboxes`.
+    pub(super) fn pool_room(&self) -> usize {
+        let (n, pooled) = self.vms_in_use();
+        self.config.max_sandboxes.saturating_sub(n + pooled)
+    }
+
+    /// After an admitted start took what it takes from the pool: let go
+    /// of pooled VMs beyond what `max_sandboxes` leaves.
+    pub(super) fn fit_pool(&self) {
+        let (n, pooled) = self.vms_in_use();
+        let excess = (n + pooled).saturating_sub(self.config.max_sandboxes);
+        if excess > 0 {
+            self.pool.shrink(excess);
+        }
     }
 
     /// The host's memory and the data disk's room, against

@@ -209,6 +209,11 @@ impl WarmPool {
         count
     }
 
+    /// Warm-ups in flight.
+    pub fn warming(&self) -> usize {
+        self.warming.load(Ordering::SeqCst)
+    }
+
     /// Ids of pooled VMs (they have directories but no sandbox rows).
     pub fn ids(&self) -> HashSet<String> {
         self.ready

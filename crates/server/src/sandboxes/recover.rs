@@ -30,6 +30,8 @@ impl Manager {
             limit: usize::MAX >> 1,
             ..Default::default()
         };
+        // Sandboxes whose files are kept for the next start to try again.
+        let mut deferred = HashSet::new();
         for rec in self.db.list_sandboxes(&filter)? {
             // An operation the crash cut short, if any.
             let intent = self
@@ -64,9 +66,19 @@ impl Manager {
                 }
                 Err(detail) => {
                     if let Some(intent) = &intent {
-                        // Its disk may be half-way into the capture.
+                        // Its disk may be half-way into the capture. If the
+                        // capture cannot be finished now (a full disk, a
+                        // damaged file), nothing of it or of the VM is
+                        // removed: the next start tries again.
                         if let Err(e) = self.driver.salvage_capture(&rec.id, intent.capture()) {
-                            tracing::warn!(sandbox = %rec.id, "finishing its cut-short capture: {e}");
+                            let why = format!(
+                                "its {} was cut short by a restart and cannot be finished now ({e}); its files are kept and the next start tries again",
+                                intent.kind().as_str()
+                            );
+                            tracing::error!(sandbox = %rec.id, "{why}");
+                            self.event(&rec.id, "recovery_deferred", &why);
+                            deferred.insert(rec.id.clone());
+                            continue;
                         }
                     }
                     self.driver.cleanup(&rec.id).await;
@@ -88,7 +100,7 @@ impl Manager {
                 }
             }
         }
-        self.remove_unowned_vms().await;
+        self.remove_unowned_vms(&deferred).await;
         // Rows of captures whose files a collection cut short had deleted.
         self.gc();
         self.reclaim_snapshots(RECLAIM_GRACE).await;
@@ -207,18 +219,22 @@ impl Manager {
     /// Snapshots the database needs: every row, and the capture of every
     /// operation in flight.
     fn kept_snapshots(&self) -> Result<HashSet<String>, SandboxError> {
-        let mut keep: HashSet<String> = self.db.all_snapshot_ids()?.into_iter().collect();
-        for (_, intent) in self.db.intents()? {
-            if let Ok(i) = intent.parse::<Intent>() {
-                keep.insert(i.capture().to_string());
-            }
-        }
+        // Intents first: an operation that ends in between has written its
+        // row by the time the rows are read.
+        let mut keep: HashSet<String> = self
+            .db
+            .intents()?
+            .into_iter()
+            .filter_map(|(_, i)| i.parse::<Intent>().ok())
+            .map(|i| i.capture().to_string())
+            .collect();
+        keep.extend(self.db.all_snapshot_ids()?);
         Ok(keep)
     }
 
     /// VMs no sandbox owns: a previous run's warm pool, template builds or
     /// creates that were cut short.
-    async fn remove_unowned_vms(&self) {
+    async fn remove_unowned_vms(&self, deferred: &HashSet<String>) {
         let mut owned: HashSet<String> = self
             .live
             .read()
@@ -227,6 +243,7 @@ impl Manager {
             .cloned()
             .collect();
         owned.extend(self.pool.ids());
+        owned.extend(deferred.iter().cloned());
         for id in self.driver.vm_ids() {
             if !owned.contains(&id) {
                 tracing::info!(vm = %id, "removing a VM no sandbox owns");

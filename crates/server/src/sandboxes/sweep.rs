@@ -74,17 +74,20 @@ impl Manager {
     }
 
     /// Run [`Manager::sweep`] forever, and every [`RECONCILE_EVERY`]
-    /// [`Manager::reconcile`].
+    /// [`Manager::reconcile`]; [`Manager::check_guests`] runs in a loop of
+    /// its own (a QEMU slow to answer must not hold up timeouts).
     pub async fn sweep_loop(self: Arc<Self>) {
+        let checks = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(GUEST_CHECK_EVERY).await;
+                checks.check_guests().await;
+            }
+        });
         let mut last_reconcile = std::time::Instant::now();
-        let mut last_check = std::time::Instant::now();
         loop {
             tokio::time::sleep(SWEEP_EVERY).await;
             self.sweep().await;
-            if last_check.elapsed() >= GUEST_CHECK_EVERY {
-                last_check = std::time::Instant::now();
-                self.check_guests().await;
-            }
             if last_reconcile.elapsed() >= RECONCILE_EVERY {
                 last_reconcile = std::time::Instant::now();
                 self.reconcile().await;

@@ -133,6 +133,11 @@ impl Layer {
         Ok(())
     }
 
+    /// The open layer file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     pub fn ram_bytes(&self) -> u64 {
         self.ram_bytes
     }

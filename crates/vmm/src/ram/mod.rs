@@ -54,7 +54,7 @@ impl Chain {
         let mut top = BTreeMap::new();
         for (i, path) in layers.iter().enumerate() {
             let layer = Layer::open(path)
-                .and_then(|l| crate::checksum::once(path, || l.verify()).map(|()| l))
+                .and_then(|l| crate::checksum::once(l.file(), || l.verify()).map(|()| l))
                 .map_err(|e| {
                     io::Error::new(e.kind(), format!("RAM layer {}: {e}", path.display()))
                 })?;

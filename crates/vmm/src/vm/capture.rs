@@ -241,22 +241,7 @@ impl Vm {
         std::fs::rename(self.active_disk(), &disk).ctx(|| "sealing the disk overlay".into())?;
         crate::jail::share(&disk)?;
         if self.record.ram_shared {
-            // The RAM directory was the jail's: QEMU could have left a
-            // link there to a file it could not read. It has quit, so
-            // nothing changes the file between this check and the move.
-            let kind = std::fs::symlink_metadata(&self.record.ram)
-                .ctx(|| format!("stat {}", self.record.ram.display()))?
-                .file_type();
-            if !kind.is_file() {
-                return Err(Error::Snapshot {
-                    path: self.record.ram.clone(),
-                    detail: format!("is not a regular file ({kind:?}); not capturing it"),
-                });
-            }
-            let ram = dir.join("ram");
-            crate::snapshot::move_sparse(&self.record.ram, &ram)
-                .ctx(|| "freezing the RAM file".into())?;
-            crate::jail::share(&ram)?;
+            freeze_ram(&self.record.ram, dir)?;
         }
         Ok(())
     }
@@ -420,4 +405,28 @@ impl Vm {
         }
         self.state = VmState::Stopped;
     }
+}
+
+/// Move a booted VM's RAM file `ram` (its QEMU has exited) into snapshot
+/// directory `dir` as `ram`: copied to `ram.partial`, synced, renamed, so
+/// `ram` is never a torn copy.
+pub(super) fn freeze_ram(ram: &Path, dir: &Path) -> Result<()> {
+    // The RAM directory was the jail's: QEMU could have left a link there
+    // to a file it could not read. It has quit, so nothing changes the
+    // file between this check and the move.
+    let kind = std::fs::symlink_metadata(ram)
+        .ctx(|| format!("stat {}", ram.display()))?
+        .file_type();
+    if !kind.is_file() {
+        return Err(Error::Snapshot {
+            path: ram.to_path_buf(),
+            detail: format!("is not a regular file ({kind:?}); not capturing it"),
+        });
+    }
+    let partial = dir.join("ram.partial");
+    let _ = std::fs::remove_file(&partial);
+    crate::snapshot::move_sparse(ram, &partial).ctx(|| "freezing the RAM file".into())?;
+    let frozen = dir.join("ram");
+    std::fs::rename(&partial, &frozen).ctx(|| "installing the RAM file".into())?;
+    crate::jail::share(&frozen)
 }

@@ -818,7 +818,7 @@ impl Vm {
             files.console(),
             paths.jail.console_max_bytes,
         );
-        Ok(Vm {
+        let mut vm = Vm {
             paths: paths.clone(),
             record,
             netns: std::sync::Arc::new(netns),
@@ -828,7 +828,54 @@ impl Vm {
             last_stop: None,
             probe,
             _console: console,
-        })
+        };
+        vm.reconcile_disk().await?;
+        Ok(vm)
+    }
+
+    /// After a crash between a capture's disk seal and its record's save,
+    /// QEMU writes to the next overlay while the record names the one
+    /// before: ask QEMU which file it writes and catch the record up.
+    async fn reconcile_disk(&mut self) -> Result<()> {
+        let blocks: serde_json::Value = self.qmp.execute("query-block", None).await?;
+        let Some(root) = blocks
+            .as_array()
+            .and_then(|b| b.iter().find(|d| d["device"] == "root"))
+        else {
+            return Ok(());
+        };
+        // The top image's file: a plain path, or (its backing opened by
+        // another name than its header's) a `json:` description.
+        let writes =
+            root["inserted"]["file"]
+                .as_str()
+                .and_then(|f| match f.strip_prefix("json:") {
+                    Some(spec) => serde_json::from_str::<serde_json::Value>(spec)
+                        .ok()
+                        .and_then(|v| v["file"]["filename"].as_str().map(PathBuf::from)),
+                    None => Some(PathBuf::from(f)),
+                });
+        let next = self
+            .files()
+            .disk_generation(self.record.disk_generation + 1);
+        if writes.as_deref() != Some(next.as_path()) {
+            return Ok(());
+        }
+        // The sealed overlay under it, as its header names it.
+        let sealed = root["inserted"]["image"]["backing-filename"]
+            .as_str()
+            .map(PathBuf::from);
+        tracing::warn!(
+            vm = self.id(),
+            generation = self.record.disk_generation + 1,
+            "QEMU writes to a newer disk overlay than its record named (a capture cut short): record updated"
+        );
+        self.record.disk_generation += 1;
+        self.record.disk_over = match (self.record.disk_over.take(), sealed) {
+            (Some(below), Some(sealed)) => Some(std::iter::once(sealed).chain(below).collect()),
+            _ => None,
+        };
+        self.save_record()
     }
 }
 

@@ -17,7 +17,8 @@ use crate::snapshot::{Snapshot, LAYER_FILE};
 pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Result<bool> {
     let dir = paths.snapshot_dir(snap_id);
     if dir.join("meta.json").exists() {
-        return Ok(Snapshot::open(paths, snap_id).is_ok());
+        // Whole, or damaged: an error then (the caller keeps its files).
+        return Snapshot::open(paths, snap_id).map(|_| true);
     }
     let files = VmFiles::new(paths, vm_id);
     if cleanup_pid(paths, vm_id).is_some() || !dir.join("state").exists() {
@@ -31,42 +32,45 @@ pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Resu
         Some(r) => r,
         None => return Ok(false),
     };
+    // Everything the capture needs must be there before anything moves.
     let disk = dir.join("disk.qcow2");
+    let active = files.disk_generation(record.disk_generation);
+    if !disk.exists() && !active.exists() {
+        return Ok(false);
+    }
+    let ram = dir.join("ram");
+    let layer = dir.join(LAYER_FILE);
+    let partial_layer = dir.join(format!("{LAYER_FILE}.partial"));
+    let ram_ready = if record.ram_shared {
+        ram.exists() || record.ram.exists()
+    } else {
+        // Written whole before QEMU exits; its header comes last.
+        layer.exists() || Layer::open(&partial_layer).and_then(|l| l.verify()).is_ok()
+    };
+    if !ram_ready {
+        return Ok(false);
+    }
     if !disk.exists() {
-        let active = files.disk_generation(record.disk_generation);
-        if !active.exists() {
-            return Ok(false);
-        }
         std::fs::rename(&active, &disk).ctx(|| format!("moving {}", active.display()))?;
         crate::jail::share(&disk)?;
     }
     let parent = if record.ram_shared {
-        let ram = dir.join("ram");
         if !ram.exists() {
-            if !record.ram.exists() {
-                return Ok(false);
-            }
-            let partial = dir.join("ram.partial");
-            crate::snapshot::move_sparse(&record.ram, &partial)
-                .ctx(|| "freezing the RAM file".into())?;
-            std::fs::rename(&partial, &ram).ctx(|| "installing the RAM file".into())?;
-            crate::jail::share(&ram)?;
+            super::capture::freeze_ram(&record.ram, &dir)?;
         }
         None
     } else {
-        let layer = dir.join(LAYER_FILE);
         if !layer.exists() {
-            let partial = dir.join(format!("{LAYER_FILE}.partial"));
-            // Written whole before QEMU exits; its header comes last.
-            let whole = Layer::open(&partial).and_then(|l| l.verify());
-            if whole.is_err() {
-                return Ok(false);
-            }
-            std::fs::rename(&partial, &layer).ctx(|| "finishing the RAM layer".into())?;
+            std::fs::rename(&partial_layer, &layer).ctx(|| "finishing the RAM layer".into())?;
         }
         record.parent.clone()
     };
-    let meta = super::capture_meta(&record, snap_id, &dir, parent, record.disk_over.clone())?;
+    // (A capture that sealed the disk in place put its own disk first.)
+    let disk_over = record
+        .disk_over
+        .clone()
+        .map(|d| d.into_iter().filter(|p| p != &disk).collect());
+    let meta = super::capture_meta(&record, snap_id, &dir, parent, disk_over)?;
     write_atomic(
         &dir.join("meta.json"),
         &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
