@@ -287,6 +287,16 @@ impl Driver for FakeDriver {
         out
     }
 
+    /// Nothing to finish (the fake's captures are whole or absent); fails
+    /// when told to.
+    fn salvage_capture(&self, id: &str, snapshot_id: &str) -> tine_vmm::Result<bool> {
+        self.enter(
+            "salvage_capture",
+            format!("salvage_capture {id} {snapshot_id}"),
+        )?;
+        Ok(false)
+    }
+
     fn delete_snapshot(&self, id: &str) -> tine_vmm::Result<()> {
         self.enter("delete_snapshot", format!("delete_snapshot {id}"))?;
         self.state.lock().unwrap().snapshots.remove(id);

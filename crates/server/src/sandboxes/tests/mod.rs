@@ -564,3 +564,37 @@ async fn pooled_vms_count_but_make_room_for_sandboxes() {
         s.manager.pool.ids()
     );
 }
+
+#[tokio::test]
+async fn a_capture_that_cannot_be_finished_at_restart_keeps_everything() {
+    let s = setup().await;
+    let sb = s.manager.create(base()).await.unwrap();
+    s.driver.state.lock().unwrap().vms.remove(&sb.id);
+    s.db.set_intent(&sb.id, Some("pause p-stuck memory"))
+        .unwrap();
+    // Finishing it fails (a full disk at restart, say).
+    s.driver.fail("salvage_capture", 1);
+    let next = manager_over(&s.driver, &s.db);
+    next.recover().await.unwrap();
+    let row = s.db.get_sandbox(&sb.id).unwrap().unwrap();
+    assert_eq!(row.state, SandboxState::Running, "not declared dead");
+    assert!(
+        s.db.intent(&sb.id).unwrap().is_some(),
+        "the next start retries"
+    );
+    assert!(
+        s.driver.calls(&format!("cleanup {}", sb.id)).is_empty(),
+        "its VM's files are kept"
+    );
+    assert!(s
+        .db
+        .events(&sb.id)
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == "recovery_deferred"));
+    // The next start gets further: here, no whole capture, so it is dead.
+    let again = manager_over(&s.driver, &s.db);
+    again.recover().await.unwrap();
+    let row = s.db.get_sandbox(&sb.id).unwrap().unwrap();
+    assert_eq!(row.state, SandboxState::Killed);
+}
