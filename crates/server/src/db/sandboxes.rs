@@ -333,18 +333,6 @@ impl Db {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Replace `id`'s lifecycle settings.
-    pub fn set_lifecycle(&self, id: &str, lifecycle: &crate::model::Lifecycle) -> Result<()> {
-        self.conn().execute(
-            "UPDATE sandboxes SET lifecycle = ?2 WHERE id = ?1",
-            params![
-                id,
-                serde_json::to_string(lifecycle).expect("a lifecycle serializes")
-            ],
-        )?;
-        Ok(())
-    }
-
     pub fn set_end_at(&self, id: &str, end_at_ms: i64) -> Result<()> {
         self.conn().execute(
             "UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1",

@@ -241,15 +241,6 @@ impl Db {
         )?)
     }
 
-    /// Whether a row (deleted or not) names snapshot `id`.
-    pub fn snapshot_row_exists(&self, id: &str) -> Result<bool> {
-        Ok(self
-            .conn()
-            .query_row("SELECT 1 FROM snapshots WHERE id = ?1", [id], |_| Ok(()))
-            .optional()?
-            .is_some())
-    }
-
     /// The id of every row, deleted or not (their files are the garbage
     /// collection's to delete).
     pub fn all_snapshot_ids(&self) -> Result<Vec<String>> {

@@ -252,7 +252,7 @@ impl Manager {
             })?;
         // Held until it runs (its row counts as running from then on).
         let _ticket = self.admit(&rec.team, 1, rec_machine(&rec))?;
-        self.fit_pool();
+        let _ = self.fit_pool();
         let snapshot = self
             .driver
             .open_snapshot(&snap_id)
@@ -410,7 +410,7 @@ impl Manager {
         let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
         let source_rec = self.get(id)?;
         let ticket = self.admit(&source_rec.team, count as u64, rec_machine(&source_rec))?;
-        self.fit_pool();
+        let _ = self.fit_pool();
         let (row, mut snapshot) = {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?

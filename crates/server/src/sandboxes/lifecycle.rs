@@ -47,7 +47,7 @@ impl Manager {
                 .snapshot(crate::templates::DEFAULT_TEMPLATE, machine)
                 .await
             {
-                Ok((snap, _)) => m.pool.refill(snap, m.pool_room()),
+                Ok((snap, _)) => m.pool.refill(snap, m.fit_pool()),
                 Err(e) => tracing::warn!("warm-up of the default template failed: {e}"),
             }
         });
@@ -247,9 +247,9 @@ impl Manager {
         } else {
             None
         };
-        self.fit_pool();
+        let room = self.fit_pool();
         if source.template {
-            self.pool.refill(source.snapshot.clone(), self.pool_room());
+            self.pool.refill(source.snapshot.clone(), room);
         }
         if let Some(p) = &pooled {
             rec.id = p.vm.id().to_string();

@@ -154,10 +154,11 @@ impl Manager {
         machine: Machine,
     ) -> Result<Ticket<'_>, SandboxError> {
         self.check_host()?;
+        // Template builds' VMs hold a slot too (a directory listing: read
+        // before the lock); warm-pool VMs hold one until a sandbox needs it.
+        let building = self.building_vms();
         let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
-        // Template builds' VMs hold a slot too; warm-pool VMs hold one
-        // until a sandbox needs it.
-        let n = self.live_count() + r.starts + self.building_vms();
+        let n = self.live_count() + r.starts + building;
         if n + more as usize > self.config.max_sandboxes {
             return Err(SandboxError::Capacity(n));
         }
@@ -197,25 +198,21 @@ impl Manager {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .starts;
-        let pooled = self.pool.ids().len() + self.pool.warming();
+        let pooled = self.pool.len() + self.pool.warming();
         (self.live_count() + starts + self.building_vms(), pooled)
     }
 
-    /// How many VMs the warm pool may add: all VMs stay within
-    /// `max_sandboxes`.
-    pub(super) fn pool_room(&self) -> usize {
-        let (n, pooled) = self.vms_in_use();
-        self.config.max_sandboxes.saturating_sub(n + pooled)
-    }
-
     /// After an admitted start took what it takes from the pool: let go
-    /// of pooled VMs beyond what `max_sandboxes` leaves.
-    pub(super) fn fit_pool(&self) {
+    /// of pooled VMs beyond what `max_sandboxes` leaves. Returns how many
+    /// the pool may still add.
+    pub(super) fn fit_pool(&self) -> usize {
         let (n, pooled) = self.vms_in_use();
-        let excess = (n + pooled).saturating_sub(self.config.max_sandboxes);
+        let max = self.config.max_sandboxes;
+        let excess = (n + pooled).saturating_sub(max);
         if excess > 0 {
             self.pool.shrink(excess);
         }
+        max.saturating_sub(n + pooled)
     }
 
     /// The host's memory and the data disk's room, against

@@ -209,6 +209,12 @@ impl WarmPool {
         count
     }
 
+    /// Pooled VMs ready.
+    pub fn len(&self) -> usize {
+        let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        ready.values().map(Vec::len).sum()
+    }
+
     /// Warm-ups in flight.
     pub fn warming(&self) -> usize {
         self.warming.load(Ordering::SeqCst)
