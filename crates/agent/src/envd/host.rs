@@ -2,6 +2,7 @@
 //! calls after every create or restore, and for resource usage.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -156,8 +157,13 @@ fn set_hostname(name: &str) -> Result<()> {
     if !nix::unistd::Uid::effective().is_root() {
         return Ok(()); // on a host (tests), the agent leaves the host's name alone
     }
-    nix::unistd::sethostname(name).map_err(|e| EnvdError::Internal(format!("sethostname: {e}")))?;
-    let _ = std::fs::write("/etc/hostname", format!("{name}\n"));
+    // A resume sets the name the guest already has: change nothing then
+    // (a first write into the guest's filesystem is costly under TCG).
+    if nix::unistd::gethostname().ok().as_deref() != Some(std::ffi::OsStr::new(name)) {
+        nix::unistd::sethostname(name)
+            .map_err(|e| EnvdError::Internal(format!("sethostname: {e}")))?;
+    }
+    let _ = write_if_changed(Path::new("/etc/hostname"), &format!("{name}\n"));
     Ok(())
 }
 
@@ -170,8 +176,19 @@ fn set_machine_id(id: &str) -> Result<()> {
     if std::process::id() != 1 {
         return Ok(()); // only the guest's init owns /etc/machine-id
     }
-    std::fs::write("/etc/machine-id", format!("{}\n", id.to_ascii_lowercase()))
-        .map_err(|e| EnvdError::Internal(format!("writing /etc/machine-id: {e}")))
+    write_if_changed(
+        Path::new("/etc/machine-id"),
+        &format!("{}\n", id.to_ascii_lowercase()),
+    )
+    .map_err(|e| EnvdError::Internal(format!("writing /etc/machine-id: {e}")))
+}
+
+/// Write `content` to `path` unless it holds exactly that already.
+fn write_if_changed(path: &Path, content: &str) -> std::io::Result<()> {
+    if std::fs::read(path).is_ok_and(|old| old == content.as_bytes()) {
+        return Ok(());
+    }
+    std::fs::write(path, content)
 }
 
 async fn envs(State(envd): State<Arc<Envd>>) -> Json<BTreeMap<String, String>> {

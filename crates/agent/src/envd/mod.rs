@@ -148,6 +148,14 @@ async fn rpc_call(
 /// Serve the API on `listener` until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener) -> anyhow::Result<()> {
     tracing::info!(envd_version = ENVD_VERSION, "envd API ready");
+    // Streamed answers (process output, PTY) are many small writes: send
+    // each at once rather than after the host's delayed ACK (Nagle).
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(%e, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, router()).await?;
     Ok(())
 }

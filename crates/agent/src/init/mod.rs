@@ -36,6 +36,7 @@ pub fn boot() -> anyhow::Result<()> {
     mounts::switch_root(Path::new(&root_dev), Path::new("/newroot"))
         .with_context(|| format!("switching root to {root_dev}"))?;
     mounts::late().context("mounting /dev/pts, /dev/shm, /run")?;
+    mounts::identity_on_tmpfs();
 
     let hostname = cmdline.get("tine.hostname").unwrap_or("tine");
     nix::unistd::sethostname(hostname).context("setting the hostname")?;

@@ -128,3 +128,44 @@ pub fn late() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Where [`identity_on_tmpfs`] keeps the files it mounts over `/etc`.
+const IDENTITY_DIR: &str = "/run/tine";
+
+/// Put `/etc/hostname` and `/etc/machine-id` on tmpfs (bind mounts from
+/// `/run/tine`, as container runtimes do): every create and fork rewrites
+/// both through `/init`, and a tmpfs write is much cheaper for a guest
+/// than its first ext4 write after a restore (measured: ≈ 40 ms under
+/// TCG). A file the rootfs lacks is left alone; a failure is only logged
+/// (the files then stay on the disk).
+pub fn identity_on_tmpfs() {
+    if let Err(e) = std::fs::create_dir_all(IDENTITY_DIR) {
+        eprintln!("tine-agent: creating {IDENTITY_DIR}: {e}");
+        return;
+    }
+    for name in ["hostname", "machine-id"] {
+        let target = Path::new("/etc").join(name);
+        let Ok(meta) = std::fs::symlink_metadata(&target) else {
+            continue;
+        };
+        if !meta.file_type().is_file() {
+            continue;
+        }
+        let copy = Path::new(IDENTITY_DIR).join(name);
+        let bound = std::fs::copy(&target, &copy)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                mount(
+                    Some(&copy),
+                    &target,
+                    None::<&str>,
+                    MsFlags::MS_BIND,
+                    None::<&str>,
+                )
+                .map_err(anyhow::Error::from)
+            });
+        if let Err(e) = bound {
+            eprintln!("tine-agent: {} on tmpfs: {e}", target.display());
+        }
+    }
+}

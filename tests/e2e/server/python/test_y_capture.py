@@ -144,13 +144,14 @@ def test_fork_children_share_state_and_diverge(fresh):
                 "pgrep -f 'time.sleep\\(3600\\)' >/dev/null && echo alive; "
                 "cat /proc/sys/kernel/random/uuid; "
                 "python3 -c 'import os; print(os.urandom(16).hex())'; hostname; date +%s; "
-                "cat /etc/machine-id"
+                "cat /etc/machine-id /etc/hostname"
             ).stdout.split()
             assert out[0] == "alive", "the held process came along"
             uuids.add(out[1])
             randoms.add(out[2])
             hosts.add(out[3])
             machine_ids.add(out[5])
+            assert out[6] == k.sandbox_id, "/etc/hostname names the child"
             assert abs(int(out[4]) - now) < 120, "the child's clock is current"
             k.files.write("/home/user/mine", str(i))
         assert len(uuids) == n and len(randoms) == n, "every child has its own entropy"
