@@ -52,6 +52,11 @@ impl Paths {
     pub fn snapshot_dir(&self, id: &str) -> PathBuf {
         self.snapshots_dir().join(id)
     }
+    /// Blank qcow2 overlays, one per backing disk (see
+    /// [`crate::disk::OverlayCache`]).
+    pub fn overlay_cache_dir(&self) -> PathBuf {
+        self.data_dir.join("overlay-cache")
+    }
     /// Frozen RAM of a snapshot lives with the snapshot on disk: a paused
     /// sandbox must not hold memory, and captures survive a host reboot.
     /// Clones map it MAP_PRIVATE and share its pages in the page cache.

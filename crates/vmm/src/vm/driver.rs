@@ -142,7 +142,7 @@ impl Driver for QemuDriver {
             tracing::info!(file = %f.display(), "removing a temp file a cut-short rewrite left");
             let _ = std::fs::remove_file(f);
         }
-        files.len()
+        files.len() + crate::disk::OverlayCache::new(self.paths.overlay_cache_dir()).prune(grace)
     }
 
     fn free_disk_bytes(&self) -> Option<u64> {

@@ -509,7 +509,9 @@ impl Vm {
         let files = VmFiles::new(paths, id);
         let t = Instant::now();
         let _ = std::fs::remove_file(files.disk());
-        disk::create_overlay(&snapshot.disk_path(), BackingFormat::Qcow2, &files.disk()).await?;
+        disk::OverlayCache::new(paths.overlay_cache_dir())
+            .create_overlay(&snapshot.disk_path(), &files.disk())
+            .await?;
         let t_overlay = t.elapsed();
         let meta = &snapshot.meta;
         let record = VmRecord {
