@@ -131,26 +131,38 @@ impl OverlayCache {
     }
 
     /// Create `path` as a qcow2 overlay over the qcow2 image `backing`,
-    /// from the cache when it holds one.
+    /// from the cache (filled first when it has no entry for `backing`).
     pub async fn create_overlay(&self, backing: &Path, path: &Path) -> Result<()> {
-        let entry = self.entry(backing);
-        if qcow2_backing_file(&entry).ok().flatten().as_deref() == Some(backing) {
-            match std::fs::copy(&entry, path) {
+        match self.warm(backing).await {
+            Ok(entry) => match std::fs::copy(&entry, path) {
                 Ok(_) => return Ok(()),
                 Err(e) => tracing::warn!(entry = %entry.display(), %e, "copying a cached overlay"),
-            }
+            },
+            Err(e) => tracing::warn!(backing = %backing.display(), %e, "caching a blank overlay"),
         }
-        create_overlay(backing, BackingFormat::Qcow2, path).await?;
-        // Still blank (nothing has opened it): keep a copy for next time.
-        let tmp = entry.with_extension(format!("tmp{}", std::process::id()));
-        let kept = std::fs::create_dir_all(&self.dir)
-            .and_then(|()| std::fs::copy(path, &tmp))
-            .and_then(|_| std::fs::rename(&tmp, &entry));
-        if let Err(e) = kept {
+        create_overlay(backing, BackingFormat::Qcow2, path).await
+    }
+
+    /// Make sure the cache holds a blank overlay over `backing` (a capture
+    /// calls this so that its restore finds one); returns the entry.
+    pub async fn warm(&self, backing: &Path) -> Result<std::path::PathBuf> {
+        static TEMP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let entry = self.entry(backing);
+        if qcow2_backing_file(&entry).ok().flatten().as_deref() == Some(backing) {
+            return Ok(entry);
+        }
+        std::fs::create_dir_all(&self.dir).ctx(|| format!("creating {}", self.dir.display()))?;
+        let n = TEMP.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = entry.with_extension(format!("tmp{}-{n}", std::process::id()));
+        let made = async {
+            create_overlay(backing, BackingFormat::Qcow2, &tmp).await?;
+            std::fs::rename(&tmp, &entry).ctx(|| format!("renaming {}", tmp.display()))
+        }
+        .await;
+        if made.is_err() {
             let _ = std::fs::remove_file(&tmp);
-            tracing::debug!(entry = %entry.display(), %e, "keeping a blank overlay");
         }
-        Ok(())
+        made.map(|()| entry)
     }
 
     /// Remove entries whose backing file is gone and temp files older than

@@ -196,6 +196,15 @@ impl Vm {
             None => None,
         };
         let snapshot = self.write_meta(snap_id, dir, parent, disk_over, after)?;
+        // Its restore (a resume, a fork's children) will want an overlay
+        // over its disk: make the blank one now, off that path.
+        let cache = crate::disk::OverlayCache::new(self.paths.overlay_cache_dir());
+        let disk = snapshot.disk_path();
+        tokio::spawn(async move {
+            if let Err(e) = cache.warm(&disk).await {
+                tracing::debug!(disk = %disk.display(), "no blank overlay cached: {e}");
+            }
+        });
         tracing::debug!(
             vm = self.id(),
             snapshot = snap_id,
