@@ -147,6 +147,14 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                 Ok(())
             }
             None => {
+                use axum::serve::ListenerExt;
+                // Streamed answers (process output) are many small writes:
+                // send each at once, not after the client's delayed ACK.
+                let listener = listener.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!("TCP_NODELAY: {e}");
+                    }
+                });
                 axum::serve(listener, app)
                     .with_graceful_shutdown(stop)
                     .await

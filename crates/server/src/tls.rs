@@ -129,6 +129,10 @@ pub async fn serve(
                 }
             },
         };
+        // As in the plain server: no Nagle delay on streamed answers.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(%peer, "TCP_NODELAY: {e}");
+        }
         let acceptor = acceptor.clone();
         let app = app.clone();
         tokio::spawn(async move {
