@@ -136,8 +136,9 @@ const IDENTITY_DIR: &str = "/run/tine";
 /// `/run/tine`, as container runtimes do): every create and fork rewrites
 /// both through `/init`, and a tmpfs write is much cheaper for a guest
 /// than its first ext4 write after a restore (measured: ≈ 40 ms under
-/// TCG). A file the rootfs lacks is left alone; a failure is only logged
-/// (the files then stay on the disk).
+/// TCG). A file the rootfs lacks is created (empty) to mount over; one
+/// that is not a regular file (a symlink) is left alone, and a failure is
+/// only logged (the file then stays on the disk).
 pub fn identity_on_tmpfs() {
     if let Err(e) = std::fs::create_dir_all(IDENTITY_DIR) {
         eprintln!("tine-agent: creating {IDENTITY_DIR}: {e}");
@@ -145,10 +146,11 @@ pub fn identity_on_tmpfs() {
     }
     for name in ["hostname", "machine-id"] {
         let target = Path::new("/etc").join(name);
-        let Ok(meta) = std::fs::symlink_metadata(&target) else {
-            continue;
+        let is_file = match std::fs::symlink_metadata(&target) {
+            Ok(meta) => meta.file_type().is_file(),
+            Err(_) => std::fs::File::create(&target).is_ok(),
         };
-        if !meta.file_type().is_file() {
+        if !is_file {
             continue;
         }
         let copy = Path::new(IDENTITY_DIR).join(name);
