@@ -88,7 +88,8 @@ pub struct Config {
     pub compact_after_layers: usize,
     /// A fork of at least this many children first gives its capture its
     /// whole RAM as a file, which the children then share instead of each
-    /// holding private copies of the source's changed pages (0: never).
+    /// holding private copies of the source's changed pages (0: never),
+    /// when those copies would hold at least as much as the file.
     pub fork_shared_ram_from: usize,
     /// What sandboxes may reach, beyond their own policies.
     pub network: crate::network::NetworkConfig,

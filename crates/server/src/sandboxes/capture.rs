@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
-use tine_vmm::SnapshotRef;
+use tine_vmm::{SnapshotInfo, SnapshotRef};
 
 use super::intent::Intent;
 use super::{agent, guest_env, limits, CreateRequest, Live, Manager, SandboxError, Source};
@@ -415,8 +415,7 @@ impl Manager {
             let _op = self.lock(id).await;
             self.capture_running(id, SnapshotKind::Fork, vec![]).await?
         };
-        let shared_from = self.config.fork_shared_ram_from;
-        if shared_from > 0 && count >= shared_from {
+        if share_fork_ram(self.config.fork_shared_ram_from, count, snapshot.info()) {
             snapshot = self.materialize(id, &row.id).await?;
         }
         let source = Source {
@@ -476,5 +475,52 @@ fn rec_machine(rec: &SandboxRecord) -> tine_vmm::Machine {
         vcpus: rec.cpu_count,
         memory_mib: rec.memory_mb,
         ..tine_vmm::Machine::default()
+    }
+}
+
+/// Whether the `count` children of a fork share one RAM file of their own
+/// (made for them) rather than each taking a private copy of the pages the
+/// capture's layers hold: when the fork is at least `shared_from` big (0:
+/// never) and the copies would hold at least as much memory as that file.
+/// A small fork of a sandbox that changed little is cheaper without it, in
+/// memory and in time (the file is a copy of the whole root RAM).
+pub(super) fn share_fork_ram(shared_from: usize, count: usize, info: &SnapshotInfo) -> bool {
+    let copies = (count as u64)
+        .saturating_mul(info.layer_pages)
+        .saturating_mul(PAGE_BYTES);
+    shared_from > 0 && count >= shared_from && copies >= info.root_ram_bytes
+}
+
+/// A guest page.
+const PAGE_BYTES: u64 = 4096;
+
+#[cfg(test)]
+mod share_tests {
+    use super::*;
+
+    fn info(layer_pages: u64, root_ram_bytes: u64) -> SnapshotInfo {
+        SnapshotInfo {
+            id: "f-1".into(),
+            machine: tine_vmm::Machine::default(),
+            layers: 1,
+            disk_size_mb: 1,
+            layer_pages,
+            root_ram_bytes,
+        }
+    }
+
+    #[test]
+    fn forks_share_a_ram_file_only_when_it_saves_memory() {
+        let root = 120 << 20; // bytes of the root RAM file
+        let changed = (20 << 20) / 4096; // 20 MiB of changed pages
+                                         // 4 × 20 MiB of copies < 120 MiB: each child takes its copy.
+        assert!(!share_fork_ram(2, 4, &info(changed, root)));
+        // 16 × 20 MiB > 120 MiB: one shared file.
+        assert!(share_fork_ram(2, 16, &info(changed, root)));
+        // Below the configured size, or with sharing off: never.
+        assert!(!share_fork_ram(32, 16, &info(changed, root)));
+        assert!(!share_fork_ram(0, 16, &info(changed, root)));
+        // Exactly as much either way: share (the copies would be per child).
+        assert!(share_fork_ram(2, 2, &info(root / 4096 / 2, root)));
     }
 }

@@ -114,8 +114,11 @@ def test_fork_children_share_state_and_diverge(fresh):
     s = fresh(timeout=600)
     s.files.write("/home/user/parent", "p")
     # In-memory state: a Python process holding a value, reachable over a pipe.
+    # It also holds 24 MiB of random bytes, so 16 children's private copies
+    # of the changed pages (16 × 24 MiB) would outweigh one RAM file of the
+    # 256 MiB guest: the fork shares one (`share_fork_ram`).
     s.commands.run(
-        "python3 -c 'import time,os; v=os.urandom(4).hex(); open(\"/tmp/held\",\"w\").write(v); time.sleep(3600)'",
+        "python3 -c 'import time,os; b=os.urandom(24<<20); v=os.urandom(4).hex(); open(\"/tmp/held\",\"w\").write(v); time.sleep(3600)'",
         background=True,
         timeout=0,
     )

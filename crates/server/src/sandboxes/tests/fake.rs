@@ -153,6 +153,8 @@ impl FakeDriver {
             machine,
             layers,
             disk_size_mb: 1,
+            layer_pages: 0,
+            root_ram_bytes: 0,
         };
         self.state
             .lock()
