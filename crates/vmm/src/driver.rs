@@ -79,9 +79,9 @@ pub struct SnapshotInfo {
     pub layers: usize,
     /// Size of the root filesystem image it runs on.
     pub disk_size_mb: u32,
-    /// Guest pages its RAM layers hold over the root (written into every
-    /// VM restored from it, each its own private copy).
-    pub layer_pages: u64,
+    /// Bytes of guest pages its RAM layers hold over the root (written
+    /// into every VM restored from it, each its own private copy).
+    pub layer_bytes: u64,
     /// Bytes its root RAM file holds on disk (its holes left out).
     pub root_ram_bytes: u64,
 }

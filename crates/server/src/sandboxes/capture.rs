@@ -485,26 +485,21 @@ fn rec_machine(rec: &SandboxRecord) -> tine_vmm::Machine {
 /// A small fork of a sandbox that changed little is cheaper without it, in
 /// memory and in time (the file is a copy of the whole root RAM).
 pub(super) fn share_fork_ram(shared_from: usize, count: usize, info: &SnapshotInfo) -> bool {
-    let copies = (count as u64)
-        .saturating_mul(info.layer_pages)
-        .saturating_mul(PAGE_BYTES);
+    let copies = (count as u64).saturating_mul(info.layer_bytes);
     shared_from > 0 && count >= shared_from && copies >= info.root_ram_bytes
 }
-
-/// A guest page.
-const PAGE_BYTES: u64 = 4096;
 
 #[cfg(test)]
 mod share_tests {
     use super::*;
 
-    fn info(layer_pages: u64, root_ram_bytes: u64) -> SnapshotInfo {
+    fn info(layer_bytes: u64, root_ram_bytes: u64) -> SnapshotInfo {
         SnapshotInfo {
             id: "f-1".into(),
             machine: tine_vmm::Machine::default(),
             layers: 1,
             disk_size_mb: 1,
-            layer_pages,
+            layer_bytes,
             root_ram_bytes,
         }
     }
@@ -512,8 +507,8 @@ mod share_tests {
     #[test]
     fn forks_share_a_ram_file_only_when_it_saves_memory() {
         let root = 120 << 20; // bytes of the root RAM file
-        let changed = (20 << 20) / 4096; // 20 MiB of changed pages
-                                         // 4 × 20 MiB of copies < 120 MiB: each child takes its copy.
+        let changed = 20 << 20; // bytes of changed pages
+                                // 4 × 20 MiB of copies < 120 MiB: each child takes its copy.
         assert!(!share_fork_ram(2, 4, &info(changed, root)));
         // 16 × 20 MiB > 120 MiB: one shared file.
         assert!(share_fork_ram(2, 16, &info(changed, root)));
@@ -521,6 +516,6 @@ mod share_tests {
         assert!(!share_fork_ram(32, 16, &info(changed, root)));
         assert!(!share_fork_ram(0, 16, &info(changed, root)));
         // Exactly as much either way: share (the copies would be per child).
-        assert!(share_fork_ram(2, 2, &info(root / 4096 / 2, root)));
+        assert!(share_fork_ram(2, 2, &info(root / 2, root)));
     }
 }

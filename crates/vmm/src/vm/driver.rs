@@ -63,7 +63,7 @@ fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
         machine: snapshot.meta.machine,
         layers: snapshot.layers.len(),
         disk_size_mb,
-        layer_pages: snapshot.ram_chain().page_count() as u64,
+        layer_bytes: (snapshot.ram_chain().page_count() * crate::ram::layer::PAGE) as u64,
         root_ram_bytes: {
             use std::os::unix::fs::MetadataExt;
             std::fs::metadata(&snapshot.ram).map_or(0, |m| m.blocks() * 512)

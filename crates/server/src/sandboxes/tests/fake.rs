@@ -153,7 +153,7 @@ impl FakeDriver {
             machine,
             layers,
             disk_size_mb: 1,
-            layer_pages: 0,
+            layer_bytes: 0,
             root_ram_bytes: 0,
         };
         self.state
