@@ -68,7 +68,9 @@ def sdk_template(ctx, image, last="echo v1 > /tmp/last"):
         .run_cmd("id -un > /root/who-root")
         .set_user("user")
         .run_cmd(last)
-        .set_start_cmd("sh -c 'while true; do date +%s > /tmp/alive; sleep 1; done'",
+        # Written aside and renamed: a reader never sees the file emptied
+        # by the redirection before `date` has written to it.
+        .set_start_cmd("sh -c 'while true; do date +%s > /tmp/alive.t && mv /tmp/alive.t /tmp/alive; sleep 1; done'",
                        wait_for_file("/tmp/alive"))
     )
 
