@@ -77,6 +77,15 @@ impl GuestRam {
         ))
     }
 
+    pub fn pid(&self) -> i32 {
+        self.pid.as_raw()
+    }
+
+    /// Where the RAM is mapped in its process: (address, bytes).
+    pub fn range(&self) -> (u64, u64) {
+        (self.base, self.len)
+    }
+
     pub fn pages(&self) -> u64 {
         self.len / PAGE as u64
     }

@@ -14,6 +14,7 @@
 
 pub mod guest_ram;
 pub mod layer;
+pub mod tracker;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -23,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 pub use guest_ram::GuestRam;
 use layer::{Layer, LayerWriter, PageData, PAGE};
+pub use tracker::WriteTracker;
 
 /// Consecutive pages moved per system call.
 const RUN: usize = 256;

@@ -1,0 +1,405 @@
+//! Which guest pages were written since the last capture, without reading
+//! every private page: userfaultfd write-protection in asynchronous mode
+//! (`UFFD_FEATURE_WP_ASYNC`, Linux 6.7) read back with `PAGEMAP_SCAN`.
+//!
+//! A userfaultfd acts on the address space of the process that created
+//! it, so QEMU must make it: clones' QEMUs preload a small shim
+//! (`shim/uffd.c`, embedded here and written to the data directory) whose
+//! constructor creates one and leaves it open. tine takes a copy with
+//! `pidfd_getfd`, negotiates the asynchronous mode, registers the guest RAM
+//! mapping and write-protects all of it. From then on the kernel clears a
+//! page's protection on its first write (QEMU's own stores under TCG, a
+//! KVM fault, a device's DMA into guest RAM alike) without waking anyone,
+//! and one `PAGEMAP_SCAN` of the stopped VM returns exactly the pages
+//! written since the last scan and protects them again, atomically.
+//!
+//! The one rule callers keep: the protection is armed only when the VM's
+//! RAM equals the snapshot it will be captured over (right after a
+//! restore has written its layers, and at each capture while the VM is
+//! stopped). A capture that fails after its scan must [`disarm`] it, and
+//! the next capture compares every private page as without tracking.
+//!
+//! [`disarm`]: WriteTracker::disarm
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::layer::PAGE;
+use super::GuestRam;
+
+/// The shim, built by `build.rs`.
+static SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tine-uffd.so"));
+
+const UFFD_API: u64 = 0xAA;
+const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
+const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
+const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
+
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioWriteprotect {
+    range: UffdioRange,
+    mode: u64,
+}
+
+/// `struct pm_scan_arg` (linux/fs.h).
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `struct page_region` (linux/fs.h).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+const UFFDIO_API: libc::c_ulong =
+    nix::request_code_readwrite!(0xAA, 0x3F, std::mem::size_of::<UffdioApi>()) as _;
+const UFFDIO_REGISTER: libc::c_ulong =
+    nix::request_code_readwrite!(0xAA, 0x00, std::mem::size_of::<UffdioRegister>()) as _;
+const UFFDIO_WRITEPROTECT: libc::c_ulong =
+    nix::request_code_readwrite!(0xAA, 0x06, std::mem::size_of::<UffdioWriteprotect>()) as _;
+const PAGEMAP_SCAN: libc::c_ulong =
+    nix::request_code_readwrite!(b'f', 16, std::mem::size_of::<PmScanArg>()) as _;
+
+/// Regions asked for per `PAGEMAP_SCAN` call.
+const REGIONS: usize = 4096;
+
+/// Write the shim into `dir` (once per build of it) and return its path.
+/// It is read-only for everyone, so every jail may map it.
+pub fn install_shim(dir: &Path) -> io::Result<PathBuf> {
+    let sum = crc32fast::hash(SHIM);
+    let path = dir.join(format!("tine-uffd-{sum:08x}.so"));
+    if std::fs::read(&path).is_ok_and(|have| have == SHIM) {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tine-uffd-{sum:08x}.{}", std::process::id()));
+    std::fs::write(&tmp, SHIM)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+/// Tracks the writes to one QEMU's guest RAM.
+#[derive(Debug)]
+pub struct WriteTracker {
+    uffd: OwnedFd,
+    pagemap: File,
+    base: u64,
+    len: u64,
+    armed: AtomicBool,
+}
+
+fn ioctl<T>(fd: &impl AsRawFd, request: libc::c_ulong, arg: &mut T) -> io::Result<libc::c_int> {
+    // SAFETY: `arg` is the `#[repr(C)]` struct `request` is defined with
+    // (its size is encoded in the request number) and lives for the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// The descriptor number of the userfaultfd the shim left open in `pid`.
+fn find_uffd(pid: i32) -> io::Result<Option<i32>> {
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let entry = entry?;
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if target.as_os_str() == "anon_inode:[userfaultfd]" {
+            return Ok(entry.file_name().to_str().and_then(|n| n.parse().ok()));
+        }
+    }
+    Ok(None)
+}
+
+/// A copy of descriptor `fd` of process `pid` (`pidfd_getfd`, as root).
+fn take_fd(pid: i32, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain system calls with integer arguments; each returned
+    // descriptor is checked and owned exactly once.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
+        if pidfd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let pidfd = OwnedFd::from_raw_fd(pidfd as i32);
+        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0);
+        if got < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(got as i32))
+    }
+}
+
+impl WriteTracker {
+    /// Start tracking `ram`: `None` if its QEMU has no userfaultfd (started
+    /// without the shim), an error if the kernel refuses. Every page is
+    /// write-protected, so call it when the RAM equals the VM's parent.
+    pub fn attach(ram: &GuestRam) -> io::Result<Option<Self>> {
+        let pid = ram.pid();
+        let Some(fd) = find_uffd(pid)? else {
+            return Ok(None);
+        };
+        let uffd = take_fd(pid, fd)?;
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: UFFD_FEATURE_WP_ASYNC,
+            ioctls: 0,
+        };
+        ioctl(&uffd, UFFDIO_API, &mut api)
+            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_API (WP_ASYNC): {e}")))?;
+        let (base, len) = ram.range();
+        let mut reg = UffdioRegister {
+            range: UffdioRange { start: base, len },
+            mode: UFFDIO_REGISTER_MODE_WP,
+            ioctls: 0,
+        };
+        ioctl(&uffd, UFFDIO_REGISTER, &mut reg)
+            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_REGISTER: {e}")))?;
+        let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
+        let tracker = Self {
+            uffd,
+            pagemap,
+            base,
+            len,
+            armed: AtomicBool::new(false),
+        };
+        tracker.arm()?;
+        Ok(Some(tracker))
+    }
+
+    /// Write-protect every page: the VM's RAM is now its parent's.
+    pub fn arm(&self) -> io::Result<()> {
+        let mut wp = UffdioWriteprotect {
+            range: UffdioRange {
+                start: self.base,
+                len: self.len,
+            },
+            mode: UFFDIO_WRITEPROTECT_MODE_WP,
+        };
+        ioctl(&self.uffd, UFFDIO_WRITEPROTECT, &mut wp)
+            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_WRITEPROTECT: {e}")))?;
+        self.armed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether [`WriteTracker::written`] can be trusted.
+    pub fn armed(&self) -> bool {
+        self.armed.load(Ordering::Acquire)
+    }
+
+    /// Forget what was tracked (a capture failed after its scan).
+    pub fn disarm(&self) {
+        self.armed.store(false, Ordering::Release);
+    }
+
+    /// The pages (ascending, counted from the start of guest RAM) written
+    /// since the last scan or [`WriteTracker::arm`], protected again by the
+    /// same call. The VM must be stopped.
+    pub fn written(&self) -> io::Result<Vec<u64>> {
+        let mut regions = vec![PageRegion::default(); REGIONS];
+        let mut pages = Vec::new();
+        let end = self.base + self.len;
+        let mut start = self.base;
+        while start < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                start,
+                end,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: REGIONS as u64,
+                category_mask: PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_WRITTEN,
+                ..Default::default()
+            };
+            let n = ioctl(&self.pagemap, PAGEMAP_SCAN, &mut arg)
+                .map_err(|e| io::Error::new(e.kind(), format!("PAGEMAP_SCAN: {e}")))?;
+            for r in &regions[..n as usize] {
+                let first = (r.start - self.base) / PAGE as u64;
+                let last = (r.end - self.base) / PAGE as u64;
+                pages.extend(first..last);
+            }
+            if arg.walk_end <= start {
+                return Err(io::Error::other("PAGEMAP_SCAN made no progress"));
+            }
+            start = arg.walk_end;
+        }
+        Ok(pages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_numbers_match_the_kernel_headers() {
+        // The values <linux/userfaultfd.h> and <linux/fs.h> (6.7) define.
+        assert_eq!(UFFDIO_API, 0xc018_aa3f);
+        assert_eq!(UFFDIO_REGISTER, 0xc020_aa00);
+        assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
+        assert_eq!(PAGEMAP_SCAN, 0xc060_6610);
+        assert_eq!(std::mem::size_of::<PageRegion>(), 24);
+    }
+
+    #[test]
+    fn the_shim_is_installed_once_and_readable_by_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = install_shim(dir.path()).unwrap();
+        let b = install_shim(dir.path()).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(std::fs::read(&a).unwrap(), SHIM);
+        assert_eq!(&SHIM[..4], b"\x7fELF");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&a).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// A process that maps a file MAP_PRIVATE and touches pages on
+    /// request (`w N`: write page N, `r N`: read it).
+    struct Toucher {
+        child: std::process::Child,
+        out: std::io::BufReader<std::process::ChildStdout>,
+    }
+
+    impl Toucher {
+        fn start(file: &Path, len: usize, preload: Option<&Path>) -> Self {
+            use std::io::BufRead;
+            let script = "import mmap,sys\n\
+                f=open(sys.argv[1],'r+b')\n\
+                m=mmap.mmap(f.fileno(),int(sys.argv[2]),flags=mmap.MAP_PRIVATE,prot=mmap.PROT_READ|mmap.PROT_WRITE)\n\
+                print('ready',flush=True)\n\
+                for line in sys.stdin:\n    \
+                    op,p=line.split();a=int(p)*4096\n    \
+                    if op=='w': m[a]=(m[a]+1)%256\n    \
+                    else: m[a]\n    \
+                    print('ok',flush=True)\n";
+            let mut cmd = std::process::Command::new("python3");
+            cmd.args(["-c", script])
+                .arg(file)
+                .arg(len.to_string())
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped());
+            if let Some(shim) = preload {
+                cmd.env("LD_PRELOAD", shim);
+            }
+            let mut child = cmd.spawn().expect("python3 runs");
+            let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), "ready");
+            Self { child, out }
+        }
+
+        fn touch(&mut self, ops: &[(&str, u64)]) {
+            use std::io::{BufRead, Write};
+            let stdin = self.child.stdin.as_mut().unwrap();
+            for (op, page) in ops {
+                writeln!(stdin, "{op} {page}").unwrap();
+                stdin.flush().unwrap();
+                let mut line = String::new();
+                self.out.read_line(&mut line).unwrap();
+                assert_eq!(line.trim(), "ok");
+            }
+        }
+    }
+
+    impl Drop for Toucher {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// The shim in another process, the asynchronous write-protection and
+    /// the scan, end to end: exactly the written pages come back, a read
+    /// is not a write, and each scan starts a new interval.
+    #[test]
+    fn reports_exactly_the_pages_another_process_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ram");
+        let len = 64 * PAGE;
+        std::fs::write(&file, vec![5u8; len]).unwrap();
+        let shim = install_shim(dir.path()).unwrap();
+
+        let mut p = Toucher::start(&file, len, Some(&shim));
+        // Page 7 is private before tracking starts: it must not show up
+        // until written again.
+        p.touch(&[("w", 7), ("r", 9)]);
+        let ram = GuestRam::find(p.child.id() as i32, &file, len as u64).unwrap();
+        let t = WriteTracker::attach(&ram)
+            .expect("the kernel supports WP_ASYNC and PAGEMAP_SCAN")
+            .expect("the shim left a userfaultfd in the process");
+        assert!(t.armed());
+        assert_eq!(t.written().unwrap(), Vec::<u64>::new());
+        p.touch(&[("w", 3), ("r", 10), ("w", 40), ("w", 41), ("w", 63)]);
+        assert_eq!(t.written().unwrap(), vec![3, 40, 41, 63]);
+        assert_eq!(
+            t.written().unwrap(),
+            Vec::<u64>::new(),
+            "a scan protects again"
+        );
+        p.touch(&[("w", 3), ("w", 7), ("r", 40), ("w", 0)]);
+        assert_eq!(t.written().unwrap(), vec![0, 3, 7]);
+        // The writes landed (the mapping is still the process's own).
+        let mut page = vec![0u8; PAGE];
+        ram.read(3, &mut page).unwrap();
+        assert_eq!(page[0], 7);
+        t.disarm();
+        assert!(!t.armed());
+        t.arm().unwrap();
+        assert_eq!(t.written().unwrap(), Vec::<u64>::new());
+
+        // Without the shim there is nothing to track with.
+        let plain = Toucher::start(&file, len, None);
+        let ram = GuestRam::find(plain.child.id() as i32, &file, len as u64).unwrap();
+        assert!(WriteTracker::attach(&ram).unwrap().is_none());
+    }
+}
