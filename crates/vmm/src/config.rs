@@ -18,6 +18,14 @@ pub struct Paths {
     /// How VMs under these directories are confined.
     #[serde(default)]
     pub jail: crate::jail::JailConfig,
+    /// Track the pages clones write (see [`crate::ram::tracker`]) so a
+    /// capture reads only those; off: it compares every private page.
+    #[serde(default = "yes")]
+    pub track_writes: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn env_dir(var: &str, default: &str) -> PathBuf {
@@ -34,6 +42,8 @@ impl Paths {
             data_dir: env_dir("TINE_DATA_DIR", "/var/lib/tine"),
             shm_dir: env_dir("TINE_SHM_DIR", "/dev/shm/tine"),
             jail: crate::jail::JailConfig::from_env(),
+            track_writes: std::env::var("TINE_TRACK_WRITES")
+                .map_or(true, |v| v != "0" && v != "off"),
         }
     }
 
@@ -56,6 +66,10 @@ impl Paths {
     /// [`crate::disk::OverlayCache`]).
     pub fn overlay_cache_dir(&self) -> PathBuf {
         self.data_dir.join("overlay-cache")
+    }
+    /// Files tine writes for QEMU to load (the write-tracking shim).
+    pub fn lib_dir(&self) -> PathBuf {
+        self.data_dir.join("lib")
     }
     /// Frozen RAM of a snapshot lives with the snapshot on disk: a paused
     /// sandbox must not hold memory, and captures survive a host reboot.

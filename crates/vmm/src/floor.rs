@@ -164,6 +164,7 @@ async fn run(
         &dir.join("qemu.log"),
         None,
         None,
+        None,
     )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut qmp = loop {

@@ -28,7 +28,8 @@ pub struct QemuProcess {
 impl QemuProcess {
     /// Start `binary args` inside `netns`, its stdout and stderr going to
     /// `log`; jailed when `jail` is set ([`crate::jail`]). `keep_fd` (the
-    /// tap) is left open across exec.
+    /// tap) is left open across exec; `preload` is loaded into it
+    /// (`LD_PRELOAD`; the jail must bind it).
     pub fn spawn(
         binary: &str,
         args: &[String],
@@ -36,6 +37,7 @@ impl QemuProcess {
         log: &Path,
         jail: Option<std::sync::Arc<Prepared>>,
         keep_fd: Option<RawFd>,
+        preload: Option<&Path>,
     ) -> Result<Self> {
         let log_file = {
             use std::os::unix::fs::OpenOptionsExt;
@@ -57,6 +59,9 @@ impl QemuProcess {
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(log_err);
+        if let Some(lib) = preload {
+            cmd.env("LD_PRELOAD", lib);
+        }
         // SAFETY: the closure runs in the forked child before exec and only
         // makes async-signal-safe system calls (setsid, setns, fcntl, and
         // the jail's, see `Prepared::enter`) on data made before the fork.

@@ -174,6 +174,7 @@ mod tests {
             data_dir: tmp.path().into(),
             shm_dir: tmp.path().join("shm"),
             jail: Default::default(),
+            track_writes: true,
         };
         let disk = |id: &str| paths.snapshot_dir(id).join("disk.qcow2");
         // tpl <- kept (a row); tpl <- under-vm <- sealed (no meta: a capture

@@ -451,6 +451,7 @@ mod checksum_tests {
             data_dir: tmp.path().into(),
             shm_dir: tmp.path().join("shm"),
             jail: Default::default(),
+            track_writes: true,
         };
         make(&paths, "whole");
         Snapshot::open(&paths, "whole").unwrap();

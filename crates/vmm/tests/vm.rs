@@ -69,6 +69,7 @@ fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts, Reap) {
         data_dir: data.path().to_path_buf(),
         shm_dir: shm.path().to_path_buf(),
         jail: tine_vmm::JailConfig::from_env(),
+        track_writes: true,
     };
     let reap = Reap(data.path().to_path_buf());
     // Last in the tuple, so it is dropped first, before the dirs go.
@@ -254,6 +255,29 @@ async fn boot_snapshot_clone_kill() {
     assert_eq!(sh(&grandchild, "cat /root/mine").await.0, "clone0");
     assert_eq!(sh(&grandchild, "sha256sum < /dev/shm/blob").await.0, blob);
     assert_eq!(sh(&grandchild, "pgrep -c -x sleep").await.0, "1");
+
+    // Clones track the pages they write, so a capture of one restored from
+    // a layer reads only what it wrote since; what it restores must still
+    // be the whole guest: the layer's pages (the blob), and the new ones.
+    assert!(grandchild.tracks_writes(), "the QEMU preloaded the shim");
+    let mut grandchild = grandchild;
+    let (small, _) = sh(
+        &grandchild,
+        "head -c 300000 /dev/urandom > /dev/shm/small && sha256sum < /dev/shm/small",
+    )
+    .await;
+    let gc_snap = grandchild
+        .snapshot(&uniq("gcsnap"))
+        .await
+        .expect("capture of a clone restored from a layer");
+    assert!(grandchild.tracks_writes(), "armed again after the capture");
+    let gcc = Vm::restore(&paths, &uniq("gcc"), &gc_snap, opts())
+        .await
+        .expect("restore");
+    assert_eq!(sh(&gcc, "sha256sum < /dev/shm/blob").await.0, blob);
+    assert_eq!(sh(&gcc, "sha256sum < /dev/shm/small").await.0, small);
+    assert_eq!(sh(&gcc, "cat /root/mine").await.0, "clone0");
+    gcc.kill().await.unwrap();
 
     // A second capture right after holds only what changed since the first.
     let snap3_id = uniq("snap3");
@@ -641,6 +665,7 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
         data_dir: data.clone(),
         shm_dir: shm.path().to_path_buf(),
         jail: tine_vmm::JailConfig::from_env(),
+        track_writes: true,
     };
     let _reap = Reap(data.clone());
 

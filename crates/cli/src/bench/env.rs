@@ -30,6 +30,7 @@ pub fn own_paths(base: &Paths) -> Paths {
         data_dir: base.data_dir.join("bench"),
         shm_dir: PathBuf::from(format!("{}-bench", base.shm_dir.display())),
         jail: base.jail.clone(),
+        track_writes: base.track_writes,
     }
 }
 
@@ -40,6 +41,7 @@ pub fn floor_paths(base: &Paths) -> Paths {
         data_dir: base.data_dir.join("bench-floor"),
         shm_dir: PathBuf::from(format!("{}-bench-floor", base.shm_dir.display())),
         jail: base.jail.clone(),
+        track_writes: base.track_writes,
     }
 }
 

@@ -88,6 +88,7 @@ fn host(ctx: &Ctx, root: &Path, name: &str) -> anyhow::Result<Paths> {
         data_dir: root.join(name),
         shm_dir: PathBuf::from(format!("{}-p8-{name}", ctx.paths.shm_dir.display())),
         jail: ctx.paths.jail.clone(),
+        track_writes: ctx.paths.track_writes,
     };
     let _ = std::fs::remove_dir_all(&paths.data_dir);
     link_artifacts(&Paths::from_env(), &paths)?;

@@ -23,7 +23,7 @@ use crate::blocking;
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
-use crate::ram::{self, layer::PAGE, Chain, Current, GuestRam};
+use crate::ram::{self, layer::PAGE, Chain, Current, GuestRam, WriteTracker};
 use crate::snapshot::{Snapshot, LAYER_FILE};
 
 /// Most bytes of changed pages a capture copies out of a VM to let it run
@@ -140,6 +140,11 @@ impl Vm {
         let generation = self.record.disk_generation;
         let captured = self.capture_into(snap_id, &snap_dir, after).await;
         if captured.is_err() {
+            // Its scan may have protected pages again that this capture
+            // then did not record: the next one compares every page.
+            if let Some(tracker) = &self.tracker {
+                tracker.disarm();
+            }
             if self.record.disk_generation == generation {
                 let _ = Snapshot::delete(&self.paths, snap_id);
                 let _ = std::fs::remove_file(self.files().disk_generation(generation + 1));
@@ -292,11 +297,20 @@ impl Vm {
         let root = self.record.ram.clone();
         let bytes = u64::from(self.record.machine.memory_mib) << 20;
         let out = dir.join(format!("{LAYER_FILE}.partial"));
+        let tracker = self.tracker.clone();
+        let id = self.id().to_string();
         blocking(move || {
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
-            let candidates =
-                ram::candidates(&ram, &chain).ctx(|| format!("scanning QEMU {pid}'s RAM"))?;
+            let t = Instant::now();
+            let candidates = candidates(&ram, &chain, tracker.as_deref(), &id)?;
+            tracing::debug!(
+                vm = %id,
+                pages = candidates.len(),
+                tracked = tracker.as_ref().is_some_and(|t| t.armed()),
+                scan_ms = t.elapsed().as_secs_f64() * 1e3,
+                "RAM scanned"
+            );
             let copy = if after == After::Continue && candidates.len() * PAGE <= COPY_LIMIT {
                 Some(
                     ram::copy_out(&ram, &candidates)
@@ -414,6 +428,36 @@ impl Vm {
         }
         self.state = VmState::Stopped;
     }
+}
+
+/// The pages of a stopped clone its capture must look at: those written
+/// since its last capture if its writes are tracked, else every private
+/// page and the parent chain's. Either way the tracking is armed again
+/// (the VM's RAM is now what this capture records).
+fn candidates(
+    ram: &GuestRam,
+    chain: &Chain,
+    tracker: Option<&WriteTracker>,
+    id: &str,
+) -> Result<Vec<u64>> {
+    let pid = ram.pid();
+    if let Some(t) = tracker.filter(|t| t.armed()) {
+        match t.written() {
+            Ok(pages) => return Ok(pages),
+            Err(e) => {
+                t.disarm();
+                tracing::warn!(vm = id, "write tracking failed; comparing every page: {e}");
+            }
+        }
+    }
+    let pages = ram::candidates(ram, chain).ctx(|| format!("scanning QEMU {pid}'s RAM"))?;
+    if let Some(t) = tracker {
+        if let Err(e) = t.arm() {
+            t.disarm();
+            tracing::warn!(vm = id, "write tracking not re-armed: {e}");
+        }
+    }
+    Ok(pages)
 }
 
 /// Move a booted VM's RAM file `ram` (its QEMU has exited) into snapshot

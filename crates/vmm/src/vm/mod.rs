@@ -27,6 +27,7 @@ use crate::netns::Netns;
 use crate::process::QemuProcess;
 use crate::qemu::{self, Launch};
 use crate::qmp::Qmp;
+use crate::ram::{GuestRam, WriteTracker};
 use crate::snapshot::Snapshot;
 
 /// How long a cold boot may take until the agent answers (TCG: 2–3 s).
@@ -117,6 +118,9 @@ pub struct Vm {
     last_stop: Option<Duration>,
     /// Tells when the guest is ready after a (re)start.
     probe: Probe,
+    /// The pages the guest wrote since its last capture (clones whose QEMU
+    /// this process started, with `track_writes`).
+    tracker: Option<std::sync::Arc<crate::ram::WriteTracker>>,
     /// Copies the guest's console into its capped log.
     _console: console::ConsoleReader,
 }
@@ -297,6 +301,11 @@ impl Vm {
         self.state
     }
     /// How long the vCPUs stood still during the last in-place capture.
+    /// Whether its next capture reads only the pages written since the
+    /// last one ([`crate::ram::tracker`]).
+    pub fn tracks_writes(&self) -> bool {
+        self.tracker.as_ref().is_some_and(|t| t.armed())
+    }
     pub fn last_capture_stop(&self) -> Option<Duration> {
         self.last_stop
     }
@@ -542,6 +551,10 @@ impl Vm {
             vm.process.kill().await;
             return Err(e);
         }
+        // Its RAM is now exactly the snapshot's: what it writes from here
+        // on is what its next capture must look at.
+        vm.start_tracking().await;
+        let t_layers = t.elapsed();
         let state = snapshot.state_path();
         let loaded = async {
             vm.qmp
@@ -570,7 +583,9 @@ impl Vm {
             vm = id,
             overlay_ms = t_overlay.as_secs_f64() * 1e3,
             qemu_qmp_ms = (t_qmp - t_overlay).as_secs_f64() * 1e3,
-            migrate_ms = (t.elapsed() - t_qmp).as_secs_f64() * 1e3,
+            layers_and_tracking_ms = (t_layers - t_qmp).as_secs_f64() * 1e3,
+            migrate_ms = (t.elapsed() - t_layers).as_secs_f64() * 1e3,
+            tracked = vm.tracker.is_some(),
             "clone loaded"
         );
         Ok(vm)
@@ -595,6 +610,34 @@ impl Vm {
         Ok(())
     }
 
+    /// Start tracking the writes of a clone that has not run yet; without
+    /// the shim's userfaultfd (or if the kernel refuses), its captures
+    /// compare every private page instead.
+    async fn start_tracking(&mut self) {
+        if self.record.ram_shared || !self.paths.track_writes {
+            return;
+        }
+        let pid = self.pid();
+        let root = self.record.ram.clone();
+        let bytes = u64::from(self.record.machine.memory_mib) << 20;
+        let attached = crate::blocking(move || {
+            let ram = GuestRam::find(pid, &root, bytes)
+                .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
+            WriteTracker::attach(&ram).ctx(|| format!("tracking the writes of QEMU {pid}"))
+        })
+        .await;
+        match attached {
+            Ok(Some(tracker)) => self.tracker = Some(std::sync::Arc::new(tracker)),
+            Ok(None) => {
+                tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking")
+            }
+            Err(e) => tracing::warn!(
+                vm = self.id(),
+                "no write tracking; captures compare every page: {e}"
+            ),
+        }
+    }
+
     fn save_record(&self) -> Result<()> {
         save_record(&self.files(), &self.record)
     }
@@ -614,6 +657,7 @@ impl Vm {
         let _ = std::fs::remove_file(files.console_socket());
         let binary = resolve_binary(&qemu::binary());
         let t = Instant::now();
+        let preload = tracking_shim(paths, &record);
         let jail = if paths.jail.enabled {
             Some(std::sync::Arc::new(prepare_jail(
                 paths,
@@ -621,6 +665,7 @@ impl Vm {
                 &mut record,
                 origin,
                 &binary,
+                preload.as_deref(),
             )?))
         } else {
             None
@@ -642,6 +687,7 @@ impl Vm {
             &files.qemu_log(),
             jail.clone(),
             Some(tap.as_raw_fd()),
+            preload.as_deref(),
         )?;
         drop(tap);
         record.pid = process.pid();
@@ -687,6 +733,7 @@ impl Vm {
             state: VmState::Paused,
             last_stop: None,
             probe,
+            tracker: None,
             _console: console,
         })
     }
@@ -829,6 +876,7 @@ impl Vm {
             state,
             last_stop: None,
             probe,
+            tracker: None,
             _console: console,
         };
         vm.reconcile_disk().await?;
@@ -942,6 +990,7 @@ fn prepare_jail(
     record: &mut VmRecord,
     origin: Origin<'_>,
     binary: &Path,
+    preload: Option<&Path>,
 ) -> Result<crate::jail::Prepared> {
     use crate::jail;
     let cfg = &paths.jail;
@@ -976,6 +1025,7 @@ fn prepare_jail(
     if let Origin::Restore(s) = origin {
         ro.push(s.state_path());
     }
+    ro.extend(preload.map(Path::to_path_buf));
     let binary = std::fs::canonicalize(binary)
         .ok()
         .filter(|b| !b.starts_with("/usr"));
@@ -994,6 +1044,24 @@ fn prepare_jail(
         &record.machine,
         &needs,
     )
+}
+
+/// The shim a clone's QEMU preloads so its writes can be tracked
+/// ([`crate::ram::tracker`]); `None` for booted VMs (their capture is the
+/// whole RAM file), with `track_writes` off, or if it cannot be written
+/// (the clone then runs without tracking).
+fn tracking_shim(paths: &Paths, record: &VmRecord) -> Option<PathBuf> {
+    if record.ram_shared || !paths.track_writes {
+        return None;
+    }
+    crate::ram::tracker::install_shim(&paths.lib_dir())
+        .inspect_err(|e| {
+            tracing::warn!(
+                dir = %paths.lib_dir().display(),
+                "cannot write the write-tracking shim; captures compare every page: {e}"
+            )
+        })
+        .ok()
 }
 
 fn save_record(files: &VmFiles, record: &VmRecord) -> Result<()> {
