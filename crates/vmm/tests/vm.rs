@@ -406,13 +406,27 @@ async fn boot_snapshot_clone_kill() {
     assert_eq!(adopted.record().disk_over, want.disk_over);
     assert_eq!(adopted.state(), VmState::Running);
     assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
+    // What it wrote under the old controller is unknown to this one: its
+    // first capture compares every page, then tracks again.
+    assert!(!adopted.tracks_writes());
     // And it captures on from the right overlay.
     let next_id = uniq("after-adopt");
     adopted
         .snapshot(&next_id)
         .await
         .expect("capture after adoption");
+    assert!(adopted.tracks_writes(), "armed by its first capture");
     assert_eq!(sh(&adopted, "cat /root/mine").await.0, "clone1");
+    sh(&adopted, "echo adopted > /root/mine").await;
+    let after_adopt = adopted
+        .snapshot(&uniq("after-adopt2"))
+        .await
+        .expect("tracked capture after adoption");
+    let back = Vm::restore(&paths, &uniq("back"), &after_adopt, opts())
+        .await
+        .expect("restore");
+    assert_eq!(sh(&back, "cat /root/mine").await.0, "adopted");
+    back.kill().await.unwrap();
     clones.push(adopted);
 
     let mut ids: Vec<String> = clones.iter().map(|v| v.id().to_string()).collect();

@@ -181,6 +181,22 @@ impl WriteTracker {
     /// without the shim), an error if the kernel refuses. Every page is
     /// write-protected, so call it when the RAM equals the VM's parent.
     pub fn attach(ram: &GuestRam) -> io::Result<Option<Self>> {
+        let Some(tracker) = Self::open(ram, false)? else {
+            return Ok(None);
+        };
+        tracker.arm()?;
+        Ok(Some(tracker))
+    }
+
+    /// Take over the tracking another tine process set up in `ram`'s QEMU
+    /// (a VM adopted after a restart). What was written before is unknown,
+    /// so it starts disarmed: the next capture compares every page and
+    /// arms it.
+    pub fn reattach(ram: &GuestRam) -> io::Result<Option<Self>> {
+        Self::open(ram, true)
+    }
+
+    fn open(ram: &GuestRam, again: bool) -> io::Result<Option<Self>> {
         let pid = ram.pid();
         let Some(fd) = find_uffd(pid)? else {
             return Ok(None);
@@ -191,8 +207,17 @@ impl WriteTracker {
             features: UFFD_FEATURE_WP_ASYNC,
             ioctls: 0,
         };
-        ioctl(&uffd, UFFDIO_API, &mut api)
-            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_API (WP_ASYNC): {e}")))?;
+        match ioctl(&uffd, UFFDIO_API, &mut api) {
+            Ok(_) => {}
+            // Negotiated once, by the process that attached first.
+            Err(e) if again && e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("UFFDIO_API (WP_ASYNC): {e}"),
+                ))
+            }
+        }
         let (base, len) = ram.range();
         let mut reg = UffdioRegister {
             range: UffdioRange { start: base, len },
@@ -202,15 +227,13 @@ impl WriteTracker {
         ioctl(&uffd, UFFDIO_REGISTER, &mut reg)
             .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_REGISTER: {e}")))?;
         let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
-        let tracker = Self {
+        Ok(Some(Self {
             uffd,
             pagemap,
             base,
             len,
             armed: AtomicBool::new(false),
-        };
-        tracker.arm()?;
-        Ok(Some(tracker))
+        }))
     }
 
     /// Write-protect every page: the VM's RAM is now its parent's.
@@ -396,6 +419,15 @@ mod tests {
         assert!(!t.armed());
         t.arm().unwrap();
         assert_eq!(t.written().unwrap(), Vec::<u64>::new());
+
+        // Another tracker of the same process (a restarted tine) starts
+        // disarmed, and once armed sees the same writes.
+        drop(t);
+        let again = WriteTracker::reattach(&ram).unwrap().expect("still there");
+        assert!(!again.armed());
+        again.arm().unwrap();
+        p.touch(&[("w", 12)]);
+        assert_eq!(again.written().unwrap(), vec![12]);
 
         // Without the shim there is nothing to track with.
         let plain = Toucher::start(&file, len, None);

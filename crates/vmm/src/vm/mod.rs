@@ -551,10 +551,11 @@ impl Vm {
             vm.process.kill().await;
             return Err(e);
         }
+        let t_layers = t.elapsed();
         // Its RAM is now exactly the snapshot's: what it writes from here
         // on is what its next capture must look at.
-        vm.start_tracking().await;
-        let t_layers = t.elapsed();
+        vm.tracker = vm.open_tracking(false).await;
+        let t_tracked = t.elapsed();
         let state = snapshot.state_path();
         let loaded = async {
             vm.qmp
@@ -583,8 +584,9 @@ impl Vm {
             vm = id,
             overlay_ms = t_overlay.as_secs_f64() * 1e3,
             qemu_qmp_ms = (t_qmp - t_overlay).as_secs_f64() * 1e3,
-            layers_and_tracking_ms = (t_layers - t_qmp).as_secs_f64() * 1e3,
-            migrate_ms = (t.elapsed() - t_layers).as_secs_f64() * 1e3,
+            layers_ms = (t_layers - t_qmp).as_secs_f64() * 1e3,
+            tracking_ms = (t_tracked - t_layers).as_secs_f64() * 1e3,
+            migrate_ms = (t.elapsed() - t_tracked).as_secs_f64() * 1e3,
             tracked = vm.tracker.is_some(),
             "clone loaded"
         );
@@ -610,31 +612,42 @@ impl Vm {
         Ok(())
     }
 
-    /// Start tracking the writes of a clone that has not run yet; without
-    /// the shim's userfaultfd (or if the kernel refuses), its captures
-    /// compare every private page instead.
-    async fn start_tracking(&mut self) {
+    /// Track the writes of this clone: one that has not run yet (its RAM
+    /// is its snapshot's, so tracking starts armed), or one `adopted` from
+    /// another tine process (disarmed until its next capture). Without the
+    /// shim's userfaultfd, or if the kernel refuses, its captures compare
+    /// every private page instead.
+    async fn open_tracking(&self, adopted: bool) -> Option<std::sync::Arc<WriteTracker>> {
         if self.record.ram_shared || !self.paths.track_writes {
-            return;
+            return None;
         }
         let pid = self.pid();
         let root = self.record.ram.clone();
         let bytes = u64::from(self.record.machine.memory_mib) << 20;
-        let attached = crate::blocking(move || {
+        let opened = crate::blocking(move || {
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
-            WriteTracker::attach(&ram).ctx(|| format!("tracking the writes of QEMU {pid}"))
+            let t = if adopted {
+                WriteTracker::reattach(&ram)
+            } else {
+                WriteTracker::attach(&ram)
+            };
+            t.ctx(|| format!("tracking the writes of QEMU {pid}"))
         })
         .await;
-        match attached {
-            Ok(Some(tracker)) => self.tracker = Some(std::sync::Arc::new(tracker)),
+        match opened {
+            Ok(Some(t)) => Some(std::sync::Arc::new(t)),
             Ok(None) => {
-                tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking")
+                tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking");
+                None
             }
-            Err(e) => tracing::warn!(
-                vm = self.id(),
-                "no write tracking; captures compare every page: {e}"
-            ),
+            Err(e) => {
+                tracing::warn!(
+                    vm = self.id(),
+                    "no write tracking; captures compare every page: {e}"
+                );
+                None
+            }
         }
     }
 
@@ -880,6 +893,7 @@ impl Vm {
             _console: console,
         };
         vm.reconcile_disk().await?;
+        vm.tracker = vm.open_tracking(true).await;
         Ok(vm)
     }
 
