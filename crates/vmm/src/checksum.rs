@@ -77,23 +77,42 @@ pub fn sparse_crc_of(f: &File) -> io::Result<u32> {
 /// file pass before (the open file's identity, not its path's: a file
 /// renamed over the path meanwhile is another one).
 pub fn once(file: &File, check: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
-    /// (device, inode, mtime s, mtime ns) of the files that passed.
-    type FileKey = (u64, u64, i64, i64);
-    static PASSED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
-    let m = file.metadata()?;
-    let key = (m.dev(), m.ino(), m.mtime(), m.mtime_nsec());
-    let passed =
-        |set: &mut Option<HashSet<FileKey>>| set.get_or_insert_with(HashSet::new).contains(&key);
-    if passed(&mut PASSED.lock().unwrap_or_else(|e| e.into_inner())) {
+    let key = file_key(file)?;
+    if PASSED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashSet::new)
+        .contains(&key)
+    {
         return Ok(());
     }
     check()?;
+    remember(key);
+    Ok(())
+}
+
+/// Count `file` as checked: this process has just written it and summed
+/// what it wrote (a RAM layer), so reading it back would check nothing.
+pub fn written(file: &File) -> io::Result<()> {
+    remember(file_key(file)?);
+    Ok(())
+}
+
+/// (device, inode, mtime s, mtime ns) of the files that passed.
+type FileKey = (u64, u64, i64, i64);
+static PASSED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
+
+fn file_key(file: &File) -> io::Result<FileKey> {
+    let m = file.metadata()?;
+    Ok((m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+}
+
+fn remember(key: FileKey) {
     PASSED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert_with(HashSet::new)
         .insert(key);
-    Ok(())
 }
 
 #[cfg(test)]
