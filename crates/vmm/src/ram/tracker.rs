@@ -103,6 +103,15 @@ const UFFDIO_WRITEPROTECT: libc::c_ulong =
 const PAGEMAP_SCAN: libc::c_ulong =
     nix::request_code_readwrite!(b'f', 16, std::mem::size_of::<PmScanArg>()) as _;
 
+/// Set once the kernel refused the asynchronous mode.
+static UNSUPPORTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether writes can be tracked on this host, as far as is known (false
+/// once the kernel has refused; tine then stops preloading the shim).
+pub fn supported() -> bool {
+    !UNSUPPORTED.load(Ordering::Relaxed)
+}
+
 /// Regions asked for per `PAGEMAP_SCAN` call.
 const REGIONS: usize = 4096;
 
@@ -211,6 +220,16 @@ impl WriteTracker {
             Ok(_) => {}
             // Negotiated once, by the process that attached first.
             Err(e) if again && e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                // The kernel does not know the feature (before 6.7): no
+                // VM of this host can be tracked.
+                UNSUPPORTED.store(true, Ordering::Relaxed);
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "this kernel has no asynchronous userfaultfd write-protection \
+                     (UFFD_FEATURE_WP_ASYNC, Linux 6.7)",
+                ));
+            }
             Err(e) => {
                 return Err(io::Error::new(
                     e.kind(),

@@ -618,7 +618,7 @@ impl Vm {
     /// shim's userfaultfd, or if the kernel refuses, its captures compare
     /// every private page instead.
     async fn open_tracking(&self, adopted: bool) -> Option<std::sync::Arc<WriteTracker>> {
-        if self.record.ram_shared || !self.paths.track_writes {
+        if self.record.ram_shared || !self.paths.track_writes || !crate::ram::tracker::supported() {
             return None;
         }
         let pid = self.pid();
@@ -639,6 +639,15 @@ impl Vm {
             Ok(Some(t)) => Some(std::sync::Arc::new(t)),
             Ok(None) => {
                 tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking");
+                None
+            }
+            Err(e) if !crate::ram::tracker::supported() => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(
+                        "no write tracking on this host; captures compare every private page: {e}"
+                    )
+                });
                 None
             }
             Err(e) => {
@@ -1065,7 +1074,7 @@ fn prepare_jail(
 /// whole RAM file), with `track_writes` off, or if it cannot be written
 /// (the clone then runs without tracking).
 fn tracking_shim(paths: &Paths, record: &VmRecord) -> Option<PathBuf> {
-    if record.ram_shared || !paths.track_writes {
+    if record.ram_shared || !paths.track_writes || !crate::ram::tracker::supported() {
         return None;
     }
     crate::ram::tracker::install_shim(&paths.lib_dir())
