@@ -7,7 +7,6 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::sync::Mutex;
@@ -35,7 +34,6 @@ pub fn sparse_crc(path: &Path) -> io::Result<u32> {
 
 /// [`sparse_crc`] of an open file.
 pub fn sparse_crc_of(f: &File) -> io::Result<u32> {
-    use nix::unistd::{lseek, Whence};
     const BLOCK: usize = 1 << 20;
     let len = f.metadata()?.len();
     let mut zero_block = crc32fast::Hasher::new();
@@ -50,17 +48,8 @@ pub fn sparse_crc_of(f: &File) -> io::Result<u32> {
     };
     let mut buf = vec![0u8; BLOCK];
     let mut pos = 0u64;
-    while pos < len {
-        let data = match lseek(f.as_fd(), pos as i64, Whence::SeekData) {
-            Ok(p) => p as u64,
-            Err(nix::errno::Errno::ENXIO) => len, // no data after pos
-            Err(e) => return Err(e.into()),
-        };
+    for (data, end) in crate::sparse::data_extents(f)? {
         zeros(&mut hasher, data - pos);
-        if data >= len {
-            break;
-        }
-        let end = (lseek(f.as_fd(), data as i64, Whence::SeekHole)? as u64).min(len);
         let mut at = data;
         while at < end {
             let n = ((end - at) as usize).min(BLOCK);
@@ -70,6 +59,7 @@ pub fn sparse_crc_of(f: &File) -> io::Result<u32> {
         }
         pos = end;
     }
+    zeros(&mut hasher, len - pos);
     Ok(hasher.finalize())
 }
 

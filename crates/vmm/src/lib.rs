@@ -33,6 +33,7 @@ mod qmp;
 pub mod ram;
 pub mod reclaim;
 pub mod snapshot;
+mod sparse;
 mod vm;
 
 pub use config::{Accel, Artifacts, Machine, Paths, RootDisk};

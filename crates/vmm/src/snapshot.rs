@@ -310,7 +310,6 @@ pub(crate) fn move_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
 /// Copy `from` to a new file `to`, writing only its data extents (not
 /// synced). Returns the bytes copied.
 pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
-    use nix::unistd::{lseek, Whence};
     use std::os::fd::AsFd;
     use std::os::unix::fs::FileExt;
     let src = std::fs::File::open(from)?;
@@ -318,21 +317,14 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
     let dst = std::fs::File::create(to)?;
     dst.set_len(len)?;
     let mut copied = 0u64;
-    let mut pos: i64 = 0;
     let mut buf = vec![0u8; 1 << 20];
-    while (pos as u64) < len {
-        let start = match lseek(src.as_fd(), pos, Whence::SeekData) {
-            Ok(p) => p,
-            Err(nix::errno::Errno::ENXIO) => break, // no data after pos
-            Err(e) => return Err(e.into()),
-        };
-        let end = lseek(src.as_fd(), start, Whence::SeekHole)?;
+    for (start, end) in crate::sparse::data_extents(&src)? {
         // In the kernel when it can; copy_file_range refuses to cross
         // filesystems (tmpfs to the data dir's): then through a buffer.
-        let mut off = start as u64;
-        while off < end as u64 {
+        let mut off = start;
+        while off < end {
             let (mut src_off, mut dst_off) = (off as i64, off as i64);
-            let want = (end as u64 - off) as usize;
+            let want = (end - off) as usize;
             match nix::fcntl::copy_file_range(
                 src.as_fd(),
                 Some(&mut src_off),
@@ -347,13 +339,12 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
                 }
                 _ => {}
             }
-            let n = ((end as u64 - off) as usize).min(buf.len());
+            let n = ((end - off) as usize).min(buf.len());
             src.read_exact_at(&mut buf[..n], off)?;
             dst.write_all_at(&buf[..n], off)?;
             off += n as u64;
             copied += n as u64;
         }
-        pos = end;
     }
     Ok(copied)
 }

@@ -32,6 +32,10 @@ const RUN: usize = 256;
 /// The RAM of a snapshot: its root file and its layers, root-first.
 pub struct Chain {
     root: File,
+    /// The page ranges `[start, end)` where the root holds data; the rest
+    /// of it is holes (pages its guest never touched), read as zeros
+    /// without asking the kernel.
+    root_data: Vec<(u64, u64)>,
     layers: Vec<Layer>,
     /// The topmost layer holding each page.
     top: BTreeMap<u64, (usize, PageData)>,
@@ -75,8 +79,13 @@ impl Chain {
             }
             opened.push(layer);
         }
+        let root_data = crate::sparse::data_extents(&root_file)?
+            .into_iter()
+            .map(|(start, end)| (start / PAGE as u64, end.div_ceil(PAGE as u64)))
+            .collect();
         Ok(Self {
             root: root_file,
+            root_data,
             layers: opened,
             top,
         })
@@ -101,8 +110,15 @@ impl Chain {
         match self.top.get(&page) {
             Some(&(_, PageData::Zero)) => None,
             Some(&(layer, PageData::At(at))) => Some((Some(layer), at)),
-            None => Some((None, page * PAGE as u64)),
+            None if self.root_holds(page) => Some((None, page * PAGE as u64)),
+            None => None,
         }
+    }
+
+    /// Whether the root file has data (not a hole) at `page`.
+    fn root_holds(&self, page: u64) -> bool {
+        let i = self.root_data.partition_point(|&(start, _)| start <= page);
+        i > 0 && page < self.root_data[i - 1].1
     }
 
     /// The contents of consecutive `pages` into `buf`, one read per stretch
@@ -432,6 +448,21 @@ mod tests {
         assert_eq!(chain.write_merged(&merged).unwrap(), (4, 3));
         let flat = Chain::open(&root, &[merged]).unwrap();
         assert_eq!(contents(&flat), want);
+
+        // A sparse root: its holes read as zeros, next to layered pages.
+        let sparse = dir.path().join("sparse");
+        let f = File::create(&sparse).unwrap();
+        f.set_len(16 * PAGE as u64).unwrap();
+        f.write_all_at(&vec![1u8; PAGE], 3 * PAGE as u64).unwrap();
+        f.write_all_at(&vec![1u8; PAGE], 9 * PAGE as u64).unwrap();
+        drop(f);
+        let chain = Chain::open(&sparse, &[a.clone(), b.clone()]).unwrap();
+        assert!(chain.root_holds(9) && !chain.root_holds(12) && !chain.root_holds(0));
+        let mut buf = vec![7u8; 16 * PAGE];
+        chain.read_run(&all, &mut buf).unwrap();
+        let firsts: Vec<u8> = buf.chunks(PAGE).map(|p| p[0]).collect();
+        assert_eq!(firsts, vec![0, 0, 2, 3, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0]);
+        assert!(buf.chunks(PAGE).all(|p| p.iter().all(|&b| b == p[0])));
 
         let small = dir.path().join("small");
         std::fs::write(&small, vec![1u8; 8 * PAGE]).unwrap();
