@@ -88,13 +88,20 @@ pub fn written(file: &File) -> io::Result<()> {
     Ok(())
 }
 
-/// (device, inode, mtime s, mtime ns) of the files that passed.
-type FileKey = (u64, u64, i64, i64);
+/// (device, inode, size, mtime, ctime) of the files that passed; the
+/// ctime (which no one can set) tells a new file on a reused inode.
+type FileKey = (u64, u64, u64, (i64, i64), (i64, i64));
 static PASSED: Mutex<Option<HashSet<FileKey>>> = Mutex::new(None);
 
 fn file_key(file: &File) -> io::Result<FileKey> {
     let m = file.metadata()?;
-    Ok((m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+    Ok((
+        m.dev(),
+        m.ino(),
+        m.size(),
+        (m.mtime(), m.mtime_nsec()),
+        (m.ctime(), m.ctime_nsec()),
+    ))
 }
 
 fn remember(key: FileKey) {

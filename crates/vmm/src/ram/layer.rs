@@ -232,7 +232,6 @@ impl LayerWriter {
         header.extend_from_slice(&index_at.to_le_bytes());
         header.extend_from_slice(&self.crc.finalize().to_le_bytes());
         file.write_all_at(&header, 0)?;
-        crate::checksum::written(&file)?;
         Ok((self.index.len() as u64, self.data_pages))
     }
 }

@@ -34,6 +34,7 @@ use super::GuestRam;
 static SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tine-uffd.so"));
 
 const UFFD_API: u64 = 0xAA;
+const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
@@ -103,13 +104,32 @@ const UFFDIO_WRITEPROTECT: libc::c_ulong =
 const PAGEMAP_SCAN: libc::c_ulong =
     nix::request_code_readwrite!(b'f', 16, std::mem::size_of::<PmScanArg>()) as _;
 
-/// Set once the kernel refused the asynchronous mode.
-static UNSUPPORTED: AtomicBool = AtomicBool::new(false);
-
-/// Whether writes can be tracked on this host, as far as is known (false
-/// once the kernel has refused; tine then stops preloading the shim).
+/// Whether this kernel has asynchronous write-protection, probed once
+/// with a userfaultfd of tine's own (a VM's failure is only that VM's).
 pub fn supported() -> bool {
-    !UNSUPPORTED.load(Ordering::Relaxed)
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        // SAFETY: a plain system call; the descriptor is checked and owned
+        // once.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_userfaultfd,
+                libc::O_CLOEXEC | libc::O_NONBLOCK | UFFD_USER_MODE_ONLY,
+            )
+        };
+        if fd < 0 {
+            return false;
+        }
+        // SAFETY: `fd` was just returned to us and nothing else owns it.
+        let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: UFFD_FEATURE_WP_ASYNC,
+            ioctls: 0,
+        };
+        // SAFETY: UFFDIO_API takes a `struct uffdio_api`.
+        unsafe { ioctl(&uffd, UFFDIO_API, &mut api) }.is_ok()
+    })
 }
 
 /// Regions asked for per `PAGEMAP_SCAN` call.
@@ -142,9 +162,17 @@ pub struct WriteTracker {
     armed: AtomicBool,
 }
 
-fn ioctl<T>(fd: &impl AsRawFd, request: libc::c_ulong, arg: &mut T) -> io::Result<libc::c_int> {
-    // SAFETY: `arg` is the `#[repr(C)]` struct `request` is defined with
-    // (its size is encoded in the request number) and lives for the call.
+/// `ioctl(fd, request, arg)`.
+///
+/// # Safety
+/// `T` must be the `#[repr(C)]` struct `request` is defined with, and any
+/// memory `arg` points the kernel at must be valid for the call.
+unsafe fn ioctl<T>(
+    fd: &impl AsRawFd,
+    request: libc::c_ulong,
+    arg: &mut T,
+) -> io::Result<libc::c_int> {
+    // SAFETY: the caller's promise above; `arg` lives for the call.
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -193,14 +221,17 @@ impl WriteTracker {
         let Some(tracker) = Self::open(ram, false)? else {
             return Ok(None);
         };
-        tracker.arm()?;
+        tracker.protect_all(true)?;
+        tracker.confirm();
         Ok(Some(tracker))
     }
 
     /// Take over the tracking another tine process set up in `ram`'s QEMU
     /// (a VM adopted after a restart). What was written before is unknown,
     /// so it starts disarmed: the next capture compares every page and
-    /// arms it.
+    /// arms it. Anything that drops pages of the mapping (MADV_DONTNEED,
+    /// as a balloon would) would silently undo writes without a trace
+    /// here: no such device is configured.
     pub fn reattach(ram: &GuestRam) -> io::Result<Option<Self>> {
         Self::open(ram, true)
     }
@@ -216,20 +247,11 @@ impl WriteTracker {
             features: UFFD_FEATURE_WP_ASYNC,
             ioctls: 0,
         };
-        match ioctl(&uffd, UFFDIO_API, &mut api) {
+        // SAFETY: UFFDIO_API takes a `struct uffdio_api`.
+        match unsafe { ioctl(&uffd, UFFDIO_API, &mut api) } {
             Ok(_) => {}
             // Negotiated once, by the process that attached first.
             Err(e) if again && e.raw_os_error() == Some(libc::EINVAL) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                // The kernel does not know the feature (before 6.7): no
-                // VM of this host can be tracked.
-                UNSUPPORTED.store(true, Ordering::Relaxed);
-                return Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "this kernel has no asynchronous userfaultfd write-protection \
-                     (UFFD_FEATURE_WP_ASYNC, Linux 6.7)",
-                ));
-            }
             Err(e) => {
                 return Err(io::Error::new(
                     e.kind(),
@@ -243,7 +265,8 @@ impl WriteTracker {
             mode: UFFDIO_REGISTER_MODE_WP,
             ioctls: 0,
         };
-        ioctl(&uffd, UFFDIO_REGISTER, &mut reg)
+        // SAFETY: UFFDIO_REGISTER takes a `struct uffdio_register`.
+        unsafe { ioctl(&uffd, UFFDIO_REGISTER, &mut reg) }
             .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_REGISTER: {e}")))?;
         let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
         Ok(Some(Self {
@@ -255,19 +278,27 @@ impl WriteTracker {
         }))
     }
 
-    /// Write-protect every page: the VM's RAM is now its parent's.
-    pub fn arm(&self) -> io::Result<()> {
+    /// Write-protect every page, or (`on` false) none. Protection alone
+    /// does not make [`WriteTracker::written`] trustworthy: see
+    /// [`WriteTracker::confirm`].
+    pub fn protect_all(&self, on: bool) -> io::Result<()> {
         let mut wp = UffdioWriteprotect {
             range: UffdioRange {
                 start: self.base,
                 len: self.len,
             },
-            mode: UFFDIO_WRITEPROTECT_MODE_WP,
+            mode: if on { UFFDIO_WRITEPROTECT_MODE_WP } else { 0 },
         };
-        ioctl(&self.uffd, UFFDIO_WRITEPROTECT, &mut wp)
+        // SAFETY: UFFDIO_WRITEPROTECT takes a `struct uffdio_writeprotect`.
+        unsafe { ioctl(&self.uffd, UFFDIO_WRITEPROTECT, &mut wp) }
             .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_WRITEPROTECT: {e}")))?;
-        self.armed.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// The protection now starts at the VM's parent: the capture whose scan
+    /// (or [`WriteTracker::protect_all`]) set it became the VM's parent.
+    pub fn confirm(&self) {
+        self.armed.store(true, Ordering::Release);
     }
 
     /// Whether [`WriteTracker::written`] can be trusted.
@@ -275,15 +306,18 @@ impl WriteTracker {
         self.armed.load(Ordering::Acquire)
     }
 
-    /// Forget what was tracked (a capture failed after its scan).
+    /// Forget what was tracked.
     pub fn disarm(&self) {
         self.armed.store(false, Ordering::Release);
     }
 
     /// The pages (ascending, counted from the start of guest RAM) written
-    /// since the last scan or [`WriteTracker::arm`], protected again by the
-    /// same call. The VM must be stopped.
+    /// since the last scan or [`WriteTracker::protect_all`], protected again
+    /// by the same call. The VM must be stopped. The tracker is disarmed
+    /// until [`WriteTracker::confirm`]: if the capture that called this does
+    /// not finish (fails, or is dropped), the next one compares every page.
     pub fn written(&self) -> io::Result<Vec<u64>> {
+        self.disarm();
         let mut regions = vec![PageRegion::default(); REGIONS];
         let mut pages = Vec::new();
         let end = self.base + self.len;
@@ -300,7 +334,10 @@ impl WriteTracker {
                 return_mask: PAGE_IS_WRITTEN,
                 ..Default::default()
             };
-            let n = ioctl(&self.pagemap, PAGEMAP_SCAN, &mut arg)
+            // SAFETY: PAGEMAP_SCAN takes a `struct pm_scan_arg`, and writes at
+            // most `vec_len` `struct page_region`s to `vec`: `regions` has
+            // that many and outlives the call.
+            let n = unsafe { ioctl(&self.pagemap, PAGEMAP_SCAN, &mut arg) }
                 .map_err(|e| io::Error::new(e.kind(), format!("PAGEMAP_SCAN: {e}")))?;
             for r in &regions[..n as usize] {
                 let first = (r.start - self.base) / PAGE as u64;
@@ -434,9 +471,9 @@ mod tests {
         let mut page = vec![0u8; PAGE];
         ram.read(3, &mut page).unwrap();
         assert_eq!(page[0], 7);
-        t.disarm();
-        assert!(!t.armed());
-        t.arm().unwrap();
+        assert!(!t.armed(), "a scan disarms until confirmed");
+        t.confirm();
+        t.protect_all(true).unwrap();
         assert_eq!(t.written().unwrap(), Vec::<u64>::new());
 
         // Another tracker of the same process (a restarted tine) starts
@@ -444,9 +481,15 @@ mod tests {
         drop(t);
         let again = WriteTracker::reattach(&ram).unwrap().expect("still there");
         assert!(!again.armed());
-        again.arm().unwrap();
+        again.protect_all(true).unwrap();
         p.touch(&[("w", 12)]);
         assert_eq!(again.written().unwrap(), vec![12]);
+        // Protected pages the process never wrote carry markers that the
+        // page map shows as swapped; without protection it shows exactly
+        // the private ones again (what a full compare relies on).
+        assert!(ram.private_pages().unwrap().len() > 20);
+        again.protect_all(false).unwrap();
+        assert_eq!(ram.private_pages().unwrap(), vec![0, 3, 7, 12, 40, 41, 63]);
 
         // Without the shim there is nothing to track with.
         let plain = Toucher::start(&file, len, None);

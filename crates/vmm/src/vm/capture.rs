@@ -38,6 +38,8 @@ struct RamCapture {
     candidates: Vec<u64>,
     copy: Option<Vec<u8>>,
     out: std::path::PathBuf,
+    /// The write protection was set from this capture.
+    rearmed: bool,
 }
 
 /// What happens to the VM after its capture.
@@ -196,11 +198,17 @@ impl Vm {
         }
         let t_stopped = t.elapsed();
         self.last_stop = Some(t_stopped);
+        let rearmed = ram.as_ref().is_some_and(|r| r.rearmed);
         let parent = match ram {
             Some(ram) => Some(self.finish_layer(ram, dir).await?),
             None => None,
         };
         let snapshot = self.write_meta(snap_id, dir, parent, disk_over, after)?;
+        if let (true, After::Continue, Some(tracker)) = (rearmed, after, &self.tracker) {
+            // This capture is now the VM's parent: what its scan protected
+            // again is what the next capture must look at.
+            tracker.confirm();
+        }
         // Its restore (a resume, a fork's children) will want an overlay
         // over its disk: make the blank one now, off that path.
         let cache = crate::disk::OverlayCache::new(self.paths.overlay_cache_dir());
@@ -303,11 +311,12 @@ impl Vm {
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
             let t = Instant::now();
-            let candidates = candidates(&ram, &chain, tracker.as_deref(), &id)?;
+            let tracked = tracker.as_deref().is_some_and(WriteTracker::armed);
+            let (candidates, rearmed) = candidates(&ram, &chain, tracker.as_deref(), &id)?;
             tracing::debug!(
                 vm = %id,
                 pages = candidates.len(),
-                tracked = tracker.as_ref().is_some_and(|t| t.armed()),
+                tracked,
                 scan_ms = t.elapsed().as_secs_f64() * 1e3,
                 "RAM scanned"
             );
@@ -328,6 +337,7 @@ impl Vm {
                 candidates,
                 copy,
                 out,
+                rearmed,
             })
         })
         .await
@@ -342,6 +352,7 @@ impl Vm {
             candidates,
             copy,
             out,
+            ..
         } = ram;
         if let Some(data) = copy {
             let path = out.clone();
@@ -356,7 +367,12 @@ impl Vm {
             .await?;
             tracing::debug!(vm = self.id(), pages, data, "RAM layer written");
         }
-        std::fs::rename(&out, dir.join(LAYER_FILE)).ctx(|| "finishing the RAM layer".into())?;
+        let layer = dir.join(LAYER_FILE);
+        std::fs::rename(&out, &layer).ctx(|| "finishing the RAM layer".into())?;
+        // Summed as it was written: its next open need not read it back.
+        std::fs::File::open(&layer)
+            .and_then(|f| crate::checksum::written(&f))
+            .ctx(|| format!("opening {}", layer.display()))?;
         Ok(parent)
     }
 
@@ -432,32 +448,41 @@ impl Vm {
 
 /// The pages of a stopped clone its capture must look at: those written
 /// since its last capture if its writes are tracked, else every private
-/// page and the parent chain's. Either way the tracking is armed again
-/// (the VM's RAM is now what this capture records).
+/// page and the parent chain's. Either way the protection is set again
+/// from this capture (the bool says so); the tracker trusts it only once
+/// the capture is the VM's parent ([`WriteTracker::confirm`]).
 fn candidates(
     ram: &GuestRam,
     chain: &Chain,
     tracker: Option<&WriteTracker>,
     id: &str,
-) -> Result<Vec<u64>> {
+) -> Result<(Vec<u64>, bool)> {
     let pid = ram.pid();
     if let Some(t) = tracker.filter(|t| t.armed()) {
         match t.written() {
-            Ok(pages) => return Ok(pages),
+            Ok(pages) => return Ok((pages, true)),
             Err(e) => {
-                t.disarm();
-                tracing::warn!(vm = id, "write tracking failed; comparing every page: {e}");
+                tracing::warn!(vm = id, "write tracking failed; comparing every page: {e}")
             }
         }
     }
-    let pages = ram::candidates(ram, chain).ctx(|| format!("scanning QEMU {pid}'s RAM"))?;
+    // Protected pages that were never written read as swapped in the page
+    // map: lift the protection so the page map tells the private ones.
     if let Some(t) = tracker {
-        if let Err(e) = t.arm() {
-            t.disarm();
-            tracing::warn!(vm = id, "write tracking not re-armed: {e}");
+        if let Err(e) = t.protect_all(false) {
+            tracing::warn!(vm = id, "write protection not lifted: {e}");
         }
     }
-    Ok(pages)
+    let pages = ram::candidates(ram, chain).ctx(|| format!("scanning QEMU {pid}'s RAM"))?;
+    let rearmed = match tracker.map(|t| t.protect_all(true)) {
+        Some(Ok(())) => true,
+        Some(Err(e)) => {
+            tracing::warn!(vm = id, "write tracking not re-armed: {e}");
+            false
+        }
+        None => false,
+    };
+    Ok((pages, rearmed))
 }
 
 /// Move a booted VM's RAM file `ram` (its QEMU has exited) into snapshot

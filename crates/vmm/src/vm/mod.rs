@@ -300,12 +300,12 @@ impl Vm {
     pub fn state(&self) -> VmState {
         self.state
     }
-    /// How long the vCPUs stood still during the last in-place capture.
     /// Whether its next capture reads only the pages written since the
     /// last one ([`crate::ram::tracker`]).
     pub fn tracks_writes(&self) -> bool {
         self.tracker.as_ref().is_some_and(|t| t.armed())
     }
+    /// How long the vCPUs stood still during the last in-place capture.
     pub fn last_capture_stop(&self) -> Option<Duration> {
         self.last_stop
     }
@@ -618,7 +618,8 @@ impl Vm {
     /// shim's userfaultfd, or if the kernel refuses, its captures compare
     /// every private page instead.
     async fn open_tracking(&self, adopted: bool) -> Option<std::sync::Arc<WriteTracker>> {
-        if self.record.ram_shared || !self.paths.track_writes || !crate::ram::tracker::supported() {
+        let keep = self.paths.track_writes;
+        if self.record.ram_shared || (!adopted && !keep) || !crate::ram::tracker::supported() {
             return None;
         }
         let pid = self.pid();
@@ -632,23 +633,24 @@ impl Vm {
             } else {
                 WriteTracker::attach(&ram)
             };
-            t.ctx(|| format!("tracking the writes of QEMU {pid}"))
+            let t = t.ctx(|| format!("tracking the writes of QEMU {pid}"))?;
+            match t {
+                // Adopted with tracking now off: lift the old protection,
+                // whose markers would read as swapped pages to the compare.
+                Some(t) if !keep => t
+                    .protect_all(false)
+                    .map(|()| None)
+                    .ctx(|| format!("lifting QEMU {pid}'s write protection")),
+                t => Ok(t),
+            }
         })
         .await;
         match opened {
-            Ok(Some(t)) => Some(std::sync::Arc::new(t)),
-            Ok(None) => {
-                tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking");
-                None
-            }
-            Err(e) if !crate::ram::tracker::supported() => {
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| {
-                    tracing::warn!(
-                        "no write tracking on this host; captures compare every private page: {e}"
-                    )
-                });
-                None
+            Ok(t) => {
+                if t.is_none() && keep {
+                    tracing::debug!(vm = self.id(), "QEMU has no userfaultfd: no write tracking");
+                }
+                t.map(std::sync::Arc::new)
             }
             Err(e) => {
                 tracing::warn!(
@@ -1074,7 +1076,18 @@ fn prepare_jail(
 /// whole RAM file), with `track_writes` off, or if it cannot be written
 /// (the clone then runs without tracking).
 fn tracking_shim(paths: &Paths, record: &VmRecord) -> Option<PathBuf> {
-    if record.ram_shared || !paths.track_writes || !crate::ram::tracker::supported() {
+    if record.ram_shared || !paths.track_writes {
+        return None;
+    }
+    if !crate::ram::tracker::supported() {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::warn!(
+                "no write tracking on this host: its kernel has no asynchronous userfaultfd \
+                 write-protection (UFFD_FEATURE_WP_ASYNC, Linux 6.7); captures compare every \
+                 private page"
+            )
+        });
         return None;
     }
     crate::ram::tracker::install_shim(&paths.lib_dir())
