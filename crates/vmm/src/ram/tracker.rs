@@ -484,12 +484,15 @@ mod tests {
         again.protect_all(true).unwrap();
         p.touch(&[("w", 12)]);
         assert_eq!(again.written().unwrap(), vec![12]);
-        // Protected pages the process never wrote carry markers that the
-        // page map shows as swapped; without protection it shows exactly
-        // the private ones again (what a full compare relies on).
-        assert!(ram.private_pages().unwrap().len() > 20);
+        // Protected pages the process never wrote may carry markers that
+        // the page map shows as swapped (how many depends on what the
+        // kernel had mapped); without protection it shows exactly the
+        // private ones again (what a full compare relies on).
+        let private = vec![0, 3, 7, 12, 40, 41, 63];
+        let marked = ram.private_pages().unwrap();
+        assert!(private.iter().all(|p| marked.contains(p)), "{marked:?}");
         again.protect_all(false).unwrap();
-        assert_eq!(ram.private_pages().unwrap(), vec![0, 3, 7, 12, 40, 41, 63]);
+        assert_eq!(ram.private_pages().unwrap(), private);
 
         // Without the shim there is nothing to track with.
         let plain = Toucher::start(&file, len, None);

@@ -141,12 +141,9 @@ impl Vm {
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
         let generation = self.record.disk_generation;
         let captured = self.capture_into(snap_id, &snap_dir, after).await;
+        // A failed capture leaves the write tracker disarmed (its scan
+        // disarmed it; only a finished capture confirms it).
         if captured.is_err() {
-            // Its scan may have protected pages again that this capture
-            // then did not record: the next one compares every page.
-            if let Some(tracker) = &self.tracker {
-                tracker.disarm();
-            }
             if self.record.disk_generation == generation {
                 let _ = Snapshot::delete(&self.paths, snap_id);
                 let _ = std::fs::remove_file(self.files().disk_generation(generation + 1));

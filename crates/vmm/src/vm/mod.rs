@@ -120,7 +120,7 @@ pub struct Vm {
     probe: Probe,
     /// The pages the guest wrote since its last capture (clones whose QEMU
     /// this process started, with `track_writes`).
-    tracker: Option<std::sync::Arc<crate::ram::WriteTracker>>,
+    tracker: Option<std::sync::Arc<WriteTracker>>,
     /// Copies the guest's console into its capped log.
     _console: console::ConsoleReader,
 }
