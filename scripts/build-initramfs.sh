@@ -24,9 +24,10 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# Block device, network, console, vsock and entropy over virtio-mmio, and the
+# Block device, network, console, vsock, entropy and the balloon (free page
+# reporting: the guest hands freed memory back) over virtio-mmio, and the
 # root filesystem. Their dependencies are added automatically.
-DEFAULT_MODULES="virtio_mmio virtio_blk virtio_net virtio_console vmw_vsock_virtio_transport virtio_rng ext4"
+DEFAULT_MODULES="virtio_mmio virtio_blk virtio_net virtio_console vmw_vsock_virtio_transport virtio_rng virtio_balloon ext4"
 MODULES="${TINE_INITRAMFS_MODULES:-$DEFAULT_MODULES}"
 
 [[ $# -eq 1 ]] || die "usage: $(basename "$0") AGENT_BINARY"

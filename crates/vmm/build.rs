@@ -1,5 +1,5 @@
-//! Builds the userfaultfd shim that clones' QEMUs preload (`shim/uffd.c`)
-//! as a shared object, embedded into the crate (`ram::tracker`). The `cc`
+//! Builds the shim that clones' QEMUs preload (`shim/tine-shim.c`)
+//! as a shared object, embedded into the crate (`shim.rs`). The `cc`
 //! crate finds the same C compiler Cargo links with, so this needs nothing
 //! a Rust build on Linux does not already have.
 
@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    let src = "shim/uffd.c";
+    let src = "shim/tine-shim.c";
     println!("cargo:rerun-if-changed={src}");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let so = out.join("tine-uffd.so");
+    let so = out.join("tine-shim.so");
     let compiler = cc::Build::new()
         .cargo_metadata(false)
         .opt_level(2)

@@ -22,10 +22,20 @@ pub struct Paths {
     /// capture reads only those; off: it compares every private page.
     #[serde(default = "yes")]
     pub track_writes: bool,
+    /// Give booted VMs a virtio-balloon with free page reporting, so
+    /// their guests hand freed pages back (clones keep their snapshot's
+    /// device set).
+    #[serde(default = "yes")]
+    pub balloon: bool,
 }
 
 fn yes() -> bool {
     true
+}
+
+/// A switch that is on unless the variable says `0` or `off`.
+fn env_switch(var: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v != "0" && v != "off")
 }
 
 fn env_dir(var: &str, default: &str) -> PathBuf {
@@ -42,8 +52,8 @@ impl Paths {
             data_dir: env_dir("TINE_DATA_DIR", "/var/lib/tine"),
             shm_dir: env_dir("TINE_SHM_DIR", "/dev/shm/tine"),
             jail: crate::jail::JailConfig::from_env(),
-            track_writes: std::env::var("TINE_TRACK_WRITES")
-                .map_or(true, |v| v != "0" && v != "off"),
+            track_writes: env_switch("TINE_TRACK_WRITES"),
+            balloon: env_switch("TINE_BALLOON"),
         }
     }
 

@@ -147,6 +147,10 @@ async fn run(
         disk_readonly: false,
         ram: snapshot.ram.clone(),
         ram_shared: false,
+        // The floor preloads nothing: its balloon's discards fail (QEMU
+        // logs them), which a run of a few seconds does not notice.
+        ram_guarded: false,
+        balloon: meta.balloon,
         qmp_socket: dir.join("qmp.sock"),
         console: qemu::Console::File(dir.join("console.log")),
         pidfile: dir.join("qemu.pid"),

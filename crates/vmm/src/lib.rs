@@ -32,6 +32,7 @@ mod qemu;
 mod qmp;
 pub mod ram;
 pub mod reclaim;
+pub mod shim;
 pub mod snapshot;
 mod sparse;
 mod vm;

@@ -29,7 +29,7 @@ impl QemuProcess {
     /// Start `binary args` inside `netns`, its stdout and stderr going to
     /// `log`; jailed when `jail` is set ([`crate::jail`]). `keep_fd` (the
     /// tap) is left open across exec; `preload` is loaded into it
-    /// (`LD_PRELOAD`; the jail must bind it).
+    /// (`LD_PRELOAD`; the jail must bind it, see [`crate::shim`]).
     pub fn spawn(
         binary: &str,
         args: &[String],
@@ -37,7 +37,7 @@ impl QemuProcess {
         log: &Path,
         jail: Option<std::sync::Arc<Prepared>>,
         keep_fd: Option<RawFd>,
-        preload: Option<&Path>,
+        preload: Option<&crate::shim::Preload>,
     ) -> Result<Self> {
         let log_file = {
             use std::os::unix::fs::OpenOptionsExt;
@@ -59,8 +59,8 @@ impl QemuProcess {
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(log_err);
-        if let Some(lib) = preload {
-            cmd.env("LD_PRELOAD", lib);
+        for (key, value) in preload.map(|p| p.env()).unwrap_or_default() {
+            cmd.env(key, value);
         }
         // SAFETY: the closure runs in the forked child before exec and only
         // makes async-signal-safe system calls (setsid, setns, fcntl, and

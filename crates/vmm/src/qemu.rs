@@ -24,6 +24,14 @@ pub struct Launch {
     /// `share=on` (a booting VM, whose RAM file can later be frozen) or
     /// `share=off` (a clone: MAP_PRIVATE over a frozen RAM file).
     pub ram_shared: bool,
+    /// A clone whose QEMU preloads the shim guarding its RAM file
+    /// ([`crate::shim`]): QEMU is told the file is writable so it discards
+    /// freed pages, and the shim opens it read-only.
+    pub ram_guarded: bool,
+    /// A virtio-balloon with free page reporting: the guest hands freed
+    /// pages back. Part of the device state, so a snapshot restores with
+    /// the device set it was taken with.
+    pub balloon: bool,
     pub qmp_socket: PathBuf,
     pub console: Console,
     pub pidfile: PathBuf,
@@ -128,11 +136,13 @@ pub fn args(l: &Launch) -> Vec<String> {
             m.memory_mib,
             p(&l.ram),
             // A clone opens the frozen file read-only (it is shared by
-            // every clone and not theirs to change) and maps it private.
-            if l.ram_shared {
-                "share=on"
-            } else {
-                "share=off,readonly=on,rom=off"
+            // every clone and not theirs to change) and maps it private;
+            // under the shim, QEMU asks for it writable and gets it
+            // read-only.
+            match (l.ram_shared, l.ram_guarded) {
+                (true, _) => "share=on",
+                (false, true) => "share=off",
+                (false, false) => "share=off,readonly=on,rom=off",
             }
         ),
         "-drive".into(),
@@ -154,6 +164,16 @@ pub fn args(l: &Launch) -> Vec<String> {
         "rng-random,id=rng0,filename=/dev/urandom".into(),
         "-device".into(),
         "virtio-rng-device,rng=rng0".into(),
+    ];
+    if l.balloon {
+        // Free pages are reported in 2 MiB blocks about 2 s after they are
+        // freed; QEMU discards them (see `shim/tine-shim.c` for clones).
+        a.extend([
+            "-device".into(),
+            "virtio-balloon-device,free-page-reporting=on".into(),
+        ]);
+    }
+    a.extend([
         "-chardev".into(),
         match &l.console {
             Console::File(f) => format!("file,id=console,path={},append=on", p(f)),
@@ -165,7 +185,7 @@ pub fn args(l: &Launch) -> Vec<String> {
         format!("unix:{},server=on,wait=off", p(&l.qmp_socket)),
         "-pidfile".into(),
         p(&l.pidfile),
-    ];
+    ]);
     if !l.incoming {
         // Only a boot reads the kernel: QEMU keeps `-kernel` and `-initrd`
         // in its heap for the firmware (fw_cfg), ≈ 14 MiB of private memory
@@ -219,6 +239,8 @@ mod tests {
             disk_readonly: false,
             ram: "/shm/ram".into(),
             ram_shared: shared,
+            ram_guarded: false,
+            balloon: true,
             qmp_socket: "/vm/qmp.sock".into(),
             console: Console::Socket("/vm/console.sock".into()),
             pidfile: "/vm/qemu.pid".into(),
@@ -251,10 +273,22 @@ mod tests {
     #[test]
     fn clone_command_line() {
         let a = args(&launch(true, false)).join(" ");
-        assert!(a.contains("share=off"));
+        assert!(a.contains("share=off,readonly=on,rom=off"));
+        assert!(a.contains("-device virtio-balloon-device,free-page-reporting=on "));
         assert!(a.contains(" -S -global migration.send-configuration=off "));
         assert!(a.ends_with("-incoming defer"));
         assert!(!a.contains("-kernel"), "a clone does not load the kernel");
         assert!(!a.contains("-initrd"));
+    }
+
+    #[test]
+    fn a_guarded_clone_asks_for_its_ram_file_writable() {
+        let mut l = launch(true, false);
+        l.ram_guarded = true;
+        l.balloon = false;
+        let a = args(&l).join(" ");
+        assert!(a.contains("mem-path=/shm/ram,share=off "));
+        assert!(!a.contains("readonly=on,rom"));
+        assert!(!a.contains("virtio-balloon"));
     }
 }

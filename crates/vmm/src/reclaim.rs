@@ -148,6 +148,7 @@ mod tests {
             parent: parent.map(str::to_string),
             disk_over: Some(disk_over),
             checksums: Default::default(),
+            balloon: false,
         }
     }
 
@@ -175,6 +176,7 @@ mod tests {
             shm_dir: tmp.path().join("shm"),
             jail: Default::default(),
             track_writes: true,
+            balloon: true,
         };
         let disk = |id: &str| paths.snapshot_dir(id).join("disk.qcow2");
         // tpl <- kept (a row); tpl <- under-vm <- sealed (no meta: a capture

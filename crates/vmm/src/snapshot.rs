@@ -60,6 +60,10 @@ pub struct SnapshotMeta {
     /// from before tine wrote them.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub checksums: std::collections::BTreeMap<String, u32>,
+    /// Its VM had a virtio-balloon (its device state holds one, so every
+    /// restore needs one too). `false` in snapshots from before.
+    #[serde(default)]
+    pub balloon: bool,
 }
 
 /// An opened snapshot. Its RAM files (root and layers) are held open, so
@@ -431,6 +435,7 @@ mod checksum_tests {
                 ),
             ]
             .into(),
+            balloon: false,
         };
         std::fs::write(dir.join("meta.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
     }
@@ -443,6 +448,7 @@ mod checksum_tests {
             shm_dir: tmp.path().join("shm"),
             jail: Default::default(),
             track_writes: true,
+            balloon: true,
         };
         make(&paths, "whole");
         Snapshot::open(&paths, "whole").unwrap();

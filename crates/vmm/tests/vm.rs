@@ -70,6 +70,7 @@ fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts, Reap) {
         shm_dir: shm.path().to_path_buf(),
         jail: tine_vmm::JailConfig::from_env(),
         track_writes: true,
+        balloon: true,
     };
     let reap = Reap(data.path().to_path_buf());
     // Last in the tuple, so it is dropped first, before the dirs go.
@@ -203,7 +204,7 @@ async fn boot_snapshot_clone_kill() {
         );
     }
     for vm in clones.iter().chain(more.iter()) {
-        let (rss, pss, shared) = ram_mapping_usage(vm.pid(), &snap.ram);
+        let (rss, pss, shared, _) = ram_mapping_usage(vm.pid(), &snap.ram);
         assert!(rss > 0, "clone {} maps the snapshot's RAM file", vm.id());
         assert!(
             shared > 0 && pss < rss,
@@ -279,6 +280,70 @@ async fn boot_snapshot_clone_kill() {
     assert_eq!(sh(&gcc, "cat /root/mine").await.0, "clone0");
     gcc.kill().await.unwrap();
 
+    // The balloon: memory a clone's guest frees goes back to the host (its
+    // private copies are dropped, the shared RAM file is untouched), and a
+    // capture after that restores the guest's RAM byte for byte, although
+    // the dropped pages now read the root file and not the parent layer.
+    let x = &mut clones[2];
+    assert!(x.record().balloon && x.tracks_writes());
+    let root_crc = tine_vmm::checksum::sparse_crc(&snap.ram).unwrap();
+    let (fill, _) = sh(
+        x,
+        "head -c 48000000 /dev/urandom > /dev/shm/fill && sha256sum < /dev/shm/fill",
+    )
+    .await;
+    let with_fill = x.snapshot(&uniq("fill")).await.expect("capture the fill");
+    assert!(layer_pages(&with_fill) > 48_000_000 / 4096);
+    let full_kib = settled_private_kib(x, Duration::from_secs(10)).await;
+    sh(x, "rm /dev/shm/fill").await;
+    let freed_kib = settled_private_kib(x, Duration::from_secs(60)).await;
+    assert!(
+        freed_kib + 32 * 1024 < full_kib,
+        "the guest's freed 48 MB went back to the host: private {full_kib} -> {freed_kib} KiB"
+    );
+    let (small2, _) = sh(
+        x,
+        "head -c 200000 /dev/urandom > /dev/shm/small2 && sha256sum < /dev/shm/small2",
+    )
+    .await;
+    settled_private_kib(x, Duration::from_secs(10)).await;
+    x.pause().await.unwrap();
+    let freed = x
+        .snapshot(&uniq("freed"))
+        .await
+        .expect("capture after the balloon");
+    assert_eq!(x.state(), VmState::Paused);
+    // Read after the capture: reading a dropped page maps it again, which
+    // the next scan would count as written.
+    let live = guest_ram_crcs(x);
+    let y = Vm::restore_paused(&paths, &uniq("bal"), &freed, probe())
+        .await
+        .expect("restore");
+    let restored = guest_ram_crcs(&y);
+    let differ: Vec<usize> = (0..live.len())
+        .filter(|&i| live[i] != restored[i])
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "{} pages differ between the captured guest and its restore, first {:?}",
+        differ.len(),
+        &differ[..differ.len().min(8)]
+    );
+    let mut y = y;
+    y.start_restored(None).await.expect("start the restore");
+    assert_eq!(sh(&y, "sha256sum < /dev/shm/small2").await.0, small2);
+    assert_eq!(sh(&y, "test -e /dev/shm/fill; echo $?").await.0, "1");
+    y.kill().await.unwrap();
+    // The fill is still in the earlier capture, and the shared file is as
+    // it was.
+    let z = Vm::restore(&paths, &uniq("fill"), &with_fill, opts())
+        .await
+        .expect("restore");
+    assert_eq!(sh(&z, "sha256sum < /dev/shm/fill").await.0, fill);
+    z.kill().await.unwrap();
+    assert_eq!(tine_vmm::checksum::sparse_crc(&snap.ram).unwrap(), root_crc);
+    x.resume().await.unwrap();
+
     // A second capture right after holds only what changed since the first.
     let snap3_id = uniq("snap3");
     let snap3 = clones[0].snapshot(&snap3_id).await.expect("second capture");
@@ -343,7 +408,7 @@ async fn boot_snapshot_clone_kill() {
         .expect("restore the materialized snapshot");
     assert_eq!(sh(&full, "cat /root/mine").await.0, "after");
     assert_eq!(sh(&full, "sha256sum < /dev/shm/blob").await.0, blob);
-    let (rss, _, _) = ram_mapping_usage(full.pid(), &snap3.ram);
+    let (rss, _, _, _) = ram_mapping_usage(full.pid(), &snap3.ram);
     assert!(rss > 0, "it maps the snapshot's own RAM file");
     full.kill().await.unwrap();
     sh(&clones[0], "echo again > /root/mine").await;
@@ -449,12 +514,12 @@ fn layer_pages(snap: &Snapshot) -> usize {
         .len()
 }
 
-/// Rss, Pss and Shared (clean + dirty) in KiB of the mapping of `ram` in
-/// process `pid`, from /proc/PID/smaps.
-fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64) {
+/// Rss, Pss, Shared (clean + dirty) and Private (clean + dirty) in KiB
+/// of the mapping of `ram` in process `pid`, from /proc/PID/smaps.
+fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64, u64) {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
     let name = ram.display().to_string();
-    let (mut rss, mut pss, mut shared, mut inside) = (0, 0, 0, false);
+    let (mut rss, mut pss, mut shared, mut private, mut inside) = (0, 0, 0, 0, false);
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.contains('-') && !first.ends_with(':') {
@@ -474,10 +539,41 @@ fn ram_mapping_usage(pid: i32, ram: &std::path::Path) -> (u64, u64, u64) {
             "Rss:" => rss += kib(line),
             "Pss:" => pss += kib(line),
             "Shared_Clean:" | "Shared_Dirty:" => shared += kib(line),
+            "Private_Clean:" | "Private_Dirty:" => private += kib(line),
             _ => {}
         }
     }
-    (rss, pss, shared)
+    (rss, pss, shared, private)
+}
+
+/// The CRC-32 of every page of `vm`'s guest RAM (it must be stopped).
+fn guest_ram_crcs(vm: &Vm) -> Vec<u32> {
+    let bytes = u64::from(vm.record().machine.memory_mib) << 20;
+    let ram = tine_vmm::ram::GuestRam::find(vm.pid(), &vm.record().ram, bytes).unwrap();
+    let mut buf = vec![0u8; 256 * 4096];
+    let mut crcs = Vec::new();
+    let pages = bytes / 4096;
+    for first in (0..pages).step_by(256) {
+        ram.read(first, &mut buf).unwrap();
+        crcs.extend(buf.chunks(4096).map(crc32fast::hash));
+    }
+    crcs
+}
+
+/// Private KiB of `vm`'s RAM mapping once it has stopped changing (two
+/// readings 2 s apart agree within 1 MiB), or after `limit`.
+async fn settled_private_kib(vm: &Vm, limit: Duration) -> u64 {
+    let read = || ram_mapping_usage(vm.pid(), &vm.record().ram).3;
+    let deadline = std::time::Instant::now() + limit;
+    let mut last = read();
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = read();
+        if now.abs_diff(last) < 1024 || std::time::Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
 }
 
 fn paths_real_release() -> PathBuf {
@@ -680,6 +776,7 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
         shm_dir: shm.path().to_path_buf(),
         jail: tine_vmm::JailConfig::from_env(),
         track_writes: true,
+        balloon: true,
     };
     let _reap = Reap(data.clone());
 

@@ -31,6 +31,7 @@ pub fn own_paths(base: &Paths) -> Paths {
         shm_dir: PathBuf::from(format!("{}-bench", base.shm_dir.display())),
         jail: base.jail.clone(),
         track_writes: base.track_writes,
+        balloon: base.balloon,
     }
 }
 
@@ -42,6 +43,7 @@ pub fn floor_paths(base: &Paths) -> Paths {
         shm_dir: PathBuf::from(format!("{}-bench-floor", base.shm_dir.display())),
         jail: base.jail.clone(),
         track_writes: base.track_writes,
+        balloon: base.balloon,
     }
 }
 

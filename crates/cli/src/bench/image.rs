@@ -89,6 +89,7 @@ fn host(ctx: &Ctx, root: &Path, name: &str) -> anyhow::Result<Paths> {
         shm_dir: PathBuf::from(format!("{}-p8-{name}", ctx.paths.shm_dir.display())),
         jail: ctx.paths.jail.clone(),
         track_writes: ctx.paths.track_writes,
+        balloon: ctx.paths.balloon,
     };
     let _ = std::fs::remove_dir_all(&paths.data_dir);
     link_artifacts(&Paths::from_env(), &paths)?;

@@ -4,7 +4,7 @@
 //!
 //! A userfaultfd acts on the address space of the process that created
 //! it, so QEMU must make it: clones' QEMUs preload a small shim
-//! (`shim/uffd.c`, embedded here and written to the data directory) whose
+//! (`shim/tine-shim.c`, see [`crate::shim`]) whose
 //! constructor creates one and leaves it open. tine takes a copy with
 //! `pidfd_getfd`, negotiates the asynchronous mode, registers the guest RAM
 //! mapping and write-protects all of it. From then on the kernel clears a
@@ -24,14 +24,10 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::layer::PAGE;
 use super::GuestRam;
-
-/// The shim, built by `build.rs`.
-static SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tine-uffd.so"));
 
 const UFFD_API: u64 = 0xAA;
 const UFFD_USER_MODE_ONLY: libc::c_int = 1;
@@ -40,7 +36,10 @@ const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+const PAGE_IS_WPALLOWED: u64 = 1 << 0;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
 
 #[repr(C)]
 struct UffdioApi {
@@ -135,23 +134,6 @@ pub fn supported() -> bool {
 /// Regions asked for per `PAGEMAP_SCAN` call.
 const REGIONS: usize = 4096;
 
-/// Write the shim into `dir` (once per build of it) and return its path.
-/// It is read-only for everyone, so every jail may map it.
-pub fn install_shim(dir: &Path) -> io::Result<PathBuf> {
-    let sum = crc32fast::hash(SHIM);
-    let path = dir.join(format!("tine-uffd-{sum:08x}.so"));
-    if std::fs::read(&path).is_ok_and(|have| have == SHIM) {
-        return Ok(path);
-    }
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".tine-uffd-{sum:08x}.{}", std::process::id()));
-    std::fs::write(&tmp, SHIM)?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
-    std::fs::rename(&tmp, &path)?;
-    Ok(path)
-}
-
 /// Tracks the writes to one QEMU's guest RAM.
 #[derive(Debug)]
 pub struct WriteTracker {
@@ -229,9 +211,7 @@ impl WriteTracker {
     /// Take over the tracking another tine process set up in `ram`'s QEMU
     /// (a VM adopted after a restart). What was written before is unknown,
     /// so it starts disarmed: the next capture compares every page and
-    /// arms it. Anything that drops pages of the mapping (MADV_DONTNEED,
-    /// as a balloon would) would silently undo writes without a trace
-    /// here: no such device is configured.
+    /// arms it.
     pub fn reattach(ram: &GuestRam) -> io::Result<Option<Self>> {
         Self::open(ram, true)
     }
@@ -282,17 +262,7 @@ impl WriteTracker {
     /// does not make [`WriteTracker::written`] trustworthy: see
     /// [`WriteTracker::confirm`].
     pub fn protect_all(&self, on: bool) -> io::Result<()> {
-        let mut wp = UffdioWriteprotect {
-            range: UffdioRange {
-                start: self.base,
-                len: self.len,
-            },
-            mode: if on { UFFDIO_WRITEPROTECT_MODE_WP } else { 0 },
-        };
-        // SAFETY: UFFDIO_WRITEPROTECT takes a `struct uffdio_writeprotect`.
-        unsafe { ioctl(&self.uffd, UFFDIO_WRITEPROTECT, &mut wp) }
-            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_WRITEPROTECT: {e}")))?;
-        Ok(())
+        self.protect(0, self.len / PAGE as u64, on)
     }
 
     /// The protection now starts at the VM's parent: the capture whose scan
@@ -316,22 +286,86 @@ impl WriteTracker {
     /// by the same call. The VM must be stopped. The tracker is disarmed
     /// until [`WriteTracker::confirm`]: if the capture that called this does
     /// not finish (fails, or is dropped), the next one compares every page.
+    ///
+    /// Pages dropped from the mapping since (the balloon's discards, which
+    /// QEMU makes with `MADV_DONTNEED`) are among them: a dropped page
+    /// reads the root file again, which may differ from the parent chain.
+    /// The shim lifts the protection of what QEMU drops, so they are the
+    /// only pages with no entry at all (every other page has one since
+    /// [`WriteTracker::protect_all`]: present, swapped or a protection
+    /// marker). The first scan's kernel fast path (Linux 6.18) already
+    /// counts such a page as written and protects it; the page categories
+    /// the kernel documents do not say so, so a second scan asks for them
+    /// by category and protects what it finds.
     pub fn written(&self) -> io::Result<Vec<u64>> {
         self.disarm();
-        let mut regions = vec![PageRegion::default(); REGIONS];
         let mut pages = Vec::new();
+        self.scan(
+            PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+            0,
+            PAGE_IS_WRITTEN,
+            PAGE_IS_WRITTEN,
+            |first, last| {
+                pages.extend(first..last);
+                Ok(())
+            },
+        )?;
+        let mut dropped = Vec::new();
+        let none = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
+        self.scan(0, none, none, PAGE_IS_WPALLOWED, |first, last| {
+            dropped.push((first, last));
+            Ok(())
+        })?;
+        for &(first, last) in &dropped {
+            self.protect(first, last, true)?;
+            pages.extend(first..last);
+        }
+        if !dropped.is_empty() {
+            pages.sort_unstable();
+            pages.dedup();
+        }
+        Ok(pages)
+    }
+
+    /// Write-protect (or not) pages `[first, last)`.
+    fn protect(&self, first: u64, last: u64, on: bool) -> io::Result<()> {
+        let mut wp = UffdioWriteprotect {
+            range: UffdioRange {
+                start: self.base + first * PAGE as u64,
+                len: (last - first) * PAGE as u64,
+            },
+            mode: if on { UFFDIO_WRITEPROTECT_MODE_WP } else { 0 },
+        };
+        // SAFETY: UFFDIO_WRITEPROTECT takes a `struct uffdio_writeprotect`.
+        unsafe { ioctl(&self.uffd, UFFDIO_WRITEPROTECT, &mut wp) }
+            .map_err(|e| io::Error::new(e.kind(), format!("UFFDIO_WRITEPROTECT: {e}")))?;
+        Ok(())
+    }
+
+    /// One `PAGEMAP_SCAN` over the whole RAM (in as many calls as it
+    /// takes): `found(first, last)` for each run of matching pages.
+    fn scan(
+        &self,
+        flags: u64,
+        inverted: u64,
+        mask: u64,
+        returned: u64,
+        mut found: impl FnMut(u64, u64) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut regions = vec![PageRegion::default(); REGIONS];
         let end = self.base + self.len;
         let mut start = self.base;
         while start < end {
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
-                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                flags,
                 start,
                 end,
                 vec: regions.as_mut_ptr() as u64,
                 vec_len: REGIONS as u64,
-                category_mask: PAGE_IS_WRITTEN,
-                return_mask: PAGE_IS_WRITTEN,
+                category_inverted: inverted,
+                category_mask: mask,
+                return_mask: returned,
                 ..Default::default()
             };
             // SAFETY: PAGEMAP_SCAN takes a `struct pm_scan_arg`, and writes at
@@ -342,20 +376,21 @@ impl WriteTracker {
             for r in &regions[..n as usize] {
                 let first = (r.start - self.base) / PAGE as u64;
                 let last = (r.end - self.base) / PAGE as u64;
-                pages.extend(first..last);
+                found(first, last)?;
             }
             if arg.walk_end <= start {
                 return Err(io::Error::other("PAGEMAP_SCAN made no progress"));
             }
             start = arg.walk_end;
         }
-        Ok(pages)
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn request_numbers_match_the_kernel_headers() {
@@ -365,20 +400,6 @@ mod tests {
         assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
         assert_eq!(PAGEMAP_SCAN, 0xc060_6610);
         assert_eq!(std::mem::size_of::<PageRegion>(), 24);
-    }
-
-    #[test]
-    fn the_shim_is_installed_once_and_readable_by_all() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = install_shim(dir.path()).unwrap();
-        let b = install_shim(dir.path()).unwrap();
-        assert_eq!(a, b);
-        assert_eq!(std::fs::read(&a).unwrap(), SHIM);
-        assert_eq!(&SHIM[..4], b"\x7fELF");
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(&a).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o644);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     /// A process that maps a file MAP_PRIVATE and touches pages on
@@ -398,6 +419,7 @@ mod tests {
                 for line in sys.stdin:\n    \
                     op,p=line.split();a=int(p)*4096\n    \
                     if op=='w': m[a]=(m[a]+1)%256\n    \
+                    elif op=='d': m.madvise(mmap.MADV_DONTNEED,a,4096)\n    \
                     else: m[a]\n    \
                     print('ok',flush=True)\n";
             let mut cmd = std::process::Command::new("python3");
@@ -446,7 +468,7 @@ mod tests {
         let file = dir.path().join("ram");
         let len = 64 * PAGE;
         std::fs::write(&file, vec![5u8; len]).unwrap();
-        let shim = install_shim(dir.path()).unwrap();
+        let shim = crate::shim::install(dir.path()).unwrap();
 
         let mut p = Toucher::start(&file, len, Some(&shim));
         // Page 7 is private before tracking starts: it must not show up
@@ -484,11 +506,23 @@ mod tests {
         again.protect_all(true).unwrap();
         p.touch(&[("w", 12)]);
         assert_eq!(again.written().unwrap(), vec![12]);
+        // Pages dropped from the mapping (a balloon's discard: QEMU's
+        // MADV_DONTNEED through the shim) read the file again, so they
+        // count, whether written in this interval (20), an earlier one
+        // (12, protected since) or never (22, only read). Dropped, they
+        // are protected again.
+        p.touch(&[("w", 20), ("d", 20), ("d", 12), ("r", 22), ("d", 22)]);
+        assert_eq!(again.written().unwrap(), vec![12, 20, 22]);
+        assert_eq!(again.written().unwrap(), Vec::<u64>::new());
+        p.touch(&[("r", 12), ("w", 20)]);
+        assert_eq!(again.written().unwrap(), vec![20]);
+        ram.read(12, &mut page).unwrap();
+        assert_eq!(page[0], 5, "a dropped page reads the file again");
         // Protected pages the process never wrote may carry markers that
         // the page map shows as swapped (how many depends on what the
         // kernel had mapped); without protection it shows exactly the
         // private ones again (what a full compare relies on).
-        let private = vec![0, 3, 7, 12, 40, 41, 63];
+        let private = vec![0, 3, 7, 20, 40, 41, 63];
         let marked = ram.private_pages().unwrap();
         assert!(private.iter().all(|p| marked.contains(p)), "{marked:?}");
         again.protect_all(false).unwrap();

@@ -82,6 +82,10 @@ pub struct VmRecord {
     /// [`crate::snapshot::SnapshotMeta::disk_over`]); `None`: not recorded.
     #[serde(default)]
     pub disk_over: Option<Vec<PathBuf>>,
+    /// It has a virtio-balloon reporting free pages (see
+    /// [`crate::snapshot::SnapshotMeta::balloon`]).
+    #[serde(default)]
+    pub balloon: bool,
 }
 
 /// Options for boot and restore.
@@ -172,6 +176,7 @@ fn capture_meta(
         parent,
         disk_over,
         checksums,
+        balloon: record.balloon,
     })
 }
 
@@ -266,6 +271,8 @@ impl VmFiles {
             disk_readonly: false,
             ram: record.ram.clone(),
             ram_shared: record.ram_shared,
+            ram_guarded: false,
+            balloon: record.balloon,
             qmp_socket: self.qmp(),
             console: qemu::Console::Socket(self.console_socket()),
             pidfile: self.pidfile(),
@@ -424,6 +431,7 @@ impl Vm {
                     Origin::Boot => Some(Vec::new()),
                     Origin::Disk(s) | Origin::Restore(s) => s.disk_lineage(),
                 },
+                balloon: paths.balloon,
             };
             let mut vm = Vm::launch(
                 paths,
@@ -536,6 +544,7 @@ impl Vm {
             disk_generation: 0,
             uid: None,
             disk_over: snapshot.disk_lineage(),
+            balloon: meta.balloon,
         };
         let mut vm = Vm::launch(
             paths,
@@ -681,7 +690,7 @@ impl Vm {
         let _ = std::fs::remove_file(files.console_socket());
         let binary = resolve_binary(&qemu::binary());
         let t = Instant::now();
-        let preload = tracking_shim(paths, &record);
+        let preload = preload_for(paths, &record);
         let jail = if paths.jail.enabled {
             Some(std::sync::Arc::new(prepare_jail(
                 paths,
@@ -689,7 +698,7 @@ impl Vm {
                 &mut record,
                 origin,
                 &binary,
-                preload.as_deref(),
+                preload.as_ref().map(|p| p.lib.as_path()),
             )?))
         } else {
             None
@@ -704,6 +713,7 @@ impl Vm {
         );
         let mut launch = files.launch(&record);
         launch.tap_fd = Some(tap.as_raw_fd());
+        launch.ram_guarded = preload.as_ref().is_some_and(|p| p.guard_ram.is_some());
         let process = QemuProcess::spawn(
             &binary.display().to_string(),
             &qemu::args(&launch),
@@ -711,7 +721,7 @@ impl Vm {
             &files.qemu_log(),
             jail.clone(),
             Some(tap.as_raw_fd()),
-            preload.as_deref(),
+            preload.as_ref(),
         )?;
         drop(tap);
         record.pid = process.pid();
@@ -732,6 +742,18 @@ impl Vm {
                 Err(e) => return Err(e.into()),
             }
         };
+        if launch.ram_guarded {
+            let ram = record.ram.clone();
+            let checked = crate::blocking(move || {
+                crate::shim::check_read_only(pid, &ram)
+                    .ctx(|| format!("checking how QEMU {pid} opened {}", ram.display()))
+            })
+            .await;
+            if let Err(e) = checked {
+                process.kill().await;
+                return Err(e);
+            }
+        }
         if let Some(joining) = joining {
             let joined = joining.await.map_err(|e| Error::Io {
                 context: "joining the cgroup".into(),
@@ -1071,33 +1093,44 @@ fn prepare_jail(
     )
 }
 
-/// The shim a clone's QEMU preloads so its writes can be tracked
-/// ([`crate::ram::tracker`]); `None` for booted VMs (their capture is the
-/// whole RAM file), with `track_writes` off, or if it cannot be written
-/// (the clone then runs without tracking).
-fn tracking_shim(paths: &Paths, record: &VmRecord) -> Option<PathBuf> {
-    if record.ram_shared || !paths.track_writes {
+/// What a clone's QEMU preloads ([`crate::shim`]): the shim, for write
+/// tracking ([`crate::ram::tracker`]) and, with a balloon, to guard its
+/// RAM file. `None` for booted VMs (their capture is the whole RAM file),
+/// when neither is wanted, or if the shim cannot be written (the clone
+/// then runs without tracking, and its balloon's discards fail).
+fn preload_for(paths: &Paths, record: &VmRecord) -> Option<crate::shim::Preload> {
+    if record.ram_shared {
         return None;
     }
-    if !crate::ram::tracker::supported() {
-        static SAID: std::sync::Once = std::sync::Once::new();
-        SAID.call_once(|| {
-            tracing::warn!(
-                "no write tracking on this host: its kernel has no asynchronous userfaultfd \
-                 write-protection (UFFD_FEATURE_WP_ASYNC, Linux 6.7); captures compare every \
-                 private page"
-            )
-        });
+    let track = paths.track_writes && {
+        let ok = crate::ram::tracker::supported();
+        if !ok {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    "no write tracking on this host: its kernel has no asynchronous userfaultfd \
+                     write-protection (UFFD_FEATURE_WP_ASYNC, Linux 6.7); captures compare every \
+                     private page"
+                )
+            });
+        }
+        ok
+    };
+    if !track && !record.balloon {
         return None;
     }
-    crate::ram::tracker::install_shim(&paths.lib_dir())
+    let lib = crate::shim::install(&paths.lib_dir())
         .inspect_err(|e| {
             tracing::warn!(
                 dir = %paths.lib_dir().display(),
-                "cannot write the write-tracking shim; captures compare every page: {e}"
+                "cannot write the QEMU shim; no write tracking, no memory given back: {e}"
             )
         })
-        .ok()
+        .ok()?;
+    Some(crate::shim::Preload {
+        lib,
+        guard_ram: record.balloon.then(|| record.ram.clone()),
+    })
 }
 
 fn save_record(files: &VmFiles, record: &VmRecord) -> Result<()> {
