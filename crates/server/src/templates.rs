@@ -6,8 +6,8 @@
 //!
 //! A snapshot fixes the machine shape, so `base` gets one snapshot per
 //! `(vCPUs, MiB)` asked for, built on first use (one cold boot) and reused
-//! until the artifacts change (their paths are content hashes and are part
-//! of the snapshot's name). A built template has the shape it was built
+//! until the artifacts or the boot's devices change (both are part of the
+//! snapshot's name; the artifacts' paths are content hashes). A built template has the shape it was built
 //! with.
 
 use std::collections::HashMap;
@@ -92,6 +92,7 @@ impl Templates {
             h.update([0]);
         }
         h.update(machine.accel.as_str());
+        h.update(self.driver.boot_devices());
         let hash: String = h
             .finalize()
             .iter()

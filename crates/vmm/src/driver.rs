@@ -216,6 +216,12 @@ pub trait Driver: Send + Sync {
     fn salvage_capture(&self, _id: &str, _snapshot_id: &str) -> Result<bool> {
         Ok(false)
     }
+    /// What a boot adds to the machine beyond its shape and artifacts
+    /// (optional devices, which its snapshots keep): part of a template's
+    /// name, so changing it builds the template again.
+    fn boot_devices(&self) -> String {
+        String::new()
+    }
     /// Ids of every VM that has files here.
     fn vm_ids(&self) -> Vec<String>;
     /// The serial console (kernel and agent) of VM `id`.

@@ -13,7 +13,8 @@ use crate::client::Sandbox;
 
 const CMD_TIMEOUT: Duration = Duration::from_secs(600);
 
-async fn run(ctx: &Ctx, sb: &Sandbox, cmd: &str) -> anyhow::Result<String> {
+/// Run `cmd` in `sb`; its stdout, or an error if it fails.
+pub(super) async fn run(ctx: &Ctx, sb: &Sandbox, cmd: &str) -> anyhow::Result<String> {
     let o = ctx.api.exec(sb, cmd, CMD_TIMEOUT).await?;
     if o.exit_code != 0 {
         bail!(

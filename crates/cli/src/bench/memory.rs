@@ -1,8 +1,12 @@
 //! P5: host memory per idle sandbox of one template, N running, against
-//! one sandbox alone (PSS of each QEMU from /proc/PID/smaps_rollup).
+//! one sandbox alone (PSS of each QEMU from /proc/PID/smaps_rollup); and
+//! how much of what a guest frees goes back to the host (the balloon's
+//! free page reporting).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use super::capture::run;
+use super::create::ms;
 use super::report::Row;
 use super::{mem, Ctx, Out};
 
@@ -63,6 +67,69 @@ pub async fn p5(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
                 "note",
                 "information: KVM target ≤ 16 MiB each cannot be checked under TCG",
             ),
+    );
+    given_back(ctx, out, n).await
+}
+
+/// MiB a guest writes to tmpfs and deletes again in [`given_back`].
+const FREED_MIB: u64 = 128;
+/// How long the host may take to get freed memory back (reports start
+/// about 2 s after the free, 64 MiB per round trip).
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(30);
+
+/// A sandbox's PSS after its guest wrote and deleted [`FREED_MIB`]: what
+/// the write took and what the delete gave back.
+async fn given_back(ctx: &Ctx, out: &mut Out, n: usize) -> anyhow::Result<()> {
+    let (cpus, memory) = (ctx.args.cpus, ctx.args.memory_mb);
+    let (mut taken, mut returned) = (Vec::new(), Vec::new());
+    for i in 1..=n {
+        ctx.step(format!(
+            "{i}/{n}: a guest writes and deletes {FREED_MIB} MiB"
+        ));
+        let sb = ctx.api.create(cpus, memory).await?;
+        tokio::time::sleep(SETTLE).await;
+        let pid = ctx.qemu_pid(&sb.id)?;
+        let idle = mem::pss_mib(pid)?;
+        let file = "/dev/shm/bench-fill";
+        run(
+            ctx,
+            &sb,
+            &format!("head -c {FREED_MIB}M /dev/urandom > {file}"),
+        )
+        .await?;
+        let full = mem::pss_mib(pid)?;
+        run(ctx, &sb, &format!("rm {file}")).await?;
+        let t = Instant::now();
+        let mut last = full;
+        let freed = loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = mem::pss_mib(pid)?;
+            // Settled: no change in a second, after something came back.
+            if (now < full - 1.0 && (last - now).abs() < 0.5) || t.elapsed() > GIVE_BACK_WAIT {
+                break now;
+            }
+            last = now;
+        };
+        out.stage("delete to memory given back, ±1 s (ms)", ms(t));
+        taken.push(full - idle);
+        returned.push(full - freed);
+        ctx.api.kill(&sb.id).await?;
+    }
+    out.rows.push(
+        Row::new(
+            "P5",
+            format!("PSS given back after the guest deletes a {FREED_MIB} MiB tmpfs file"),
+            "MiB",
+        )
+        .samples(returned)
+        .floor(format!("PSS the {FREED_MIB} MiB file took"), taken)
+        .param("iterations", n)
+        .param("memory_mb", memory)
+        .param(
+            "note",
+            "information: ratio 1 = all given back (virtio-balloon free page reporting; \
+             TINE_BALLOON=0 turns it off for new templates)",
+        ),
     );
     Ok(())
 }

@@ -74,6 +74,14 @@ fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
 
 #[async_trait::async_trait]
 impl Driver for QemuDriver {
+    fn boot_devices(&self) -> String {
+        if self.paths().balloon {
+            "balloon".into()
+        } else {
+            String::new()
+        }
+    }
+
     async fn boot(
         &self,
         id: &str,
