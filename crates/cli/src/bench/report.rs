@@ -92,6 +92,16 @@ impl Row {
         self
     }
 
+    /// p50 / floor p50, shown for information (no target).
+    pub fn ratio_only(mut self) -> Self {
+        if let (Some(s), Some(f)) = (self.summary, self.floor) {
+            if f.p50 > 0.0 {
+                self.ratio = Some(s.p50 / f.p50);
+            }
+        }
+        self
+    }
+
     /// p50 − floor p50 (in the row's unit), met when it is at most `max`
     /// (the ratio is still shown).
     pub fn diff_target(mut self, max: f64, target: impl Into<String>) -> Self {
