@@ -15,6 +15,7 @@
 //! min_free_memory_mb = 256        # refuse starts (429) below this MemAvailable
 //! min_free_disk_mb = 1024         # refuse starts (507) below this free in the data dir
 //! pool_size = 2                   # warm pool per template shape
+//! resume_ahead = 2                # paused sandboxes restored ahead of their resume
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
@@ -81,6 +82,11 @@ pub struct Config {
     pub max_fork_count: usize,
     /// VMs restored ahead of time per template shape in use (0: none).
     pub pool_size: usize,
+    /// Paused sandboxes (the latest) whose capture is loaded into a
+    /// stopped QEMU right after the pause, so their resume skips QEMU's
+    /// start and the load (0: none). Each holds a slot of
+    /// `max_sandboxes` and its QEMU's memory while it waits.
+    pub resume_ahead: usize,
     /// VM starts (create, resume, fork children) running at once; more wait.
     pub max_concurrent_starts: usize,
     /// A capture with more RAM/disk layers above its template than this is
@@ -154,6 +160,7 @@ impl Default for Config {
             max_body_bytes: 1 << 20,
             max_fork_count: 32,
             pool_size: 2,
+            resume_ahead: 2,
             max_concurrent_starts: 2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
             compact_after_layers: 3,
             fork_shared_ram_from: 2,

@@ -16,6 +16,8 @@ pub struct OwnServer {
     cpus: u32,
     memory_mb: u32,
     pub pool_size: usize,
+    /// Paused sandboxes restored ahead of their resume (`resume_ahead`).
+    pub resume_ahead: usize,
     /// Whether its VMs run jailed (`[jail] enabled`).
     pub jail: bool,
     pub url: String,
@@ -73,12 +75,14 @@ fn write_config(
     cpus: u32,
     memory_mb: u32,
     pool_size: usize,
+    resume_ahead: usize,
     jail: bool,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
     let text = format!(
         "listen = \"127.0.0.1:{port}\"\n\
          pool_size = {pool_size}\n\
+         resume_ahead = {resume_ahead}\n\
          default_cpu_count = {cpus}\n\
          default_memory_mb = {memory_mb}\n\
          default_timeout_secs = 1800\n\
@@ -116,6 +120,7 @@ impl OwnServer {
             cpus,
             memory_mb,
             pool_size,
+            resume_ahead: 0,
             jail: true,
             url,
             key,
@@ -141,6 +146,7 @@ impl OwnServer {
             self.cpus,
             self.memory_mb,
             self.pool_size,
+            self.resume_ahead,
             self.jail,
         )?;
         let out = std::fs::OpenOptions::new()

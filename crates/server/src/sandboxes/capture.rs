@@ -13,7 +13,7 @@ use futures::future::join_all;
 use tine_vmm::{SnapshotInfo, SnapshotRef};
 
 use super::intent::Intent;
-use super::{agent, guest_env, limits, CreateRequest, Live, Manager, SandboxError, Source};
+use super::{agent, guest_env, limits, pool, CreateRequest, Live, Manager, SandboxError, Source};
 use crate::db::{now_ms, SnapshotKind, SnapshotRow};
 use crate::model::{SandboxRecord, SandboxState};
 
@@ -76,7 +76,7 @@ impl Manager {
         keep_memory: bool,
         require_healthy: bool,
     ) -> Result<(), SandboxError> {
-        let _op = self.lock(id).await;
+        let op = self.lock(id).await;
         let (mut rec, live) = self.running(id, "pause it again")?;
         let unresponsive = |detail: String| SandboxError::GuestUnresponsive {
             id: id.to_string(),
@@ -179,7 +179,29 @@ impl Manager {
             .set_paused(id, &row, &rec.lifecycle, ("paused", &detail))?;
         self.gc();
         self.maybe_compact(&snapshot);
+        if keep_memory {
+            self.restore_ahead(id, snapshot, op);
+        }
         Ok(())
+    }
+
+    /// Load `capture` (what sandbox `id` was just paused into) into a
+    /// stopped QEMU under the sandbox's id, in the background, for its
+    /// resume (`resume_ahead`; see `pool.rs`). The pause's lock of the
+    /// sandbox, `op`, goes with it: the pause has answered, and the
+    /// sandbox's next operation (its resume, a kill) waits for this.
+    fn restore_ahead(&self, id: &str, capture: SnapshotRef, op: tokio::sync::OwnedMutexGuard<()>) {
+        if !self.pool.wants_ahead() || self.fit_pool() == 0 {
+            return;
+        }
+        self.pool.begin_ahead();
+        let (pool, chains) = (self.pool.clone(), self.chains.clone());
+        let id = id.to_string();
+        tokio::spawn(async move {
+            let _op = op;
+            let _chains = chains.read().await;
+            pool.restore_ahead(&id, &capture).await;
+        });
     }
 
     /// After a restart: finish the capture of `rec` that `intent` says was
@@ -252,14 +274,25 @@ impl Manager {
             })?;
         // Held until it runs (its row counts as running from then on).
         let _ticket = self.admit(&rec.team, 1, rec_machine(&rec))?;
-        let _ = self.fit_pool();
+        // Paused without its memory: a cold boot over its disk, whose
+        // guest has no token yet.
+        let cold_boot = rec.lifecycle.paused_disk_only || !memory;
         let snapshot = self
             .driver
             .open_snapshot(&snap_id)
             .map_err(SandboxError::vm(id, "cannot resume"))?;
-        // Paused without its memory: a cold boot over its disk, whose
-        // guest has no token yet.
-        let cold_boot = rec.lifecycle.paused_disk_only || !memory;
+        // Its VM restored ahead (killed if this resume cannot use it: its
+        // id is about to be used again); taken before the pool is fitted
+        // to the limit, which could let it go.
+        let ahead = self
+            .pool
+            .take_ahead(id, (!cold_boot).then_some(snap_id.as_str()))
+            .await
+            .map(|vm| pool::Pooled {
+                vm,
+                token: rec.envd_access_token.clone(),
+            });
+        let _ = self.fit_pool();
         let source = Source {
             snapshot,
             snapshot_id: Some(snap_id),
@@ -269,7 +302,7 @@ impl Manager {
         };
         let t = Instant::now();
         let vm = self
-            .start_vm(&rec, &source, None)
+            .start_vm(&rec, &source, ahead)
             .await
             .map_err(|e| match e {
                 SandboxError::Vm { id, source, .. } => SandboxError::Vm {

@@ -321,6 +321,8 @@ impl Manager {
     pub async fn kill(&self, id: &str, reason: &str) -> Result<(), SandboxError> {
         let _op = self.lock(id).await;
         let rec = self.get(id)?;
+        // A paused sandbox's VM restored ahead of its resume.
+        let _ = self.pool.take_ahead(id, None).await;
         if let Some(live) = self.remove_live(id) {
             let vm = live.vm.lock().await.take();
             if let Some(vm) = vm {

@@ -176,7 +176,7 @@ pub struct Manager {
     /// QEMU has loaded, a capture while it reads its parent's); garbage
     /// collection takes it exclusively, so it never deletes a file that a
     /// start or capture is about to open.
-    chains: tokio::sync::RwLock<()>,
+    chains: Arc<tokio::sync::RwLock<()>>,
     /// A collection was skipped because chains were in use; the sweep
     /// runs it.
     gc_pending: AtomicBool,
@@ -209,6 +209,7 @@ impl Manager {
     ) -> Self {
         let pool = Arc::new(pool::WarmPool::new(
             config.pool_size,
+            config.resume_ahead,
             driver.clone(),
             network.clone(),
         ));
@@ -222,7 +223,7 @@ impl Manager {
             pool,
             starts: tokio::sync::Semaphore::new(config.max_concurrent_starts.max(1)),
             compactions: Default::default(),
-            chains: tokio::sync::RwLock::new(()),
+            chains: Default::default(),
             gc_pending: Default::default(),
             samples: Default::default(),
             admission: Default::default(),

@@ -9,6 +9,16 @@
 //! replaced in the background.
 //! Each pooled VM already carries the sandbox id it will be created under
 //! (ids name namespaces and directories).
+//!
+//! The pool also holds VMs restored ahead of a resume (`resume_ahead`):
+//! right after a pause, its capture is loaded into a QEMU under the
+//! paused sandbox's own id (namespace, overlay, process, RAM layers,
+//! device state), vCPUs stopped and never run, so the sandbox's processes
+//! do not advance while it is paused. Only that sandbox's resume of that
+//! capture takes it; a kill, a resume from elsewhere or a shortage of room
+//! kills it. Per sandbox by construction: its id names its namespace, its
+//! directory, its jail's uid and cgroup, and its disk is an overlay over
+//! that sandbox's capture.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -24,8 +34,19 @@ pub struct Pooled {
     pub token: String,
 }
 
+/// A VM restored ahead of its sandbox's resume.
+struct Ahead {
+    /// The capture it was restored from.
+    snapshot_id: String,
+    vm: Box<dyn VmHandle>,
+}
+
 pub struct WarmPool {
     size: usize,
+    /// VMs restored ahead of resumes, at most.
+    resume_ahead: usize,
+    /// Sandbox id → its VM restored ahead of its resume.
+    ahead: Mutex<HashMap<String, Ahead>>,
     driver: Arc<dyn Driver>,
     network: Arc<crate::network::Network>,
     ready: Mutex<HashMap<String, Vec<Pooled>>>,
@@ -43,11 +64,14 @@ const DRAIN_WAIT: Duration = Duration::from_secs(30);
 impl WarmPool {
     pub fn new(
         size: usize,
+        resume_ahead: usize,
         driver: Arc<dyn Driver>,
         network: Arc<crate::network::Network>,
     ) -> Self {
         Self {
             size,
+            resume_ahead,
+            ahead: Mutex::new(HashMap::new()),
             driver,
             network,
             ready: Mutex::new(HashMap::new()),
@@ -178,11 +202,40 @@ impl WarmPool {
         for p in all {
             let _ = p.vm.kill().await;
         }
+        let ahead: Vec<Ahead> = self
+            .ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, a)| a)
+            .collect();
+        for a in ahead {
+            let _ = a.vm.kill().await;
+        }
     }
 
     /// Let go of up to `n` pooled VMs (killed in the background) to make
     /// room for sandboxes; returns how many.
     pub fn shrink(&self, n: usize) -> usize {
+        let gone: Vec<Box<dyn VmHandle>> = {
+            let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            let ids: Vec<String> = ahead.keys().take(n).cloned().collect();
+            ids.iter()
+                .filter_map(|id| ahead.remove(id))
+                .map(|a| a.vm)
+                .collect()
+        };
+        let n = n - gone.len();
+        let mut count = gone.len();
+        for vm in gone {
+            tracing::info!(
+                vm = vm.id(),
+                "resume ahead: a VM restored for a paused sandbox makes room"
+            );
+            tokio::spawn(async move {
+                let _ = vm.kill().await;
+            });
+        }
         let gone: Vec<Pooled> = {
             let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
             let mut gone = Vec::new();
@@ -196,7 +249,7 @@ impl WarmPool {
             }
             gone
         };
-        let count = gone.len();
+        count += gone.len();
         for p in gone {
             tracing::info!(
                 vm = p.vm.id(),
@@ -209,10 +262,11 @@ impl WarmPool {
         count
     }
 
-    /// Pooled VMs ready.
+    /// Pooled VMs ready, and VMs restored ahead of resumes.
     pub fn len(&self) -> usize {
         let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
-        ready.values().map(Vec::len).sum()
+        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).len();
+        ready.values().map(Vec::len).sum::<usize>() + ahead
     }
 
     /// Warm-ups in flight.
@@ -220,15 +274,92 @@ impl WarmPool {
         self.warming.load(Ordering::SeqCst)
     }
 
-    /// Ids of pooled VMs (they have directories but no sandbox rows).
+    /// Ids of pooled VMs (they have directories but no live sandbox).
     pub fn ids(&self) -> HashSet<String> {
-        self.ready
+        let mut ids: HashSet<String> = self
+            .ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
             .flatten()
             .map(|p| p.vm.id().to_string())
-            .collect()
+            .collect();
+        ids.extend(
+            self.ahead
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys()
+                .cloned(),
+        );
+        ids
+    }
+
+    /// Whether another VM may be restored ahead of a resume.
+    pub fn wants_ahead(&self) -> bool {
+        !self.closed.load(Ordering::SeqCst)
+            && self.ahead.lock().unwrap_or_else(|e| e.into_inner()).len() < self.resume_ahead
+    }
+
+    /// Count a restore ahead that is about to start (it holds a slot of
+    /// the sandbox limit from now on); [`WarmPool::restore_ahead`] ends it.
+    pub fn begin_ahead(&self) {
+        self.warming.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Restore `snapshot` (the capture sandbox `id` was just paused into)
+    /// as VM `id`, vCPUs stopped, for that sandbox's resume. The caller
+    /// holds the sandbox's lock (taken for the pause) and called
+    /// [`WarmPool::begin_ahead`].
+    pub async fn restore_ahead(&self, id: &str, snapshot: &SnapshotRef) {
+        let restored = if self.wants_ahead() {
+            Some(self.driver.restore_paused(id, snapshot).await)
+        } else {
+            None
+        };
+        let kept = match restored {
+            Some(Ok(vm)) if !self.closed.load(Ordering::SeqCst) => {
+                let old = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                    id.to_string(),
+                    Ahead {
+                        snapshot_id: snapshot.id().to_string(),
+                        vm,
+                    },
+                );
+                old.map(|a| a.vm)
+            }
+            // Drained meanwhile.
+            Some(Ok(vm)) => Some(vm),
+            Some(Err(e)) => {
+                tracing::warn!(sandbox = id, "resume ahead: restore failed: {e}");
+                None
+            }
+            None => None,
+        };
+        if let Some(vm) = kept {
+            let _ = vm.kill().await;
+        }
+        self.warming.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// The VM restored ahead for sandbox `id`'s resume from capture
+    /// `snapshot_id`, if there is one and it is alive. Any other VM held
+    /// for `id` is killed first (its id is about to be used again).
+    pub async fn take_ahead(
+        &self,
+        id: &str,
+        snapshot_id: Option<&str>,
+    ) -> Option<Box<dyn VmHandle>> {
+        let a = self
+            .ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)?;
+        if Some(a.snapshot_id.as_str()) == snapshot_id && a.vm.exit_status().is_none() {
+            return Some(a.vm);
+        }
+        tracing::info!(sandbox = id, "resume ahead: its VM is not used");
+        let _ = a.vm.kill().await;
+        None
     }
 }
 

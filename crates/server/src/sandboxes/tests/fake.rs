@@ -29,6 +29,8 @@ pub struct State {
     pub fail: HashMap<&'static str, usize>,
     /// VMs that exist (ids), and snapshots with their parent.
     pub vms: HashSet<String>,
+    /// Ids a VM was started under while another VM had it.
+    pub reused: Vec<String>,
     pub snapshots: HashMap<String, (SnapshotInfo, Option<String>)>,
     pub agent_calls: Vec<AgentCall>,
 }
@@ -133,7 +135,12 @@ impl FakeDriver {
     }
 
     fn vm(&self, id: &str, machine: Machine, parent: Option<String>) -> Box<dyn VmHandle> {
-        self.state.lock().unwrap().vms.insert(id.to_string());
+        let mut s = self.state.lock().unwrap();
+        if !s.vms.insert(id.to_string()) {
+            // One id names one VM's namespace, directory and jail.
+            s.reused.push(id.to_string());
+        }
+        drop(s);
         Box::new(FakeVm {
             id: id.to_string(),
             pid: self.pids.fetch_add(1, Ordering::Relaxed),

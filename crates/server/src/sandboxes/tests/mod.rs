@@ -26,6 +26,7 @@ struct Setup {
 fn config() -> Config {
     Config {
         pool_size: 0,
+        resume_ahead: 0,
         default_cpu_count: 1,
         default_memory_mb: 256,
         ..Config::default()
@@ -326,6 +327,63 @@ async fn pause_then_connect_restores_from_the_pause_capture() {
     assert_eq!(last.token.as_deref(), Some(sb.envd_access_token.as_str()));
     let (_, again) = s.manager.connect(&sb.id, None, true).await.unwrap();
     assert!(!again, "a running sandbox is not resumed twice");
+}
+
+/// Sandbox `id` has a VM (the fake's view) and the calls so far that
+/// restored one paused for it.
+fn restored_ahead(s: &Setup, id: &str) -> (bool, Vec<String>) {
+    let has = s.driver.state.lock().unwrap().vms.contains(id);
+    (has, s.driver.calls(&format!("restore_paused {id}")))
+}
+
+#[tokio::test]
+async fn a_pause_restores_ahead_for_that_sandbox_s_resume_only() {
+    let s = setup_with(Config {
+        resume_ahead: 1,
+        ..config()
+    })
+    .await;
+    let a = s.manager.create(base()).await.unwrap();
+    let b = s.manager.create(base()).await.unwrap();
+    s.manager.pause(&a.id).await.unwrap();
+    // The restore ahead holds the sandbox's lock: whatever comes next for
+    // it (here a refused second pause) sees it done.
+    assert!(s.manager.pause(&a.id).await.is_err());
+    let (has, calls) = restored_ahead(&s, &a.id);
+    assert!(has, "a paused sandbox's capture is loaded ahead");
+    assert_eq!(calls.len(), 1);
+    assert!(calls[0].contains(&format!(" p-{}-", a.id)), "{calls:?}");
+    assert_eq!(s.manager.live_count(), 1, "it is not live: only b is");
+    // At most `resume_ahead` are held.
+    s.manager.pause(&b.id).await.unwrap();
+    s.manager.connect(&b.id, None, true).await.unwrap(); // waits for b's lock
+    assert!(restored_ahead(&s, &b.id).1.is_empty());
+    // A create never takes it: another id, its own restore.
+    let c = s.manager.create(base()).await.unwrap();
+    assert_ne!(c.id, a.id);
+    // The resume takes it: no restore of its own, its own token.
+    let (rec, resumed) = s.manager.connect(&a.id, Some(60), true).await.unwrap();
+    assert!(resumed && rec.state == SandboxState::Running);
+    assert_eq!(s.driver.calls(&format!("restore {}", a.id)).len(), 1);
+    let last = s.driver.inits().pop().unwrap();
+    assert_eq!(last.token.as_deref(), Some(a.envd_access_token.as_str()));
+    assert!(!s.manager.pool.ids().contains(&a.id), "taken once");
+    // Paused again: a new one, for the new capture; a kill ends it.
+    s.manager.pause(&a.id).await.unwrap();
+    s.manager.kill(&a.id, "test").await.unwrap();
+    let (has, calls) = restored_ahead(&s, &a.id);
+    assert!(!has, "a kill ends it");
+    assert_eq!(calls.len(), 2);
+    // A resume that reboots from the disk does not use it, and it is gone
+    // before that boot takes the id.
+    s.manager.pause(&c.id).await.unwrap();
+    assert!(s.manager.pause(&c.id).await.is_err()); // after the restore ahead
+    assert!(restored_ahead(&s, &c.id).0);
+    s.manager.connect(&c.id, None, false).await.unwrap();
+    assert_eq!(s.driver.calls(&format!("boot_from_disk {}", c.id)).len(), 1);
+    assert!(!s.manager.pool.ids().contains(&c.id));
+    let reused = s.driver.state.lock().unwrap().reused.clone();
+    assert!(reused.is_empty(), "one VM per id at a time: {reused:?}");
 }
 
 #[tokio::test]
