@@ -76,6 +76,49 @@ def test_pause_then_resume_keeps_files_and_processes(fresh):
     assert again.commands.run("cat /home/user/mark").stdout == mark
 
 
+def qemu_or_none(sandbox_id):
+    try:
+        return qemu_pid(sandbox_id)
+    except AssertionError:
+        return None
+
+
+def wait_qemu(sandbox_id, present=True, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pid = qemu_or_none(sandbox_id)
+        if (pid is not None) == present:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"QEMU of {sandbox_id} {'never came' if present else 'never went'}")
+
+
+def test_a_paused_sandbox_is_restored_ahead_for_its_own_resume(fresh):
+    """resume_ahead (default 2): right after a pause the capture is loaded
+    into a stopped QEMU under the sandbox's own id; its resume runs that
+    very process, whose guest did not run while paused. Paused again, a new
+    one; a kill of the paused sandbox ends it."""
+    s, mark = marked_sandbox_with_counter(fresh)
+    running = qemu_pid(s.sandbox_id)
+    before = count(s)
+    assert s.pause() is True
+    ahead = wait_qemu(s.sandbox_id)
+    assert ahead != running, "the paused sandbox's QEMU exited; this one was restored"
+    # 6 s paused: a counter that ran would have grown by about 30.
+    time.sleep(6)
+    resumed = Sandbox.connect(s.sandbox_id)
+    assert qemu_pid(s.sandbox_id) == ahead, "the resume ran the QEMU restored ahead"
+    grew = count(resumed) - before
+    assert grew < 15, f"the guest ran while paused: the counter grew by {grew}"
+    assert resumed.files.read("/home/user/mark") == mark
+    assert grows(resumed)
+    assert resumed.pause() is True
+    second = wait_qemu(s.sandbox_id)
+    assert second != ahead, "a QEMU serves one resume only"
+    resumed.kill()
+    assert wait_qemu(s.sandbox_id, present=False) is None
+
+
 def test_paused_sandbox_survives_a_server_restart(fresh):
     s, mark = marked_sandbox_with_counter(fresh)
     assert s.pause() is True
