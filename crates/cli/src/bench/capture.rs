@@ -146,19 +146,9 @@ pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
         pause_ms.push(ms(t));
         server_stages(ctx, out, mark);
 
-        ctx.step(format!(
-            "{i}/{n}: floor: the pause capture restored by hand"
-        ));
-        let capture = pause_capture(ctx, &sb.id)?;
-        floor_ms.push(floor_once(ctx, &capture, out, false).await?);
-
-        ctx.step(format!("{i}/{n}: resume"));
-        let mark = stages::mark(ctx.server_log.as_deref());
-        let t = Instant::now();
-        ctx.api.resume(&sb.id).await?;
-        resume_ms.push(ms(t));
-        server_stages(ctx, out, mark);
-        run(ctx, &sb, "true").await?;
+        let (floor, resume) = floor_then_resume(ctx, &sb, out, &format!("{i}/{n}")).await?;
+        floor_ms.push(floor);
+        resume_ms.push(resume);
     }
     let mut pause = Row::new("P4", "pause", "ms")
         .samples(pause_ms)
@@ -194,6 +184,27 @@ pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// For paused `sb`: its pause capture restored by hand (the floor), then
+/// the timed resume through the API and one command; both in ms.
+async fn floor_then_resume(
+    ctx: &Ctx,
+    sb: &Sandbox,
+    out: &mut Out,
+    step: &str,
+) -> anyhow::Result<(f64, f64)> {
+    ctx.step(format!("{step}: floor: the pause capture restored by hand"));
+    let capture = pause_capture(ctx, &sb.id)?;
+    let floor = floor_once(ctx, &capture, out, false).await?;
+    ctx.step(format!("{step}: resume"));
+    let mark = stages::mark(ctx.server_log.as_deref());
+    let t = Instant::now();
+    ctx.api.resume(&sb.id).await?;
+    let resume = ms(t);
+    server_stages(ctx, out, mark);
+    run(ctx, sb, "true").await?;
+    Ok((floor, resume))
+}
+
 /// P4's resume again, with the server restoring each paused sandbox's
 /// capture ahead (`resume_ahead`): after each pause the bench waits until
 /// the sandbox's VM directory is back (the restore ahead), then measures
@@ -214,16 +225,10 @@ async fn resume_ahead(ctx: &Ctx, n: usize, out: &mut Out) -> anyhow::Result<Row>
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        ctx.step(format!("resume ahead {i}/{n}: floor"));
-        let capture = pause_capture(ctx, &sb.id)?;
-        floor_ms.push(floor_once(ctx, &capture, out, false).await?);
-        ctx.step(format!("resume ahead {i}/{n}: resume"));
-        let mark = stages::mark(ctx.server_log.as_deref());
-        let t = Instant::now();
-        ctx.api.resume(&sb.id).await?;
-        resume_ms.push(ms(t));
-        server_stages(ctx, out, mark);
-        run(ctx, &sb, "true").await?;
+        let step = format!("resume ahead {i}/{n}");
+        let (floor, resume) = floor_then_resume(ctx, &sb, out, &step).await?;
+        floor_ms.push(floor);
+        resume_ms.push(resume);
     }
     ctx.api.kill(&sb.id).await?;
     Ok(
