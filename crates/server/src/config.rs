@@ -82,10 +82,11 @@ pub struct Config {
     pub max_fork_count: usize,
     /// VMs restored ahead of time per template shape in use (0: none).
     pub pool_size: usize,
-    /// Paused sandboxes (the latest) whose capture is loaded into a
-    /// stopped QEMU right after the pause, so their resume skips QEMU's
-    /// start and the load (0: none). Each holds a slot of
-    /// `max_sandboxes` and its QEMU's memory while it waits.
+    /// Paused sandboxes, at most, whose capture is loaded into a stopped
+    /// QEMU right after the pause, so their resume skips QEMU's start and
+    /// the load (0: none). First come: a pause finding them all held gets
+    /// none; a resume, a kill or a start that needs the room frees one.
+    /// Each holds a slot of `max_sandboxes` and its QEMU's memory.
     pub resume_ahead: usize,
     /// VM starts (create, resume, fork children) running at once; more wait.
     pub max_concurrent_starts: usize,

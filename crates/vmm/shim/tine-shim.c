@@ -31,9 +31,10 @@
  * The two meet in madvise: dropping a write-protected page leaves a
  * protection marker, which reads as "not written", yet the page now reads
  * the snapshot's content and may differ from what the last capture saw.
- * So after MADV_DONTNEED the range's protection is lifted: a dropped page
+ * So before MADV_DONTNEED the range's protection is lifted: a dropped page
  * then has no page table entry at all, which tine's scan looks for. (If
- * tine tracks nothing, the call fails and nothing changes.)
+ * tine tracks nothing, that call fails harmlessly; if it fails otherwise,
+ * the discard is refused.)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -188,15 +189,22 @@ int madvise(void *addr, size_t len, int advice)
         errno = ENOSYS;
         return -1;
     }
-    int ret = real_madvise(addr, len, advice);
-    if (ret == 0 && advice == MADV_DONTNEED && uffd >= 0) {
-        int saved = errno;
+    if (advice == MADV_DONTNEED && uffd >= 0) {
+        /* Lift the protection first: a page dropped with it would keep a
+         * marker that reads as "not written". ENOENT: the range is not
+         * tracked; EINVAL: nothing is tracked (tine never set the uffd
+         * up). Anything else: refuse the discard, so the page stays as
+         * it is (QEMU reports the failure and goes on). */
         struct uffdio_writeprotect wp = {
             .range = { .start = (unsigned long)addr, .len = len },
             .mode = 0,
         };
-        (void)ioctl(uffd, UFFDIO_WRITEPROTECT, &wp);
-        errno = saved;
+        int r, tries = 0;
+        do {
+            r = ioctl(uffd, UFFDIO_WRITEPROTECT, &wp);
+        } while (r < 0 && errno == EAGAIN && ++tries < 100);
+        if (r < 0 && errno != ENOENT && errno != EINVAL)
+            return -1;
     }
-    return ret;
+    return real_madvise(addr, len, advice);
 }

@@ -191,10 +191,9 @@ impl Manager {
     /// sandbox, `op`, goes with it: the pause has answered, and the
     /// sandbox's next operation (its resume, a kill) waits for this.
     fn restore_ahead(&self, id: &str, capture: SnapshotRef, op: tokio::sync::OwnedMutexGuard<()>) {
-        if !self.pool.wants_ahead() || self.fit_pool() == 0 {
+        if self.fit_pool() == 0 || !self.pool.reserve_ahead() {
             return;
         }
-        self.pool.begin_ahead();
         let (pool, chains) = (self.pool.clone(), self.chains.clone());
         let id = id.to_string();
         tokio::spawn(async move {

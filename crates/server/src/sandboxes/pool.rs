@@ -47,6 +47,13 @@ pub struct WarmPool {
     resume_ahead: usize,
     /// Sandbox id → its VM restored ahead of its resume.
     ahead: Mutex<HashMap<String, Ahead>>,
+    /// Restores ahead reserved and not finished (they count against
+    /// `resume_ahead` as held ones do).
+    ahead_starting: AtomicUsize,
+    /// VMs restored ahead being killed in the background (evicted to make
+    /// room), by sandbox id: whatever uses that id next waits for the kill,
+    /// which removes files named after the id.
+    dying: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
     driver: Arc<dyn Driver>,
     network: Arc<crate::network::Network>,
     ready: Mutex<HashMap<String, Vec<Pooled>>>,
@@ -72,6 +79,8 @@ impl WarmPool {
             size,
             resume_ahead,
             ahead: Mutex::new(HashMap::new()),
+            ahead_starting: AtomicUsize::new(0),
+            dying: Mutex::new(HashMap::new()),
             driver,
             network,
             ready: Mutex::new(HashMap::new()),
@@ -210,7 +219,17 @@ impl WarmPool {
             .map(|(_, a)| a)
             .collect();
         for a in ahead {
-            let _ = a.vm.kill().await;
+            kill_or_clean(self.driver.as_ref(), a.vm).await;
+        }
+        let dying: Vec<_> = self
+            .dying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, h)| h)
+            .collect();
+        for kill in dying {
+            let _ = kill.await;
         }
     }
 
@@ -232,9 +251,7 @@ impl WarmPool {
                 vm = vm.id(),
                 "resume ahead: a VM restored for a paused sandbox makes room"
             );
-            tokio::spawn(async move {
-                let _ = vm.kill().await;
-            });
+            self.kill_in_background(vm);
         }
         let gone: Vec<Pooled> = {
             let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
@@ -294,72 +311,114 @@ impl WarmPool {
         ids
     }
 
-    /// Whether another VM may be restored ahead of a resume.
-    pub fn wants_ahead(&self) -> bool {
-        !self.closed.load(Ordering::SeqCst)
-            && self.ahead.lock().unwrap_or_else(|e| e.into_inner()).len() < self.resume_ahead
-    }
-
-    /// Count a restore ahead that is about to start (it holds a slot of
-    /// the sandbox limit from now on); [`WarmPool::restore_ahead`] ends it.
-    pub fn begin_ahead(&self) {
+    /// Reserve a restore ahead of a resume: false when `resume_ahead` are
+    /// held or starting already, or the pool is drained. A reserved one
+    /// holds a slot of the sandbox limit; [`WarmPool::restore_ahead`] ends
+    /// the reservation.
+    pub fn reserve_ahead(&self) -> bool {
+        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.load(Ordering::SeqCst)
+            || ahead.len() + self.ahead_starting.load(Ordering::SeqCst) >= self.resume_ahead
+        {
+            return false;
+        }
+        self.ahead_starting.fetch_add(1, Ordering::SeqCst);
         self.warming.fetch_add(1, Ordering::SeqCst);
+        true
     }
 
     /// Restore `snapshot` (the capture sandbox `id` was just paused into)
     /// as VM `id`, vCPUs stopped, for that sandbox's resume. The caller
-    /// holds the sandbox's lock (taken for the pause) and called
-    /// [`WarmPool::begin_ahead`].
+    /// holds the sandbox's lock (taken for the pause) and reserved it
+    /// ([`WarmPool::reserve_ahead`]).
     pub async fn restore_ahead(&self, id: &str, snapshot: &SnapshotRef) {
-        let restored = if self.wants_ahead() {
-            Some(self.driver.restore_paused(id, snapshot).await)
-        } else {
+        // Nothing else may hold the id while it is restored again.
+        let _ = self.take_ahead(id, None).await;
+        let restored = if self.closed.load(Ordering::SeqCst) {
             None
+        } else {
+            Some(self.driver.restore_paused(id, snapshot).await)
         };
-        let kept = match restored {
+        match restored {
             Some(Ok(vm)) if !self.closed.load(Ordering::SeqCst) => {
-                let old = self.ahead.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+                ahead.insert(
                     id.to_string(),
                     Ahead {
                         snapshot_id: snapshot.id().to_string(),
                         vm,
                     },
                 );
-                old.map(|a| a.vm)
+                // Under the same lock: never counted twice, nor not at all.
+                self.end_reservation();
             }
             // Drained meanwhile.
-            Some(Ok(vm)) => Some(vm),
-            Some(Err(e)) => {
-                tracing::warn!(sandbox = id, "resume ahead: restore failed: {e}");
-                None
+            Some(Ok(vm)) => {
+                self.end_reservation();
+                kill_or_clean(self.driver.as_ref(), vm).await;
             }
-            None => None,
-        };
-        if let Some(vm) = kept {
-            let _ = vm.kill().await;
+            Some(Err(e)) => {
+                self.end_reservation();
+                tracing::warn!(sandbox = id, "resume ahead: restore failed: {e}");
+            }
+            None => self.end_reservation(),
         }
+    }
+
+    fn end_reservation(&self) {
+        self.ahead_starting.fetch_sub(1, Ordering::SeqCst);
         self.warming.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Kill `vm` (restored ahead) without waiting; the next user of its id
+    /// waits for it ([`WarmPool::take_ahead`]).
+    fn kill_in_background(&self, vm: Box<dyn VmHandle>) {
+        let id = vm.id().to_string();
+        let driver = self.driver.clone();
+        let handle = tokio::spawn(async move { kill_or_clean(driver.as_ref(), vm).await });
+        self.dying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, handle);
     }
 
     /// The VM restored ahead for sandbox `id`'s resume from capture
     /// `snapshot_id`, if there is one and it is alive. Any other VM held
-    /// for `id` is killed first (its id is about to be used again).
+    /// for `id`, or being killed, is gone when this returns (its id is
+    /// about to be used again).
     pub async fn take_ahead(
         &self,
         id: &str,
         snapshot_id: Option<&str>,
     ) -> Option<Box<dyn VmHandle>> {
+        let dying = self
+            .dying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        if let Some(kill) = dying {
+            let _ = kill.await;
+        }
         let a = self
             .ahead
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id)?;
-        if Some(a.snapshot_id.as_str()) == snapshot_id && a.vm.exit_status().is_none() {
+        if snapshot_id.is_some_and(|s| s == a.snapshot_id) && a.vm.exit_status().is_none() {
             return Some(a.vm);
         }
         tracing::info!(sandbox = id, "resume ahead: its VM is not used");
-        let _ = a.vm.kill().await;
+        kill_or_clean(self.driver.as_ref(), a.vm).await;
         None
+    }
+}
+
+/// Kill `vm`; if that fails, remove whatever it left under its id.
+async fn kill_or_clean(driver: &dyn Driver, vm: Box<dyn VmHandle>) {
+    let id = vm.id().to_string();
+    if let Err(e) = vm.kill().await {
+        tracing::warn!(vm = %id, "killing a VM restored ahead: {e}");
+        driver.cleanup(&id).await;
     }
 }
 
