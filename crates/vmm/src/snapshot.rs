@@ -224,26 +224,6 @@ impl Snapshot {
         Ok(snap)
     }
 
-    /// Flush the snapshot's files and directory to disk. Captures write
-    /// them through the page cache while the VM is stopped and sync here,
-    /// after it runs again.
-    pub fn sync(&self) -> Result<()> {
-        let sync = |path: &Path| std::fs::File::open(path).and_then(|f| f.sync_all());
-        for name in ["state", "disk.qcow2", "meta.json", LAYER_FILE, "ram"] {
-            let path = self.dir.join(name);
-            if path.exists() {
-                sync(&path).map_err(|e| Error::Io {
-                    context: format!("syncing {}", path.display()),
-                    source: e,
-                })?;
-            }
-        }
-        sync(&self.dir).map_err(|e| Error::Io {
-            context: format!("syncing {}", self.dir.display()),
-            source: e,
-        })
-    }
-
     /// Delete every file of the snapshot.
     pub fn delete(paths: &Paths, id: &str) -> Result<()> {
         let dir = paths.snapshot_dir(id);
@@ -260,6 +240,47 @@ impl Snapshot {
 
 /// The RAM layer's file name in a layered snapshot's directory.
 pub const LAYER_FILE: &str = "ram.layer";
+
+/// The files of a snapshot directory besides `meta.json`.
+const DATA_FILES: [&str; 4] = ["state", "disk.qcow2", LAYER_FILE, "ram"];
+
+/// Make the snapshot in `dir` durable and then publish its `meta.json`
+/// (`meta`): its data files and the new meta (under a temporary name) are
+/// flushed at once, so one journal commit can cover them all, then the
+/// meta is renamed into place and the directory flushed. A snapshot
+/// exists once its `meta.json` does, so a crash at any point leaves
+/// either no snapshot or one whose files are all on disk.
+pub fn publish(dir: &Path, meta: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let io = |context: String| move |source| Error::Io { context, source };
+    let path = dir.join("meta.json");
+    let tmp = dir.join("meta.json.tmp");
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(meta))
+        .map_err(io(format!("writing {}", tmp.display())))?;
+    let mut files: Vec<PathBuf> = DATA_FILES
+        .iter()
+        .map(|name| dir.join(name))
+        .filter(|p| p.exists())
+        .collect();
+    files.push(tmp.clone());
+    std::thread::scope(|s| {
+        let syncs: Vec<_> = files
+            .iter()
+            .map(|p| s.spawn(move || std::fs::File::open(p).and_then(|f| f.sync_all())))
+            .collect();
+        for (p, h) in files.iter().zip(syncs) {
+            h.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
+                .map_err(io(format!("syncing {}", p.display())))?;
+        }
+        Ok::<_, Error>(())
+    })?;
+    std::fs::rename(&tmp, &path).map_err(io(format!("renaming {}", tmp.display())))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(format!("syncing {}", dir.display())))
+}
 
 /// A cheap check at open time; the whole index is read and checked when
 /// the chain is opened for a restore.
@@ -356,6 +377,30 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::{FileExt, MetadataExt};
+
+    /// The meta appears under its name only after the data files are
+    /// flushed, and no temporary file is left; a directory that cannot
+    /// take the meta publishes nothing.
+    #[test]
+    fn publish_writes_the_meta_last_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("state"), b"state").unwrap();
+        std::fs::write(dir.path().join(super::LAYER_FILE), b"layer").unwrap();
+        super::publish(dir.path(), b"{\"v\":1}").unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["meta.json", "ram.layer", "state"]);
+        assert_eq!(
+            std::fs::read(dir.path().join("meta.json")).unwrap(),
+            b"{\"v\":1}"
+        );
+        let gone = dir.path().join("gone");
+        assert!(super::publish(&gone, b"{}").is_err());
+        assert!(!gone.join("meta.json").exists());
+    }
 
     #[test]
     fn move_sparse_copies_data_and_keeps_holes() {

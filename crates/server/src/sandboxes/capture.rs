@@ -378,22 +378,24 @@ impl Manager {
             live.renew();
         }
         // The source's clock stood still and its RNG state is now shared
-        // with whatever starts from the capture: reseed it.
-        let reseeded = agent::init(
-            &live.guest,
-            &rec.id,
-            guest_env(&rec),
-            &rec.envd_access_token,
-            Some(&rec.envd_access_token),
-        )
-        .await
-        .map_err(SandboxError::agent(
+        // with whatever starts from the capture: reseed it, while the
+        // capture is recorded (it is whole whether or not the reseed works).
+        let (reseeded, recorded) = tokio::join!(
+            agent::init(
+                &live.guest,
+                &rec.id,
+                guest_env(&rec),
+                &rec.envd_access_token,
+                Some(&rec.envd_access_token),
+            ),
+            async { self.db.record_capture(id, &row) }
+        );
+        let reseeded = reseeded.map_err(SandboxError::agent(
             id,
             "reseeding the source after its capture",
         ));
         drop(guard);
-        // The capture is whole whether or not the reseed worked: keep it.
-        self.db.record_capture(id, &row)?;
+        recorded?;
         reseeded?;
         self.event(
             id,

@@ -121,11 +121,17 @@ impl Chain {
         i > 0 && page < self.root_data[i - 1].1
     }
 
-    /// The contents of consecutive `pages` into `buf`, one read per stretch
-    /// that lies contiguously in one file.
-    pub fn read_run(&self, pages: &[u64], buf: &mut [u8]) -> io::Result<()> {
+    /// Split consecutive `pages` into stretches that lie contiguously in
+    /// one file (or are all zeros): `(first index, pages, where)`.
+    fn stretches<'p>(
+        &'p self,
+        pages: &'p [u64],
+    ) -> impl Iterator<Item = (usize, usize, Option<(Option<usize>, u64)>)> + 'p {
         let mut i = 0;
-        while i < pages.len() {
+        std::iter::from_fn(move || {
+            if i >= pages.len() {
+                return None;
+            }
             let here = self.locate(pages[i]);
             let mut n = 1;
             while i + n < pages.len() {
@@ -142,13 +148,66 @@ impl Chain {
                 }
                 n += 1;
             }
+            let stretch = (i, n, here);
+            i += n;
+            Some(stretch)
+        })
+    }
+
+    /// Read `n` pages' bytes from where [`Chain::locate`] put them.
+    fn read_at(&self, file: Option<usize>, at: u64, out: &mut [u8]) -> io::Result<()> {
+        match file {
+            None => self.root.read_exact_at(out, at),
+            Some(layer) => self.layers[layer].read_at(out, at),
+        }
+    }
+
+    /// The contents of consecutive `pages` into `buf`, one read per stretch
+    /// that lies contiguously in one file.
+    pub fn read_run(&self, pages: &[u64], buf: &mut [u8]) -> io::Result<()> {
+        for (i, n, here) in self.stretches(pages) {
             let out = &mut buf[i * PAGE..(i + n) * PAGE];
             match here {
                 None => out.fill(0),
-                Some((None, at)) => self.root.read_exact_at(out, at)?,
-                Some((Some(layer), at)) => self.layers[layer].read_at(out, at)?,
+                Some((file, at)) => self.read_at(file, at, out)?,
             }
-            i += n;
+        }
+        Ok(())
+    }
+
+    /// Push onto `changed` `base + i` for each page `pages[i]` (consecutive)
+    /// whose bytes in `now` differ from this chain's. A page the chain
+    /// holds as zeros (most of a guest's free memory) is checked in place;
+    /// the others are read into `scratch` (at least as long as `now`).
+    fn differing(
+        &self,
+        pages: &[u64],
+        now: &[u8],
+        scratch: &mut [u8],
+        base: usize,
+        changed: &mut Vec<usize>,
+    ) -> io::Result<()> {
+        for (i, n, here) in self.stretches(pages) {
+            let mine = &now[i * PAGE..(i + n) * PAGE];
+            match here {
+                None => {
+                    for (j, page) in mine.chunks_exact(PAGE).enumerate() {
+                        if !layer::is_zero(page) {
+                            changed.push(base + i + j);
+                        }
+                    }
+                }
+                Some((file, at)) => {
+                    let before = &mut scratch[..n * PAGE];
+                    self.read_at(file, at, before)?;
+                    let pairs = mine.chunks_exact(PAGE).zip(before.chunks_exact(PAGE));
+                    for (j, (a, b)) in pairs.enumerate() {
+                        if a != b {
+                            changed.push(base + i + j);
+                        }
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -211,18 +270,30 @@ pub enum Current<'a> {
     Copied { pages: &'a [u64], data: &'a [u8] },
 }
 
-impl Current<'_> {
-    fn read_run(&self, run: &[u64], buf: &mut [u8]) -> io::Result<()> {
+impl<'a> Current<'a> {
+    /// The bytes of consecutive `run`: read into `buf` from a live VM, or
+    /// the copy's own bytes.
+    fn run<'b>(&'b self, run: &[u64], buf: &'b mut [u8]) -> io::Result<&'b [u8]> {
         match self {
-            Current::Live(ram) => ram.read(run[0], buf),
-            Current::Copied { pages, data } => {
-                let i = pages.binary_search(&run[0]).map_err(|_| {
-                    io::Error::new(io::ErrorKind::NotFound, "page missing from the copy")
-                })?;
-                buf.copy_from_slice(&data[i * PAGE..(i + run.len()) * PAGE]);
-                Ok(())
+            Current::Live(ram) => {
+                let out = &mut buf[..run.len() * PAGE];
+                ram.read(run[0], out)?;
+                Ok(out)
             }
+            Current::Copied { .. } => self.copied(run[0], run.len()),
         }
+    }
+
+    /// `n` pages of a copy from `page` on.
+    fn copied(&self, page: u64, n: usize) -> io::Result<&'a [u8]> {
+        let Current::Copied { pages, data } = self else {
+            return Err(io::Error::other("not a copy"));
+        };
+        let i = pages
+            .binary_search(&page)
+            .map_err(|_| io::Error::new(io::ErrorKind::NotFound, "page missing from the copy"))?;
+        data.get(i * PAGE..(i + n) * PAGE)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "pages missing from the copy"))
     }
 }
 
@@ -265,19 +336,14 @@ fn write_layer_in(
     let ram_bytes = parent.root.metadata()?.len();
     let mut w = LayerWriter::create(out, ram_bytes)?;
     let workers = WORKERS.min(candidates.len().div_ceil(chunk)).max(1);
-    let size = chunk.min(candidates.len().max(1)) * PAGE;
-    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..workers)
-        .map(|_| (vec![0u8; size], vec![0u8; size]))
-        .collect();
+    let mut bufs: Vec<Buffers> = (0..workers).map(|_| Buffers::new()).collect();
     for round in candidates.chunks(chunk * workers) {
         let parts: Vec<&[u64]> = round.chunks(chunk).collect();
         let changed: Vec<io::Result<Vec<usize>>> = std::thread::scope(|s| {
             let handles: Vec<_> = parts
                 .iter()
                 .zip(bufs.iter_mut())
-                .map(|(part, (now, before))| {
-                    s.spawn(move || changed_pages(part, current, parent, now, before))
-                })
+                .map(|(part, bufs)| s.spawn(move || changed_pages(part, current, parent, bufs)))
                 .collect();
             handles
                 .into_iter()
@@ -287,9 +353,13 @@ fn write_layer_in(
                 })
                 .collect()
         });
-        for ((part, (now, _)), changed) in parts.iter().zip(&bufs).zip(changed) {
-            for i in changed? {
-                w.push(part[i], &now[i * PAGE..(i + 1) * PAGE])?;
+        for ((part, bufs), changed) in parts.iter().zip(&bufs).zip(changed) {
+            for (k, i) in changed?.into_iter().enumerate() {
+                let bytes = match current {
+                    Current::Live(_) => &bufs.kept[k * PAGE..(k + 1) * PAGE],
+                    Current::Copied { .. } => current.copied(part[i], 1)?,
+                };
+                w.push(part[i], bytes)?;
             }
         }
     }
@@ -298,28 +368,48 @@ fn write_layer_in(
 
 /// Threads comparing pages in [`write_layer`].
 const WORKERS: usize = 2;
-/// Pages a thread compares at a time (16 MiB).
+/// Pages a thread compares before the changed ones are written (16 MiB).
 const CHUNK: usize = 16 * RUN;
 
-/// Read `pages` (ascending) as they are now into `now` and under `parent`
-/// into `before` (page `i` at `i * PAGE`); the indexes of those that differ.
+/// One comparing thread's memory, reused from chunk to chunk.
+struct Buffers {
+    /// A run of a live VM's pages, compared while still in the CPU's cache.
+    run: Vec<u8>,
+    /// A run of the parent's pages.
+    scratch: Vec<u8>,
+    /// The changed pages of a live VM, in order, until they are written.
+    kept: Vec<u8>,
+}
+
+impl Buffers {
+    fn new() -> Self {
+        Self {
+            run: vec![0u8; RUN * PAGE],
+            scratch: vec![0u8; RUN * PAGE],
+            kept: Vec::new(),
+        }
+    }
+}
+
+/// The indexes of those `pages` (ascending) whose contents now differ from
+/// `parent`'s; a live VM's changed pages are kept in `bufs.kept`, in order.
 fn changed_pages(
     pages: &[u64],
     current: &Current<'_>,
     parent: &Chain,
-    now: &mut [u8],
-    before: &mut [u8],
+    bufs: &mut Buffers,
 ) -> io::Result<Vec<usize>> {
     let mut changed = Vec::new();
+    bufs.kept.clear();
     let mut first = 0;
     for run in runs(pages) {
-        let span = first * PAGE..(first + run.len()) * PAGE;
-        current.read_run(run, &mut now[span.clone()])?;
-        parent.read_run(run, &mut before[span])?;
-        for i in first..first + run.len() {
-            let page = i * PAGE..(i + 1) * PAGE;
-            if now[page.clone()] != before[page] {
-                changed.push(i);
+        let before = changed.len();
+        let mine = current.run(run, &mut bufs.run)?;
+        parent.differing(run, mine, &mut bufs.scratch, first, &mut changed)?;
+        if let Current::Live(_) = current {
+            for &i in &changed[before..] {
+                let at = (i - first) * PAGE;
+                bufs.kept.extend_from_slice(&mine[at..at + PAGE]);
             }
         }
         first += run.len();
@@ -467,5 +557,88 @@ mod tests {
         let small = dir.path().join("small");
         std::fs::write(&small, vec![1u8; 8 * PAGE]).unwrap();
         assert!(Chain::open(&small, &[a]).is_err(), "size mismatch");
+    }
+
+    /// A live VM's pages (here: a private mapping in this process) are
+    /// compared run by run: over the root's holes a page counts as changed
+    /// only if it is not all zeros, over data only if its bytes differ,
+    /// whatever the chunk and thread split.
+    #[test]
+    fn a_live_layer_checks_pages_over_holes_for_zeros() {
+        use std::os::fd::AsFd;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let pages = 3 * RUN + 5;
+        let len = pages * PAGE;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&root)
+            .unwrap();
+        f.set_len(len as u64).unwrap();
+        // Data in pages [RUN, 2 * RUN); holes elsewhere.
+        f.write_all_at(&vec![7u8; RUN * PAGE], (RUN * PAGE) as u64)
+            .unwrap();
+        // SAFETY: a fresh private mapping of a file this test owns; it is
+        // unmapped at the end and no reference outlives it.
+        let ptr = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                std::num::NonZeroUsize::new(len).unwrap(),
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_PRIVATE,
+                f.as_fd(),
+                0,
+            )
+            .unwrap()
+        };
+        // SAFETY: `ptr` maps `len` readable and writable bytes.
+        let mem = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr() as *mut u8, len) };
+        let mut want = Vec::new();
+        let mut written = Vec::new();
+        for p in 0..pages {
+            let page = &mut mem[p * PAGE..(p + 1) * PAGE];
+            let over_data = (RUN..2 * RUN).contains(&p);
+            match p % 4 {
+                // Rewritten with what the root has: not changed.
+                0 => page.fill(if over_data { 7 } else { 0 }),
+                // One byte off at the end of the page: changed.
+                1 => page[PAGE - 1] = 1,
+                // Zeros: changed over data only.
+                2 => {
+                    page.fill(0);
+                    if over_data {
+                        want.push(p as u64);
+                    }
+                    written.push(p as u64);
+                    continue;
+                }
+                _ => continue,
+            }
+            if p % 4 == 1 {
+                want.push(p as u64);
+            }
+            written.push(p as u64);
+        }
+        let me = std::process::id() as i32;
+        let ram = GuestRam::find(me, &root, len as u64).unwrap();
+        let parent = Chain::open(&root, &[]).unwrap();
+        for chunk in [1, 7, RUN, 4096] {
+            let out = dir.path().join(format!("live{chunk}"));
+            write_layer_in(&written, &Current::Live(&ram), &parent, &out, chunk).unwrap();
+            let got = Layer::open(&out).unwrap();
+            let listed: Vec<u64> = got.entries().iter().map(|&(p, _)| p).collect();
+            assert_eq!(listed, want, "chunk {chunk}");
+            let chain = Chain::open(&root, &[out]).unwrap();
+            let mut buf = vec![0u8; PAGE];
+            for p in 0..pages {
+                chain.read(p as u64, &mut buf).unwrap();
+                assert_eq!(buf, mem[p * PAGE..(p + 1) * PAGE], "page {p} chunk {chunk}");
+            }
+        }
+        // SAFETY: unmapping the mapping made above; `mem` is not used again.
+        unsafe { nix::sys::mman::munmap(ptr, len).unwrap() };
     }
 }

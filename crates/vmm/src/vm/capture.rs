@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{write_atomic, Vm, VmState};
+use super::{Vm, VmState};
 use crate::blocking;
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
@@ -67,7 +67,6 @@ impl Vm {
                 self.resume().await?;
             }
             let snapshot = captured?;
-            snapshot.sync()?;
             tracing::info!(
                 vm = self.id(),
                 snapshot = snap_id,
@@ -108,10 +107,7 @@ impl Vm {
     ) -> std::result::Result<Snapshot, (Error, Option<Vm>)> {
         let was_running = self.state == VmState::Running;
         match self.capture(snap_id, After::Exit).await {
-            Ok(snapshot) => {
-                let done = self.kill().await.and_then(|()| snapshot.sync());
-                done.map(|()| snapshot).map_err(|e| (e, None))
-            }
+            Ok(snapshot) => self.kill().await.map(|()| snapshot).map_err(|e| (e, None)),
             Err(e) => {
                 if self.state != VmState::Stopped && self.process.exit_status().is_none() {
                     let back = match (was_running, self.state) {
@@ -150,7 +146,7 @@ impl Vm {
             } else {
                 // The disk was sealed into the snapshot directory and the
                 // VM's new overlay is backed by it there: keep that file.
-                for name in ["state", "meta.json", LAYER_FILE] {
+                for name in ["state", "meta.json", "meta.json.tmp", LAYER_FILE] {
                     let _ = std::fs::remove_file(snap_dir.join(name));
                 }
                 tracing::warn!(
@@ -200,7 +196,9 @@ impl Vm {
             Some(ram) => Some(self.finish_layer(ram, dir).await?),
             None => None,
         };
-        let snapshot = self.write_meta(snap_id, dir, parent, disk_over, after)?;
+        let snapshot = self
+            .write_meta(snap_id, dir, parent, disk_over, after)
+            .await?;
         if let (true, After::Continue, Some(tracker)) = (rearmed, after, &self.tracker) {
             // This capture is now the VM's parent: what its scan protected
             // again is what the next capture must look at.
@@ -265,9 +263,10 @@ impl Vm {
         Ok(())
     }
 
-    /// Write the snapshot's `meta.json` (its parent: the RAM layer's base)
-    /// and open it; a VM that continues captures over it next.
-    fn write_meta(
+    /// Flush the snapshot's files and publish its `meta.json` (its parent:
+    /// the RAM layer's base), then open it; a VM that continues captures
+    /// over it next.
+    async fn write_meta(
         &mut self,
         snap_id: &str,
         dir: &Path,
@@ -276,10 +275,9 @@ impl Vm {
         after: After,
     ) -> Result<Snapshot> {
         let meta = super::capture_meta(&self.record, snap_id, dir, parent, disk_over)?;
-        write_atomic(
-            &dir.join("meta.json"),
-            &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
-        )?;
+        let bytes = serde_json::to_vec_pretty(&meta).expect("meta serializes");
+        let dir_owned = dir.to_path_buf();
+        blocking(move || crate::snapshot::publish(&dir_owned, &bytes)).await?;
         let snapshot = Snapshot::open(&self.paths, snap_id)?;
         if after == After::Continue {
             self.record.parent = Some(snap_id.to_string());

@@ -3,7 +3,7 @@
 //! the VM's disk is already in the capture directory, so neither the VM
 //! nor the capture holds the sandbox until the capture is finished.
 
-use super::{cleanup_pid, write_atomic, VmFiles, VmRecord};
+use super::{cleanup_pid, VmFiles, VmRecord};
 use crate::config::Paths;
 use crate::error::{Error, IoContext, Result};
 use crate::ram::layer::Layer;
@@ -71,15 +71,14 @@ pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Resu
         .clone()
         .map(|d| d.into_iter().filter(|p| p != &disk).collect());
     let meta = super::capture_meta(&record, snap_id, &dir, parent, disk_over)?;
-    write_atomic(
-        &dir.join("meta.json"),
+    crate::snapshot::publish(
+        &dir,
         &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
     )?;
-    let snapshot = Snapshot::open(paths, snap_id).map_err(|e| Error::Snapshot {
+    Snapshot::open(paths, snap_id).map_err(|e| Error::Snapshot {
         path: dir.clone(),
         detail: format!("finished from what its capture left, but: {e}"),
     })?;
-    snapshot.sync()?;
     tracing::info!(
         vm = vm_id,
         snapshot = snap_id,
