@@ -276,10 +276,14 @@ impl Manager {
         // Paused without its memory: a cold boot over its disk, whose
         // guest has no token yet.
         let cold_boot = rec.lifecycle.paused_disk_only || !memory;
-        let snapshot = self
-            .driver
-            .open_snapshot(&snap_id)
-            .map_err(SandboxError::vm(id, "cannot resume"))?;
+        // Opened (its chain's files held open) while no garbage collection
+        // runs: a compaction of this capture may have just made its
+        // ancestors garbage, and its meta.json read before that names them.
+        let snapshot = {
+            let _chains = self.chains.read().await;
+            self.driver.open_snapshot(&snap_id)
+        }
+        .map_err(SandboxError::vm(id, "cannot resume"))?;
         // Its VM restored ahead (killed if this resume cannot use it: its
         // id is about to be used again); taken before the pool is fitted
         // to the limit, which could let it go.

@@ -137,10 +137,12 @@ impl Manager {
     ) -> Result<(Source, Machine), SandboxError> {
         if let Some(row) = self.db.get_snapshot(template_id)? {
             if row.kind == SnapshotKind::Snapshot {
-                let snapshot = self
-                    .driver
-                    .open_snapshot(&row.id)
-                    .map_err(SandboxError::vm(template_id, "opening the snapshot"))?;
+                // Not while garbage collection runs (see `connect`).
+                let snapshot = {
+                    let _chains = self.chains.read().await;
+                    self.driver.open_snapshot(&row.id)
+                }
+                .map_err(SandboxError::vm(template_id, "opening the snapshot"))?;
                 let m = snapshot.info().machine;
                 let source = Source {
                     snapshot,
