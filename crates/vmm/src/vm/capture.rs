@@ -291,6 +291,7 @@ impl Vm {
     /// they fit [`COPY_LIMIT`], copy them out so it can run on while the
     /// layer is written; otherwise write the layer now.
     async fn capture_ram(&self, dir: &Path, after: After) -> Result<RamCapture> {
+        let t_open = Instant::now();
         let parent = self.record.parent.clone().ok_or_else(|| Error::Snapshot {
             path: dir.to_path_buf(),
             detail: format!("VM {} maps private RAM but names no parent", self.id()),
@@ -305,6 +306,7 @@ impl Vm {
         blocking(move || {
             let ram = GuestRam::find(pid, &root, bytes)
                 .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
+            let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
             let tracked = tracker.as_deref().is_some_and(WriteTracker::armed);
             let (candidates, rearmed) = candidates(&ram, &chain, tracker.as_deref(), &id)?;
@@ -312,6 +314,7 @@ impl Vm {
                 vm = %id,
                 pages = candidates.len(),
                 tracked,
+                open_ms,
                 scan_ms = t.elapsed().as_secs_f64() * 1e3,
                 "RAM scanned"
             );
