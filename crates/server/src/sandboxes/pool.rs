@@ -376,10 +376,10 @@ impl WarmPool {
         let id = vm.id().to_string();
         let driver = self.driver.clone();
         let handle = tokio::spawn(async move { kill_or_clean(driver.as_ref(), vm).await });
-        self.dying
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, handle);
+        let mut dying = self.dying.lock().unwrap_or_else(|e| e.into_inner());
+        // Kills that are over need no waiting: forget them.
+        dying.retain(|_, kill| !kill.is_finished());
+        dying.insert(id, handle);
     }
 
     /// The VM restored ahead for sandbox `id`'s resume from capture
