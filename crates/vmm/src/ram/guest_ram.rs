@@ -170,7 +170,6 @@ impl GuestRam {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
 
     /// Map a file MAP_PRIVATE in this process, write two pages, and check
     /// that exactly those are reported, and that reads and writes through
@@ -188,21 +187,8 @@ mod tests {
             .open(&path)
             .unwrap();
         f.write_all_at(&vec![5u8; len], 0).unwrap();
-        // SAFETY: a fresh private mapping of a file we own; it is unmapped
-        // at the end of the test and no reference outlives it.
-        let ptr = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                std::num::NonZeroUsize::new(len).unwrap(),
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_PRIVATE,
-                f.as_fd(),
-                0,
-            )
-            .unwrap()
-        };
-        // SAFETY: `ptr` maps `len` readable and writable bytes.
-        let mem = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr() as *mut u8, len) };
+        let mut map = PrivateMap::new(&f, len);
+        let mem = map.bytes();
         let _ = mem[0]; // fault in a shared page: not private
         mem[3 * PAGE] = 1;
         mem[17 * PAGE + 9] = 2;
@@ -228,7 +214,47 @@ mod tests {
             GuestRam::find(me, &path, 8 * PAGE as u64).is_err(),
             "wrong size"
         );
-        // SAFETY: unmapping the mapping made above; `mem` is not used again.
-        unsafe { nix::sys::mman::munmap(ptr, len).unwrap() };
+    }
+}
+
+/// A private, writable mapping of a whole file in this process, as QEMU
+/// maps guest RAM; unmapped when dropped (tests only).
+#[cfg(test)]
+pub(crate) struct PrivateMap {
+    ptr: std::ptr::NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+#[cfg(test)]
+impl PrivateMap {
+    pub(crate) fn new(file: &std::fs::File, len: usize) -> Self {
+        use std::os::fd::AsFd;
+        // SAFETY: a fresh private mapping of a file the caller owns; it is
+        // unmapped in `drop`, and `bytes` borrows it no longer than `self`.
+        let ptr = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                std::num::NonZeroUsize::new(len).expect("a non-empty mapping"),
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_PRIVATE,
+                file.as_fd(),
+                0,
+            )
+            .expect("mmap")
+        };
+        Self { ptr, len }
+    }
+
+    pub(crate) fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `len` readable and writable bytes until drop.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr() as *mut u8, self.len) }
+    }
+}
+
+#[cfg(test)]
+impl Drop for PrivateMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`; no borrow of it outlives `self`.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr, self.len) };
     }
 }

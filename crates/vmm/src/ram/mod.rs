@@ -565,7 +565,6 @@ mod tests {
     /// whatever the chunk and thread split.
     #[test]
     fn a_live_layer_checks_pages_over_holes_for_zeros() {
-        use std::os::fd::AsFd;
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         let pages = 3 * RUN + 5;
@@ -581,21 +580,8 @@ mod tests {
         // Data in pages [RUN, 2 * RUN); holes elsewhere.
         f.write_all_at(&vec![7u8; RUN * PAGE], (RUN * PAGE) as u64)
             .unwrap();
-        // SAFETY: a fresh private mapping of a file this test owns; it is
-        // unmapped at the end and no reference outlives it.
-        let ptr = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                std::num::NonZeroUsize::new(len).unwrap(),
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_PRIVATE,
-                f.as_fd(),
-                0,
-            )
-            .unwrap()
-        };
-        // SAFETY: `ptr` maps `len` readable and writable bytes.
-        let mem = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr() as *mut u8, len) };
+        let mut map = guest_ram::PrivateMap::new(&f, len);
+        let mem = map.bytes();
         let mut want = Vec::new();
         let mut written = Vec::new();
         for p in 0..pages {
@@ -638,7 +624,5 @@ mod tests {
                 assert_eq!(buf, mem[p * PAGE..(p + 1) * PAGE], "page {p} chunk {chunk}");
             }
         }
-        // SAFETY: unmapping the mapping made above; `mem` is not used again.
-        unsafe { nix::sys::mman::munmap(ptr, len).unwrap() };
     }
 }
