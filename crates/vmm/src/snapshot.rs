@@ -21,7 +21,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Artifacts, Machine, Paths};
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
 use crate::ram::Chain;
 
 /// 2: the RAM file moved from the shm dir into the snapshot directory.
@@ -114,12 +114,11 @@ impl Snapshot {
         }
         let chain = self.ram_chain();
         let bytes = u64::from(self.meta.machine.memory_mib) << 20;
-        let io = |context: String| move |source| Error::Io { context, source };
         let ram = crate::ram::GuestRam::find(pid, &self.ram, bytes)
-            .map_err(io(format!("finding the guest RAM of QEMU {pid}")))?;
+            .ctx(|| format!("finding the guest RAM of QEMU {pid}"))?;
         chain
             .apply(&ram)
-            .map_err(io(format!("writing RAM layers into QEMU {pid}")))
+            .ctx(|| format!("writing RAM layers into QEMU {pid}"))
     }
 
     /// The root and layers of this snapshot's RAM, opened for reading.
@@ -245,41 +244,48 @@ pub const LAYER_FILE: &str = "ram.layer";
 const DATA_FILES: [&str; 4] = ["state", "disk.qcow2", LAYER_FILE, "ram"];
 
 /// Make the snapshot in `dir` durable and then publish its `meta.json`
-/// (`meta`): its data files and the new meta (under a temporary name) are
-/// flushed at once, so one journal commit can cover them all, then the
-/// meta is renamed into place and the directory flushed. A snapshot
+/// (`meta`): its data files, the new meta (under a temporary name), the
+/// directory's entries and the directory's own entry in its parent are
+/// flushed at once, so one journal commit can cover them all; then the
+/// meta is renamed into place and the directory flushed again. A snapshot
 /// exists once its `meta.json` does, so a crash at any point leaves
-/// either no snapshot or one whose files are all on disk.
+/// either no snapshot or one whose files are all on disk, under names
+/// that are on disk too.
 pub fn publish(dir: &Path, meta: &[u8]) -> Result<()> {
     use std::io::Write;
-    let io = |context: String| move |source| Error::Io { context, source };
     let path = dir.join("meta.json");
     let tmp = dir.join("meta.json.tmp");
     std::fs::File::create(&tmp)
         .and_then(|mut f| f.write_all(meta))
-        .map_err(io(format!("writing {}", tmp.display())))?;
-    let mut files: Vec<PathBuf> = DATA_FILES
+        .ctx(|| format!("writing {}", tmp.display()))?;
+    let mut paths: Vec<PathBuf> = DATA_FILES
         .iter()
         .map(|name| dir.join(name))
         .filter(|p| p.exists())
         .collect();
-    files.push(tmp.clone());
+    paths.push(tmp.clone());
+    paths.push(dir.to_path_buf());
+    paths.extend(dir.parent().map(Path::to_path_buf));
+    sync_all(&paths)?;
+    std::fs::rename(&tmp, &path).ctx(|| format!("renaming {}", tmp.display()))?;
+    sync_all(&[dir.to_path_buf()])
+}
+
+/// Flush `paths` (files or directories) to disk, each on a thread of its
+/// own, so the file system can commit them together.
+pub fn sync_all(paths: &[PathBuf]) -> Result<()> {
     std::thread::scope(|s| {
-        let syncs: Vec<_> = files
+        let syncs: Vec<_> = paths
             .iter()
             .map(|p| s.spawn(move || std::fs::File::open(p).and_then(|f| f.sync_all())))
             .collect();
-        for (p, h) in files.iter().zip(syncs) {
+        for (p, h) in paths.iter().zip(syncs) {
             h.join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
-                .map_err(io(format!("syncing {}", p.display())))?;
+                .ctx(|| format!("syncing {}", p.display()))?;
         }
-        Ok::<_, Error>(())
-    })?;
-    std::fs::rename(&tmp, &path).map_err(io(format!("renaming {}", tmp.display())))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io(format!("syncing {}", dir.display())))
+        Ok(())
+    })
 }
 
 /// A cheap check at open time; the whole index is read and checked when
@@ -400,6 +406,11 @@ mod tests {
         let gone = dir.path().join("gone");
         assert!(super::publish(&gone, b"{}").is_err());
         assert!(!gone.join("meta.json").exists());
+        let err = super::sync_all(&[dir.path().to_path_buf(), gone.clone()]).unwrap_err();
+        assert!(
+            err.to_string().contains("gone"),
+            "names what it could not sync: {err}"
+        );
     }
 
     #[test]

@@ -145,9 +145,15 @@ impl Vm {
                 let _ = std::fs::remove_file(self.files().disk_generation(generation + 1));
             } else {
                 // The disk was sealed into the snapshot directory and the
-                // VM's new overlay is backed by it there: keep that file.
+                // VM's new overlay is backed by it there: keep that file,
+                // on disk, since the VM's next capture is layered over it.
                 for name in ["state", "meta.json", "meta.json.tmp", LAYER_FILE] {
                     let _ = std::fs::remove_file(snap_dir.join(name));
+                }
+                let mut keep = vec![snap_dir.join("disk.qcow2"), snap_dir.clone()];
+                keep.extend(snap_dir.parent().map(Path::to_path_buf));
+                if let Err(e) = blocking(move || crate::snapshot::sync_all(&keep)).await {
+                    tracing::error!(vm = self.id(), "the sealed disk layer is not synced: {e}");
                 }
                 tracing::warn!(
                     vm = self.id(),
