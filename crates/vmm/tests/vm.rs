@@ -798,6 +798,8 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
     )
     .await;
     assert_eq!(code, 0);
+    let (_, code) = sh(&vm, "echo kept > /root/kept && sync").await;
+    assert_eq!(code, 0);
 
     // Fill the file system but for 4 MiB.
     let free = nix::sys::statvfs::statvfs(&data).unwrap();
@@ -806,6 +808,30 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
     let f = std::fs::File::create(&filler).unwrap();
     nix::fcntl::posix_fallocate(&f, 0, (left - (4 << 20)) as i64).unwrap();
     drop(f);
+
+    // A capture the VM survives fails after its disk was sealed: the
+    // changed pages were copied out, the disk sealed into the capture and
+    // the VM let run on its new overlay, then the layer finds no room.
+    // The sealed disk stays (the VM's disk is stacked on it); nothing
+    // else of the capture does.
+    let sealed_id = uniq("sealed");
+    let err = vm
+        .snapshot(&sealed_id)
+        .await
+        .err()
+        .expect("a layer of 48 MiB with 4 MiB free must fail");
+    assert_eq!(err.kind(), tine_vmm::ErrorKind::NoSpace, "{err}");
+    assert_eq!(vm.state(), VmState::Running, "running again");
+    let mut left: Vec<String> = std::fs::read_dir(paths.snapshot_dir(&sealed_id))
+        .expect("the sealed disk's directory stays")
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["disk.qcow2"], "only the sealed disk stays");
+    assert!(
+        Snapshot::open(&paths, &sealed_id).is_err(),
+        "not a snapshot"
+    );
 
     let snap_id = uniq("layer");
     let (err, back) = match vm.capture_and_kill(&snap_id).await {
@@ -831,5 +857,7 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
         .await
         .expect("restore the capture");
     assert_eq!(sh(&clone, "sha256sum < /dev/shm/blob").await.0, sum);
+    // Its disk reads through the layer the failed capture sealed.
+    assert_eq!(sh(&clone, "cat /root/kept").await.0, "kept");
     clone.kill().await.unwrap();
 }

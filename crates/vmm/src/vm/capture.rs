@@ -147,7 +147,8 @@ impl Vm {
                 // The disk was sealed into the snapshot directory and the
                 // VM's new overlay is backed by it there: keep that file,
                 // on disk, since the VM's next capture is layered over it.
-                for name in ["state", "meta.json", "meta.json.tmp", LAYER_FILE] {
+                let partial = format!("{LAYER_FILE}.partial");
+                for name in ["state", "meta.json", "meta.json.tmp", LAYER_FILE, &partial] {
                     let _ = std::fs::remove_file(snap_dir.join(name));
                 }
                 let mut keep = vec![snap_dir.join("disk.qcow2"), snap_dir.clone()];
