@@ -197,6 +197,8 @@ mod tests {
     }
 
     #[test]
+    // The reaper under test waits for the children, not `Child::wait`.
+    #[allow(clippy::zombie_processes)]
     fn reports_exit_codes_and_signals() {
         rt().block_on(async {
             global().start().unwrap();
@@ -223,6 +225,8 @@ mod tests {
     }
 
     #[test]
+    // The reaper under test waits for the children, not `Child::wait`.
+    #[allow(clippy::zombie_processes)]
     fn a_child_that_exits_before_watch_is_not_lost() {
         rt().block_on(async {
             global().start().unwrap();

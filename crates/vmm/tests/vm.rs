@@ -430,12 +430,10 @@ async fn boot_snapshot_clone_kill() {
     let layer_file = snap3.layer_path();
     let good = std::fs::read(&layer_file).unwrap();
     std::fs::write(&layer_file, &good[..good.len() - 5]).unwrap();
-    let err = Snapshot::open(&paths, &snap3_id)
-        .err()
-        .expect("a truncated layer must fail");
+    let err = Snapshot::open(&paths, &snap3_id).expect_err("a truncated layer must fail");
     assert!(err.to_string().contains("RAM layer"), "{err}");
     std::fs::write(&layer_file, vec![0u8; 8192]).unwrap();
-    let err = Snapshot::open(&paths, &snap3_id).err().expect("no magic");
+    let err = Snapshot::open(&paths, &snap3_id).expect_err("no magic");
     assert!(err.to_string().contains("damaged"), "{err}");
     Snapshot::delete(&paths, &snap3_id).unwrap();
     clones.push(grandchild);
@@ -643,7 +641,7 @@ async fn a_vm_that_dies_during_boot_says_why() {
 async fn damaged_snapshots_are_refused_clearly() {
     let (_d, _s, paths, _artifacts, _reap) = setup();
     // Unknown snapshot.
-    let err = Snapshot::open(&paths, "nope").err().expect("must fail");
+    let err = Snapshot::open(&paths, "nope").expect_err("must fail");
     assert!(matches!(err, Error::NotFound { .. }), "{err}");
     assert_eq!(err.kind(), tine_vmm::ErrorKind::NotFound);
     assert!(err.to_string().contains("snapshot nope not found"), "{err}");
@@ -667,7 +665,7 @@ async fn damaged_snapshots_are_refused_clearly() {
         .unwrap()
         .set_len(256 << 20)
         .unwrap();
-    let err = Snapshot::open(&paths, id).err().expect("must fail");
+    let err = Snapshot::open(&paths, id).expect_err("must fail");
     assert!(
         err.to_string().contains("not a QEMU migration stream"),
         "{err}"
@@ -730,7 +728,7 @@ async fn damaged_snapshots_are_refused_clearly() {
         .unwrap()
         .set_len(1 << 20)
         .unwrap();
-    let err = Snapshot::open(&paths, id).err().expect("must fail");
+    let err = Snapshot::open(&paths, id).expect_err("must fail");
     assert!(err.to_string().contains("RAM file is"), "{err}");
 }
 
@@ -818,8 +816,7 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
     let err = vm
         .snapshot(&sealed_id)
         .await
-        .err()
-        .expect("a layer of 48 MiB with 4 MiB free must fail");
+        .expect_err("a layer of 48 MiB with 4 MiB free must fail");
     assert_eq!(err.kind(), tine_vmm::ErrorKind::NoSpace, "{err}");
     assert_eq!(vm.state(), VmState::Running, "running again");
     let mut left: Vec<String> = std::fs::read_dir(paths.snapshot_dir(&sealed_id))

@@ -426,11 +426,13 @@ mod tests {
             .collect();
         let refs: Vec<&str> = many.iter().map(String::as_str).collect();
         assert!(err(policy(&[], &refs)).contains("at most"));
-        let mut p = NetworkPolicy::default();
-        p.rules = Some(BTreeMap::from([(
-            "api.test".to_string(),
-            vec![serde_json::json!({"transform": {"headers": {"a": "b"}}})],
-        )]));
+        let p = NetworkPolicy {
+            rules: Some(BTreeMap::from([(
+                "api.test".to_string(),
+                vec![serde_json::json!({"transform": {"headers": {"a": "b"}}})],
+            )])),
+            ..Default::default()
+        };
         assert!(err(p).contains("header transforms"));
         let p = NetworkPolicy {
             https_ports: Some(vec![0]),

@@ -116,15 +116,12 @@ mod tests {
     use futures::SinkExt;
     use http_body_util::BodyExt;
 
-    type Sender = futures::channel::mpsc::Sender<Result<Frame<Bytes>, std::convert::Infallible>>;
+    type Item = Result<Frame<Bytes>, std::convert::Infallible>;
+    type Sender = futures::channel::mpsc::Sender<Item>;
+    type Body = http_body_util::StreamBody<futures::channel::mpsc::Receiver<Item>>;
 
     /// A body whose frames the test sends.
-    fn channel() -> (
-        Sender,
-        http_body_util::StreamBody<
-            futures::channel::mpsc::Receiver<Result<Frame<Bytes>, std::convert::Infallible>>,
-        >,
-    ) {
+    fn channel() -> (Sender, Body) {
         let (tx, rx) = futures::channel::mpsc::channel(4);
         (tx, http_body_util::StreamBody::new(rx))
     }

@@ -167,6 +167,48 @@ impl GuestRam {
     }
 }
 
+/// A private, writable mapping of a whole file in this process, as QEMU
+/// maps guest RAM; unmapped when dropped (tests only).
+#[cfg(test)]
+pub(crate) struct PrivateMap {
+    ptr: std::ptr::NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+#[cfg(test)]
+impl PrivateMap {
+    pub(crate) fn new(file: &std::fs::File, len: usize) -> Self {
+        use std::os::fd::AsFd;
+        // SAFETY: a fresh private mapping of a file the caller owns; it is
+        // unmapped in `drop`, and `bytes` borrows it no longer than `self`.
+        let ptr = unsafe {
+            nix::sys::mman::mmap(
+                None,
+                std::num::NonZeroUsize::new(len).expect("a non-empty mapping"),
+                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                nix::sys::mman::MapFlags::MAP_PRIVATE,
+                file.as_fd(),
+                0,
+            )
+            .expect("mmap")
+        };
+        Self { ptr, len }
+    }
+
+    pub(crate) fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` maps `len` readable and writable bytes until drop.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr() as *mut u8, self.len) }
+    }
+}
+
+#[cfg(test)]
+impl Drop for PrivateMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`; no borrow of it outlives `self`.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr, self.len) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,47 +256,5 @@ mod tests {
             GuestRam::find(me, &path, 8 * PAGE as u64).is_err(),
             "wrong size"
         );
-    }
-}
-
-/// A private, writable mapping of a whole file in this process, as QEMU
-/// maps guest RAM; unmapped when dropped (tests only).
-#[cfg(test)]
-pub(crate) struct PrivateMap {
-    ptr: std::ptr::NonNull<std::ffi::c_void>,
-    len: usize,
-}
-
-#[cfg(test)]
-impl PrivateMap {
-    pub(crate) fn new(file: &std::fs::File, len: usize) -> Self {
-        use std::os::fd::AsFd;
-        // SAFETY: a fresh private mapping of a file the caller owns; it is
-        // unmapped in `drop`, and `bytes` borrows it no longer than `self`.
-        let ptr = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                std::num::NonZeroUsize::new(len).expect("a non-empty mapping"),
-                nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
-                nix::sys::mman::MapFlags::MAP_PRIVATE,
-                file.as_fd(),
-                0,
-            )
-            .expect("mmap")
-        };
-        Self { ptr, len }
-    }
-
-    pub(crate) fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` maps `len` readable and writable bytes until drop.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr() as *mut u8, self.len) }
-    }
-}
-
-#[cfg(test)]
-impl Drop for PrivateMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`; no borrow of it outlives `self`.
-        let _ = unsafe { nix::sys::mman::munmap(self.ptr, self.len) };
     }
 }
