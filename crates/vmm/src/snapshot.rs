@@ -251,12 +251,21 @@ const DATA_FILES: [&str; 4] = ["state", "disk.qcow2", LAYER_FILE, "ram"];
 /// exists once its `meta.json` does, so a crash at any point leaves
 /// either no snapshot or one whose files are all on disk, under names
 /// that are on disk too.
+///
+/// The meta is written over the space [`reserve_meta`] took, if it did.
 pub fn publish(dir: &Path, meta: &[u8]) -> Result<()> {
-    use std::io::Write;
+    use std::os::unix::fs::FileExt;
     let path = dir.join("meta.json");
-    let tmp = dir.join("meta.json.tmp");
-    std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(meta))
+    let tmp = dir.join(META_TMP);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&tmp)
+        .and_then(|f| {
+            f.write_all_at(meta, 0)?;
+            f.set_len(meta.len() as u64)
+        })
         .ctx(|| format!("writing {}", tmp.display()))?;
     let mut paths: Vec<PathBuf> = DATA_FILES
         .iter()
@@ -269,6 +278,26 @@ pub fn publish(dir: &Path, meta: &[u8]) -> Result<()> {
     sync_all(&paths)?;
     std::fs::rename(&tmp, &path).ctx(|| format!("renaming {}", tmp.display()))?;
     sync_all(&[dir.to_path_buf()])
+}
+
+/// Where [`publish`] writes the meta before renaming it.
+const META_TMP: &str = "meta.json.tmp";
+
+/// Bytes [`reserve_meta`] takes: a `meta.json` is a few KiB (its longest
+/// part, the disk chain, is cut short by compaction).
+const META_RESERVE: i64 = 64 << 10;
+
+/// Take the room the snapshot in `dir` will need for its `meta.json`
+/// before its capture passes the point where the VM cannot go on (its
+/// QEMU exits): a file system that fills up in between then fails the
+/// capture before that point, not after it, when the VM's disk and RAM
+/// are already in the capture.
+pub fn reserve_meta(dir: &Path) -> Result<()> {
+    let tmp = dir.join(META_TMP);
+    let f = std::fs::File::create(&tmp).ctx(|| format!("creating {}", tmp.display()))?;
+    nix::fcntl::posix_fallocate(&f, 0, META_RESERVE)
+        .map_err(std::io::Error::from)
+        .ctx(|| format!("reserving room for {}", tmp.display()))
 }
 
 /// Flush `paths` (files or directories) to disk, each on a thread of its
@@ -411,6 +440,40 @@ mod tests {
             err.to_string().contains("gone"),
             "names what it could not sync: {err}"
         );
+    }
+
+    /// On a file system that fills up after the reservation, the meta
+    /// still fits; without one, it does not (so this test can fail).
+    #[test]
+    fn a_reserved_meta_is_published_on_a_full_file_system() {
+        let mnt = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(mnt.path())
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mounting a 1 MiB tmpfs (as root)");
+        struct Unmount<'a>(&'a std::path::Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount").arg(self.0).status();
+            }
+        }
+        let _unmount = Unmount(mnt.path());
+        let (reserved, bare) = (mnt.path().join("reserved"), mnt.path().join("bare"));
+        std::fs::create_dir(&reserved).unwrap();
+        std::fs::create_dir(&bare).unwrap();
+        super::reserve_meta(&reserved).unwrap();
+        // Fill it: a page at a time until there is no room left.
+        let mut fill = std::fs::File::create(mnt.path().join("fill")).unwrap();
+        let page = [1u8; 4096];
+        while std::io::Write::write_all(&mut fill, &page).is_ok() {}
+        drop(fill);
+        let meta = vec![b' '; 6000];
+        assert!(super::publish(&bare, &meta).is_err(), "the disk is full");
+        super::publish(&reserved, &meta).expect("published into the reserved room");
+        assert_eq!(std::fs::read(reserved.join("meta.json")).unwrap(), meta);
+        assert!(!reserved.join(super::META_TMP).exists());
     }
 
     #[test]

@@ -136,7 +136,10 @@ impl Vm {
         }
         std::fs::create_dir_all(&snap_dir).ctx(|| format!("creating {}", snap_dir.display()))?;
         let generation = self.record.disk_generation;
-        let captured = self.capture_into(snap_id, &snap_dir, after).await;
+        let captured = match crate::snapshot::reserve_meta(&snap_dir) {
+            Ok(()) => self.capture_into(snap_id, &snap_dir, after).await,
+            Err(e) => Err(e),
+        };
         // A failed capture leaves the write tracker disarmed (its scan
         // disarmed it; only a finished capture confirms it).
         if captured.is_err() {
