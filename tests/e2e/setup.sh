@@ -8,7 +8,9 @@
 #     runs it against the server suite's server; kept apart from the SDK
 #     venvs so their dependencies cannot clash)
 #   - nss-myhostname, so *.localhost resolves to loopback (domain mode)
-#   - the pinned E2B JS SDK in tests/e2e/js/node_modules (npm ci)
+#   - $TINE_DATA_DIR/venv-e2b-245 with 2.45.0 (the whole server suite)
+#   - the pinned E2B JS SDKs in tests/e2e/js/node_modules and
+#     tests/e2e/js-2.45/node_modules (npm ci)
 #   - the account `user` (E2B images have it; it is the SDKs' default user)
 #   - docker-registry, the OCI registry the image tests run on loopback
 #
@@ -25,12 +27,16 @@ E2B_PY_OLDEST=2.0.0
 # client (2.25 to 2.45) and sends no E2b-Sandbox-Id after Sandbox.connect
 # (2.7 to 2.2x). It runs the fidelity, sandbox and list files.
 E2B_PY_BETWEEN=2.25.0
+# The release that the whole server suite also runs under (2.45 is where
+# the SDKs' kill-while-waiting and error mapping last changed).
+E2B_PY_245=2.45.0
 
 TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$TINE_DATA_DIR/venv"
 VENV_OLDEST="$TINE_DATA_DIR/venv-e2b-oldest"
 VENV_BETWEEN="$TINE_DATA_DIR/venv-e2b-between"
+VENV_245="$TINE_DATA_DIR/venv-e2b-245"
 VENV_FUZZ="$TINE_DATA_DIR/venv-fuzz"
 # The REST API fuzzer (tests/e2e/server/python/test_y_fuzz.py): schemathesis
 # and all its dependencies, pinned.
@@ -86,6 +92,8 @@ log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
 py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
 log "Python E2B SDK ${E2B_PY_BETWEEN} in ${VENV_BETWEEN}"
 py_venv "$VENV_BETWEEN" "e2b==${E2B_PY_BETWEEN}" "${PY_PACKAGES[@]:1}"
+log "Python E2B SDK ${E2B_PY_245} in ${VENV_245}"
+py_venv "$VENV_245" "e2b==${E2B_PY_245}" "${PY_PACKAGES[@]:1}"
 log "$(grep -m1 '^schemathesis==' "$FUZZ_REQUIREMENTS") (the REST API fuzzer) in ${VENV_FUZZ}"
 py_venv "$VENV_FUZZ" -r "$FUZZ_REQUIREMENTS"
 
@@ -123,16 +131,20 @@ log "JS E2B SDK (tests/e2e/js, pinned by package-lock.json)"
 if ! command -v npm >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
     apt_install nodejs npm
 fi
-lock="$HERE/js/package-lock.json"
-stamp="$HERE/js/node_modules/.tine-lock.sha256"
-want="$(sha256sum "$lock" | cut -d' ' -f1)"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    info "already installed"
-else
-    (cd "$HERE/js" && npm ci --no-audit --no-fund --loglevel=error)
-    echo "$want" >"$stamp"
-    info "installed $(node -p "require('$HERE/js/node_modules/e2b/package.json').version" 2>/dev/null || echo '?')"
-fi
+# js/ holds the newest pinned SDK, js-2.45/ an older one that the
+# fidelity suite also runs under.
+for dir in js js-2.45; do
+    lock="$HERE/$dir/package-lock.json"
+    stamp="$HERE/$dir/node_modules/.tine-lock.sha256"
+    want="$(sha256sum "$lock" | cut -d' ' -f1)"
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        info "$dir: already installed"
+    else
+        (cd "$HERE/$dir" && npm ci --no-audit --no-fund --loglevel=error)
+        echo "$want" >"$stamp"
+        info "$dir: installed e2b $(node -p "require('$HERE/$dir/node_modules/e2b/package.json').version" 2>/dev/null || echo '?')"
+    fi
+done
 
 # ---- the default sandbox user ----
 log "account 'user'"

@@ -147,14 +147,11 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                 Ok(())
             }
             None => {
-                use axum::serve::ListenerExt;
-                // Streamed answers (process output) are many small writes:
-                // send each at once, not after the client's delayed ACK.
-                let listener = listener.tap_io(|tcp| {
-                    if let Err(e) = tcp.set_nodelay(true) {
-                        tracing::debug!("TCP_NODELAY: {e}");
-                    }
-                });
+                let listener = crate::proxy::TcpListener(listener);
+                // Each request knows its connection's socket: the proxy
+                // resets it when a sandbox goes mid-stream.
+                let app =
+                    app.into_make_service_with_connect_info::<crate::proxy::ClientSocket>();
                 axum::serve(listener, app)
                     .with_graceful_shutdown(stop)
                     .await

@@ -134,7 +134,11 @@ pub async fn serve(
             tracing::debug!(%peer, "TCP_NODELAY: {e}");
         }
         let acceptor = acceptor.clone();
-        let app = app.clone();
+        // As in the plain server, requests know their connection's socket.
+        let socket = axum::extract::ConnectInfo(crate::proxy::ClientSocket(
+            std::os::fd::AsRawFd::as_raw_fd(&tcp),
+        ));
+        let app = app.clone().layer(axum::Extension(socket));
         tokio::spawn(async move {
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(s)) => s,

@@ -455,6 +455,120 @@ fn filesystem_calls_and_a_big_streamed_file() {
     });
 }
 
+/// As envd: file calls run as root whoever the user is; what they create
+/// belongs to the user; downloads read to end of file (procfs), as gzip
+/// when asked, and by byte range.
+#[test]
+fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
+    use std::os::unix::fs::MetadataExt;
+    let Some(nobody) = nix::unistd::User::from_name("nobody").ok().flatten() else {
+        return;
+    };
+    if !nix::unistd::Uid::effective().is_root() {
+        return;
+    }
+    let as_nobody = "Basic bm9ib2R5Og=="; // base64("nobody:")
+    let owner = |p: &std::path::Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (m.uid(), m.gid())
+    };
+    let nobody_ids = (nobody.uid.as_raw(), nobody.gid.as_raw());
+    rt().block_on(async {
+        let a = agent().await;
+        // A root-owned 0755 directory the user could not write into.
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let path = format!("{d}/new/deeper/conf.txt");
+        let (status, body) = a
+            .request(
+                "POST",
+                &format!("/files?path={path}&username=nobody"),
+                &[("content-type", "application/octet-stream")],
+                "v=1",
+            )
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(owner(std::path::Path::new(&path)), nobody_ids);
+        assert_eq!(owner(&dir.path().join("new/deeper")), nobody_ids);
+        assert_eq!(owner(&dir.path().join("new")), nobody_ids);
+        assert_eq!(owner(dir.path()), (0, 0), "an existing directory keeps its owner");
+        // An existing root-only file is overwritten and handed over.
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, b"s").unwrap();
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let (status, got) = a
+            .request("GET", &format!("/files?path={}&username=nobody", secret.display()), &[], "")
+            .await;
+        assert_eq!((status, &got[..]), (200, &b"s"[..]));
+
+        // MakeDir and Move as the user, in root's directory.
+        let mk = |p: String| {
+            http::Request::builder()
+                .method("POST")
+                .uri(format!("http://{}/filesystem.Filesystem/MakeDir", a.addr))
+                .header("content-type", "application/json")
+                .header("authorization", as_nobody)
+                .body(Full::new(Bytes::from(json!({"path": p}).to_string())))
+                .unwrap()
+        };
+        let resp = a.client.request(mk(format!("{d}/m/n"))).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(owner(&dir.path().join("m")), nobody_ids);
+        let resp = a.client.request(mk(format!("{d}/m/n"))).await.unwrap();
+        assert_eq!(resp.status(), 409);
+        let resp = a.client.request(mk(path.clone())).await.unwrap();
+        assert_eq!(resp.status(), 400, "a file in the way is an invalid argument");
+
+        // A procfs file says size 0: it is read to its end, plain, gzip
+        // and by range.
+        let (status, plain) = a
+            .request("GET", "/files?path=/proc/self/mountinfo&username=nobody", &[], "")
+            .await;
+        assert_eq!(status, 200);
+        assert!(plain.len() > 20, "read {} bytes of mountinfo", plain.len());
+        let version = std::fs::read("/proc/version").unwrap();
+        let (status, zipped) = a
+            .request(
+                "GET",
+                "/files?path=/proc/version&username=nobody",
+                &[("accept-encoding", "gzip")],
+                "",
+            )
+            .await;
+        assert_eq!(status, 200);
+        let mut unzipped = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&zipped[..]), &mut unzipped)
+            .unwrap();
+        assert_eq!(unzipped, version);
+        let (status, part) = a
+            .request(
+                "GET",
+                "/files?path=/proc/version&username=nobody",
+                &[("range", "bytes=0-4")],
+                "",
+            )
+            .await;
+        assert_eq!((status, &part[..]), (206, &version[..5]));
+        let (status, part) = a
+            .request("GET", &format!("/files?path={path}&username=nobody"), &[("range", "bytes=-2")], "")
+            .await;
+        assert_eq!((status, &part[..]), (206, &b"=1"[..]));
+        let (status, _) = a
+            .request("GET", &format!("/files?path={path}&username=nobody"), &[("range", "bytes=9-")], "")
+            .await;
+        assert_eq!(status, 416);
+        let (status, body) = a
+            .request("GET", &format!("/files?path={d}&username=nobody"), &[], "")
+            .await;
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+        let (status, _) = a
+            .request("GET", &format!("/files?path={d}/missing&username=nobody"), &[], "")
+            .await;
+        assert_eq!(status, 404);
+    });
+}
+
 #[test]
 fn polled_watcher_reports_recursive_events() {
     rt().block_on(async {

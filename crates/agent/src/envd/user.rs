@@ -1,11 +1,10 @@
-//! Users: who a call runs as, that user's login environment, and running
-//! file operations with that user's credentials.
+//! Users: who a call runs as, that user's login environment, path
+//! resolution, and the ownership of what file calls create.
 //!
-//! File operations switch only the calling thread's filesystem credentials
-//! (`setfsuid`/`setfsgid` and the raw `setgroups` syscall are per-thread on
-//! Linux), always on a blocking-pool thread and always restored by a guard,
-//! so the kernel does the permission checks and new files belong to the
-//! user without a `chown`.
+//! As in E2B's envd, file operations run as the agent (root in a guest):
+//! the files API is the operator's hand, not the sandbox user's. The user
+//! only resolves `~` and relative paths and owns the files and directories
+//! a call creates. Processes still run as the user (`process/spawn.rs`).
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -100,9 +99,9 @@ impl User {
         Ok(normalize(&p))
     }
 
-    /// Whether switching to this user is needed and possible.
-    fn must_switch(&self) -> bool {
-        Uid::effective().is_root() && self.uid != 0
+    /// The (uid, gid) that owns what a call of this user creates.
+    pub fn owner(&self) -> (u32, u32) {
+        (self.uid, self.gid)
     }
 }
 
@@ -122,63 +121,62 @@ pub fn normalize(p: &Path) -> PathBuf {
     out
 }
 
-/// Runs `f` on a blocking thread with `user`'s filesystem credentials.
-pub async fn run_as<T, F>(user: &User, f: F) -> Result<T>
+/// Runs a file operation on a blocking thread, as the agent itself (root
+/// in a guest). envd serves every file call as root: the caller's user only
+/// expands `~` and relative paths and owns what a call creates
+/// ([`ensure_dirs`], [`chown`]).
+pub async fn blocking<T, F>(f: F) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T> + Send + 'static,
 {
-    let user = user.clone();
-    tokio::task::spawn_blocking(move || {
-        let _guard = FsCreds::switch(&user)?;
-        f()
-    })
-    .await
-    .map_err(|e| EnvdError::Internal(format!("file operation failed: {e}")))?
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| EnvdError::Internal(format!("file operation failed: {e}")))?
 }
 
-/// Holds the thread's switched filesystem credentials; restores root's on drop.
-struct FsCreds {
-    switched: bool,
-}
-
-impl FsCreds {
-    fn switch(user: &User) -> Result<FsCreds> {
-        if !user.must_switch() {
-            return Ok(FsCreds { switched: false });
-        }
-        let groups: Vec<libc::gid_t> = user.groups.clone();
-        // SAFETY: raw setgroups/setfsgid/setfsuid only change this thread's
-        // credentials (the kernel keeps credentials per task; the libc
-        // wrappers would broadcast to all threads, which we must avoid).
-        // `groups` outlives the call.
-        unsafe {
-            if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) != 0 {
-                return Err(EnvdError::Internal(format!(
-                    "setgroups: {}",
-                    std::io::Error::last_os_error()
-                )));
+/// Creates `dir` and each missing parent, handing every directory it
+/// creates to `owner` (those that exist are left as they are), as envd's
+/// `EnsureDirs`. A component that exists and is not a directory is an
+/// invalid argument naming it.
+pub fn ensure_dirs(dir: &Path, owner: (u32, u32)) -> Result<()> {
+    let mut at = PathBuf::from("/");
+    for c in dir.components() {
+        let std::path::Component::Normal(name) = c else {
+            continue;
+        };
+        at.push(name);
+        match std::fs::metadata(&at) {
+            Ok(m) if m.is_dir() => continue,
+            Ok(_) => {
+                return Err(EnvdError::InvalidArgument(format!(
+                    "path is a file: {}",
+                    at.display()
+                )))
             }
-            libc::syscall(libc::SYS_setfsgid, user.gid);
-            libc::syscall(libc::SYS_setfsuid, user.uid);
-        }
-        Ok(FsCreds { switched: true })
-    }
-}
-
-impl Drop for FsCreds {
-    fn drop(&mut self) {
-        if self.switched {
-            let root_groups: [libc::gid_t; 1] = [0];
-            // SAFETY: as in `switch`, per-thread credential syscalls; this
-            // restores root's filesystem ids and a plain group list.
-            unsafe {
-                libc::syscall(libc::SYS_setfsuid, 0);
-                libc::syscall(libc::SYS_setfsgid, 0);
-                libc::syscall(libc::SYS_setgroups, 1usize, root_groups.as_ptr());
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(EnvdError::io(&e, at.display()))
             }
+            Err(_) => {}
+        }
+        match std::fs::create_dir(&at) {
+            Ok(()) => chown(&at, owner)?,
+            // Made by someone else meanwhile: theirs, as it is.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && at.is_dir() => {}
+            Err(e) => return Err(EnvdError::io(&e, at.display())),
         }
     }
+    Ok(())
+}
+
+/// Gives `path` (not what a symlink points at) to `owner`. A no-op for the
+/// agent's own uid when it is not root (a developer's host).
+pub fn chown(path: &Path, (uid, gid): (u32, u32)) -> Result<()> {
+    if !Uid::effective().is_root() {
+        return Ok(());
+    }
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid))
+        .map_err(|e| EnvdError::io(&e, format!("changing the owner of {}", path.display())))
 }
 
 /// Name of a uid (numeric string when it has no passwd entry).
@@ -241,51 +239,27 @@ mod tests {
         assert!(u.resolve("a\0b", None).is_err());
     }
 
-    #[tokio::test]
-    async fn run_as_switches_file_credentials() {
+    #[test]
+    fn ensure_dirs_hands_new_directories_to_the_owner_only() {
         if !Uid::effective().is_root() {
             return;
         }
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o777),
-        )
-        .unwrap();
-        let nobody = User {
-            name: "nobody".into(),
-            uid: 65534,
-            gid: 65534,
-            groups: vec![65534],
-            home: "/".into(),
-            shell: "/bin/sh".into(),
-        };
-        let p = dir.path().join("f");
-        let p2 = p.clone();
-        run_as(&nobody, move || {
-            std::fs::write(&p2, b"x").map_err(|e| EnvdError::io(&e, "f"))
-        })
-        .await
-        .unwrap();
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(std::fs::metadata(&p).unwrap().uid(), 65534);
-        // A root-only file is out of reach while switched, and reachable after.
-        let secret = dir.path().join("secret");
-        std::fs::write(&secret, b"s").unwrap();
-        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-            .unwrap();
-        let s2 = secret.clone();
-        let err = run_as(&nobody, move || {
-            std::fs::read(&s2).map_err(|e| EnvdError::io(&e, "secret"))
-        })
-        .await
-        .unwrap_err();
-        assert_eq!(err.code(), tine_connect::Code::PermissionDenied);
-        let root = User::lookup("root").unwrap();
-        run_as(&root, move || {
-            std::fs::read(&secret).map_err(|e| EnvdError::io(&e, "secret"))
-        })
-        .await
-        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("a/b/c");
+        ensure_dirs(&deep, (65534, 65534)).unwrap();
+        for d in ["a", "a/b", "a/b/c"] {
+            let m = std::fs::metadata(dir.path().join(d)).unwrap();
+            assert_eq!((m.uid(), m.gid()), (65534, 65534), "{d}");
+        }
+        // What existed before keeps its owner.
+        assert_eq!(std::fs::metadata(dir.path()).unwrap().uid(), 0);
+        ensure_dirs(&deep, (1, 1)).unwrap();
+        assert_eq!(std::fs::metadata(&deep).unwrap().uid(), 65534);
+        // A file in the way is named.
+        std::fs::write(dir.path().join("f"), b"x").unwrap();
+        let err = ensure_dirs(&dir.path().join("f/g"), (1, 1)).unwrap_err();
+        assert_eq!(err.code(), tine_connect::Code::InvalidArgument);
+        assert!(err.to_string().contains("path is a file"), "{err}");
     }
 }

@@ -32,6 +32,7 @@ mod signed;
 mod stream_end;
 
 use signed::{Refusal, SignedQuery};
+pub use stream_end::{ClientSocket, TcpListener};
 use stream_end::EndsWithSandbox;
 
 /// The port `E2b-Sandbox-Port` defaults to: the agent's.
@@ -249,33 +250,63 @@ fn signed_target(state: &AppState, req: &Request) -> Option<Result<Target, Refus
     }))
 }
 
-fn not_found(id: &str) -> (StatusCode, String) {
+/// Why a request for a sandbox that is not live gets no answer from it.
+enum Unreachable {
+    /// E2B's "The sandbox was not found" (killed, paused without
+    /// auto-resume, never existed).
+    NotFound,
+    Refused(StatusCode, String),
+}
+
+/// E2B's answer for a sandbox that is not running, byte for byte: clients
+/// compare the message, and the id is a field of its own.
+fn not_found(id: &str) -> Response {
+    #[derive(serde::Serialize)]
+    struct NotFound<'a> {
+        message: &'static str,
+        #[serde(rename = "sandboxId")]
+        sandbox_id: &'a str,
+        code: u16,
+    }
+    let body = serde_json::to_string(&NotFound {
+        message: "The sandbox was not found",
+        sandbox_id: id,
+        code: StatusCode::BAD_GATEWAY.as_u16(),
+    })
+    .unwrap_or_default();
     (
         StatusCode::BAD_GATEWAY,
-        format!("The sandbox {id} was not found"),
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CONNECTION, "close"),
+        ],
+        body,
     )
+        .into_response()
 }
 
 /// Whether a request for a sandbox that is not running may resume it: it
 /// is paused with `autoResume` (with its memory), and the request carries
 /// what it would need to reach it. Otherwise the answer is E2B's "not
 /// found".
-fn may_wake(state: &AppState, t: &Target, req: &Request) -> Result<(), (StatusCode, String)> {
-    let not_found = || not_found(&t.sandbox);
-    let rec = state.manager.get(&t.sandbox).map_err(|_| not_found())?;
+fn may_wake(state: &AppState, t: &Target, req: &Request) -> Result<(), Unreachable> {
+    let rec = state
+        .manager
+        .get(&t.sandbox)
+        .map_err(|_| Unreachable::NotFound)?;
     let wakes = rec.state == crate::model::SandboxState::Paused
         && rec.lifecycle.auto_resume
         && !rec.lifecycle.paused_disk_only;
     if !wakes {
-        return Err(not_found());
+        return Err(Unreachable::NotFound);
     }
     if t.port == ENVD_PORT {
         authorized(req, &rec.envd_access_token)
-            .map_err(|m| (StatusCode::UNAUTHORIZED, m.to_string()))?;
+            .map_err(|m| Unreachable::Refused(StatusCode::UNAUTHORIZED, m.to_string()))?;
     } else if let Some(token) = &rec.traffic_token {
         let given = req.headers().get(TRAFFIC_TOKEN_HEADER);
         if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
-            return Err((
+            return Err(Unreachable::Refused(
                 StatusCode::FORBIDDEN,
                 format!(
                     "sandbox {} accepts traffic only with its {TRAFFIC_TOKEN_HEADER}",
@@ -288,21 +319,22 @@ fn may_wake(state: &AppState, t: &Target, req: &Request) -> Result<(), (StatusCo
 }
 
 /// Resume sandbox `id` for a request ([`may_wake`] said it may).
-async fn wake(
-    state: &AppState,
-    id: &str,
-) -> Result<Arc<crate::sandboxes::Live>, (StatusCode, String)> {
+async fn wake(state: &AppState, id: &str) -> Result<Arc<crate::sandboxes::Live>, Unreachable> {
     tracing::info!(sandbox = %id, "auto-resume on traffic");
-    state
-        .manager
-        .connect(id, None, true)
-        .await
-        .map_err(|e| (StatusCode::BAD_GATEWAY, format!("auto-resume of {id}: {e}")))?;
-    state.manager.live(id).ok_or_else(|| not_found(id))
+    state.manager.connect(id, None, true).await.map_err(|e| {
+        Unreachable::Refused(StatusCode::BAD_GATEWAY, format!("auto-resume of {id}: {e}"))
+    })?;
+    state.manager.live(id).ok_or(Unreachable::NotFound)
 }
 
 async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     let rpc = is_rpc(req.uri().path());
+    // The client's connection, reset if the sandbox goes mid-body (HTTP/1
+    // only: an HTTP/2 connection carries other streams).
+    let client = (req.version() <= http::Version::HTTP_11)
+        .then(|| req.extensions().get::<axum::extract::ConnectInfo<ClientSocket>>())
+        .flatten()
+        .map(|c| c.0);
     let live = match state.manager.live(&t.sandbox) {
         Some(live) => live,
         None => {
@@ -312,7 +344,8 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
             };
             match woken {
                 Ok(live) => live,
-                Err((status, message)) => return error(status, message, rpc),
+                Err(Unreachable::NotFound) => return not_found(&t.sandbox),
+                Err(Unreachable::Refused(status, message)) => return error(status, message, rpc),
             }
         }
     };
@@ -356,11 +389,7 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     let sent = tokio::select! {
         r = state.client.request(req) => r,
         _ = live.gone.cancelled() => {
-            return error(
-                StatusCode::BAD_GATEWAY,
-                format!("The sandbox {} was not found: it stopped while the request was in flight", t.sandbox),
-                rpc,
-            )
+            return not_found(&t.sandbox)
         }
     };
     let mut resp = match sent {
@@ -398,7 +427,7 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     let connect_stream = stream_end::is_connect_stream(resp.headers());
     let gone = live.gone.clone();
     resp.map(|b| {
-        let b = EndsWithSandbox::new(b, gone, t.sandbox.clone(), connect_stream);
+        let b = EndsWithSandbox::new(b, gone, t.sandbox.clone(), connect_stream, client);
         Body::new(crate::metrics::counted(b, counter, "out"))
     })
 }

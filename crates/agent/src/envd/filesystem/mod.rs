@@ -1,6 +1,7 @@
 //! `filesystem.Filesystem`: stat, list, make, move and remove entries, and
-//! watch directories. Every operation runs with the caller's filesystem
-//! credentials ([`crate::envd::user::run_as`]).
+//! watch directories. As in envd, every operation runs as the agent
+//! (root); the caller's user resolves `~` and relative paths and owns the
+//! directories a call creates ([`crate::envd::user::ensure_dirs`]).
 //!
 //! Each message's binary protobuf schema sits next to its struct, here and
 //! in [`entry`] and `watch`; [`schemas`] maps a method to its pair.
@@ -20,7 +21,7 @@ use self::watch::{WATCHER_EVENTS, WATCHER_ID, WATCH_DIR_RESPONSE, WATCH_REQUEST}
 use super::error::{EnvdError, Result};
 use super::protobin::{f, rep, Schema, Ty, EMPTY};
 use super::rpc::{unary, Ctx, Wire};
-use super::user::run_as;
+use super::user::{blocking, ensure_dirs};
 
 #[derive(Debug, Default, Deserialize)]
 struct PathRequest {
@@ -135,7 +136,7 @@ pub fn resolve(ctx: &Ctx, path: &str) -> Result<PathBuf> {
 
 async fn stat(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
     let path = resolve(&ctx, &req.path)?;
-    run_as(&ctx.user, move || {
+    blocking(move || {
         Ok(EntryResponse {
             entry: entry_info(&path, &mut Names::default())?,
         })
@@ -145,14 +146,27 @@ async fn stat(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
 
 async fn make_dir(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
     let path = resolve(&ctx, &req.path)?;
-    run_as(&ctx.user, move || {
-        if std::fs::symlink_metadata(&path).is_ok() {
-            return Err(EnvdError::AlreadyExists(format!(
-                "{} already exists",
-                path.display()
-            )));
+    let owner = ctx.user.owner();
+    blocking(move || {
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_dir() => {
+                return Err(EnvdError::AlreadyExists(format!(
+                    "directory already exists: {}",
+                    path.display()
+                )))
+            }
+            Ok(_) => {
+                return Err(EnvdError::InvalidArgument(format!(
+                    "path already exists but it is not a directory: {}",
+                    path.display()
+                )))
+            }
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(EnvdError::io(&e, path.display()))
+            }
+            Err(_) => {}
         }
-        std::fs::create_dir_all(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
+        ensure_dirs(&path, owner)?;
         Ok(EntryResponse {
             entry: entry_info(&path, &mut Names::default())?,
         })
@@ -163,10 +177,11 @@ async fn make_dir(ctx: Ctx, req: PathRequest) -> Result<EntryResponse> {
 async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
     let src = resolve(&ctx, &req.source)?;
     let dst = resolve(&ctx, &req.destination)?;
-    run_as(&ctx.user, move || {
+    let owner = ctx.user.owner();
+    blocking(move || {
         std::fs::symlink_metadata(&src).map_err(|e| EnvdError::io(&e, src.display()))?;
         if let Some(parent) = dst.parent() {
-            std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
+            ensure_dirs(parent, owner)?;
         }
         std::fs::rename(&src, &dst).map_err(|e| {
             EnvdError::io(&e, format!("moving {} to {}", src.display(), dst.display()))
@@ -182,7 +197,7 @@ async fn move_entry(ctx: Ctx, req: MoveRequest) -> Result<EntryResponse> {
 /// removed: that succeeds, as in envd.
 async fn remove(ctx: Ctx, req: PathRequest) -> Result<Empty> {
     let path = resolve(&ctx, &req.path)?;
-    run_as(&ctx.user, move || {
+    blocking(move || {
         let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
         let meta = match std::fs::symlink_metadata(&path) {
             Ok(m) => m,
@@ -206,7 +221,7 @@ async fn remove(ctx: Ctx, req: PathRequest) -> Result<Empty> {
 async fn list_dir(ctx: Ctx, req: ListDirRequest) -> Result<ListDirResponse> {
     let path = resolve(&ctx, &req.path)?;
     let depth = req.depth.max(1);
-    run_as(&ctx.user, move || {
+    blocking(move || {
         // A symlink to a directory lists the directory.
         let meta = std::fs::metadata(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
         if !meta.is_dir() {

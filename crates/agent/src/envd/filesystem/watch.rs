@@ -21,7 +21,7 @@ use super::entry::{entry_info, EntryInfo, Names, ENTRY_INFO};
 use crate::envd::error::{EnvdError, Result};
 use crate::envd::protobin::{f, rep, Schema, Ty, EMPTY};
 use crate::envd::rpc::{Ctx, Wire};
-use crate::envd::user::run_as;
+use crate::envd::user::blocking;
 
 /// Events a polled watcher keeps until they are fetched (oldest dropped).
 const MAX_PENDING_EVENTS: usize = 10_000;
@@ -160,8 +160,7 @@ impl DirWatch {
     async fn open(ctx: &Ctx, req: &WatchRequest) -> Result<DirWatch> {
         let root = super::resolve(ctx, &req.path)?;
         let check = root.clone();
-        // Watching needs the caller to be able to read the directory.
-        run_as(&ctx.user, move || {
+        blocking(move || {
             let meta = std::fs::metadata(&check).map_err(|e| EnvdError::io(&e, check.display()))?;
             if !meta.is_dir() {
                 return Err(EnvdError::InvalidArgument(format!(

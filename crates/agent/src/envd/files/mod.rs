@@ -2,9 +2,12 @@
 //!
 //! Both directions stream: a download is the file read in chunks, an
 //! upload is written chunk by chunk by a blocking-pool writer fed through
-//! a small channel, so neither ever holds a whole file in memory. Files and
-//! missing parent directories are created with the caller's credentials,
-//! so they belong to the caller.
+//! a small channel, so neither ever holds a whole file in memory. As in
+//! envd, both run as the agent (root); files and missing parent
+//! directories that an upload creates are handed to the caller's user.
+//! Downloads read to end of file whatever `stat` says (procfs, sysfs and
+//! files still being written), with gzip and single byte ranges
+//! (`download.rs`).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -12,9 +15,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue};
+use axum::http::{header, HeaderMap};
 use axum::response::Response;
 use axum::routing::get;
 use axum::{Json, Router};
@@ -23,8 +26,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::error::{EnvdError, Result};
-use super::user::{run_as, User};
+use super::user::{blocking, chown, ensure_dirs, User};
 use super::Envd;
+
+mod download;
 
 pub fn routes() -> Router<Arc<Envd>> {
     Router::new().route(
@@ -72,9 +77,9 @@ fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>> {
 
 /// Stores the request's metadata on a written file, replacing any: a
 /// write without metadata clears what an earlier write stored (as envd).
-async fn apply_metadata(user: &User, path: &Path, meta: &BTreeMap<String, String>) -> Result<()> {
+async fn apply_metadata(path: &Path, meta: &BTreeMap<String, String>) -> Result<()> {
     let (p, m) = (path.to_path_buf(), meta.clone());
-    run_as(user, move || {
+    blocking(move || {
         super::xattr::replace_metadata(&p, &m).map_err(|e| match e.raw_os_error() {
             Some(libc::EOPNOTSUPP) => EnvdError::FailedPrecondition(format!(
                 "{}: the filesystem does not support file metadata (xattrs)",
@@ -127,30 +132,29 @@ async fn download(
     let q = parse_query(query)?;
     let user = authorize(&envd, &headers, &q, "read")?;
     let path = resolve(&envd, &user, q.path.as_deref().unwrap_or(""))?;
-    let (file, len) = run_as(&user, move || {
-        let file = File::open(&path).map_err(|e| EnvdError::io(&e, path.display()))?;
-        let meta = file
-            .metadata()
-            .map_err(|e| EnvdError::io(&e, path.display()))?;
+    let range = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(download::parse_range);
+    // A range is served as bytes (as envd, which falls back to identity).
+    let gzip = range.is_none() && download::accepts_gzip(&headers);
+    let p = path.clone();
+    let (file, meta) = blocking(move || {
+        let file = File::open(&p).map_err(|e| EnvdError::io(&e, p.display()))?;
+        let meta = file.metadata().map_err(|e| EnvdError::io(&e, p.display()))?;
         if meta.is_dir() {
             return Err(EnvdError::InvalidArgument(format!(
-                "path {} is a directory",
-                path.display()
+                "path '{}' is a directory",
+                p.display()
             )));
         }
-        Ok((file, meta.len()))
+        Ok((file, meta))
     })
     .await?;
-    let stream =
-        tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 << 10);
-    let mut resp = Response::new(Body::from_stream(stream));
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/octet-stream"),
-    );
-    h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-    Ok(resp)
+    match range {
+        Some(range) => download::ranged(file, meta, range, &path).await,
+        None => Ok(download::whole(file, gzip, path)),
+    }
 }
 
 async fn upload(
@@ -180,7 +184,7 @@ async fn upload(
                 sink.write(chunk).await?;
             }
             sink.finish().await?;
-            apply_metadata(&user, &path, &metadata).await?;
+            apply_metadata(&path, &metadata).await?;
             vec![uploaded(&path, &metadata)]
         }
         other => return Err(EnvdError::InvalidArgument(format!("unsupported content type {other:?}: use multipart/form-data or application/octet-stream"))),
@@ -237,7 +241,7 @@ async fn upload_multipart(
             sink.write(chunk).await?;
         }
         sink.finish().await?;
-        apply_metadata(user, &path, metadata).await?;
+        apply_metadata(&path, metadata).await?;
         written.push(uploaded(&path, metadata));
     }
     if written.is_empty() {
@@ -246,10 +250,12 @@ async fn upload_multipart(
     Ok(written)
 }
 
-/// Sets a written file's owner, as envd does once a file is written: the
-/// owner is already the user (it was created as them), but a watch sees
+/// Sets a written file's owner once more when it is written: a watch sees
 /// the `CHMOD` event that ends envd's create, write, chmod sequence.
 fn set_owner(file: &File, (uid, gid): (u32, u32)) -> std::io::Result<()> {
+    if !nix::unistd::Uid::effective().is_root() {
+        return Ok(());
+    }
     std::os::unix::fs::fchown(file, Some(uid), Some(gid))
 }
 
@@ -260,23 +266,29 @@ struct Sink {
 }
 
 impl Sink {
+    /// Opens `path` for writing as envd does: missing parent directories
+    /// are made and handed to the user, an existing file is truncated, and
+    /// the file belongs to the user (set before the first byte, so a full
+    /// disk leaves a file of the right owner).
     async fn open(user: &User, path: PathBuf, gzip: bool) -> Result<Sink> {
         let p = path.clone();
-        let file = run_as(user, move || {
+        let owner = user.owner();
+        let file = blocking(move || {
             if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| EnvdError::io(&e, parent.display()))?;
+                ensure_dirs(parent, owner)?;
             }
             if p.is_dir() {
                 return Err(EnvdError::InvalidArgument(format!(
-                    "path {} is a directory",
+                    "path is a directory: {}",
                     p.display()
                 )));
             }
-            File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))
+            let file = File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))?;
+            chown(&p, owner)?;
+            Ok(file)
         })
         .await?;
         let (tx, mut rx) = mpsc::channel::<Bytes>(8);
-        let owner = (user.uid, user.gid);
         let writer = tokio::task::spawn_blocking(move || {
             let fail = |e: std::io::Error| EnvdError::io(&e, path.display());
             if gzip {
