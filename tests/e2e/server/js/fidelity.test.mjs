@@ -1,5 +1,7 @@
-// E2B behaviours the JS SDK relies on (issue 14): key format, signed URLs
-// that name no sandbox, pause without memory.
+// E2B behaviours the JS SDK relies on: key format, signed URLs that name no
+// sandbox, pause without memory, files as envd serves them, a killed
+// sandbox's streams and ports. run.sh runs this file under every pinned JS
+// SDK (tests/e2e/js and tests/e2e/js-2.45).
 import assert from 'node:assert/strict'
 import { test } from 'node:test'
 import { Sandbox } from 'e2b'
@@ -52,4 +54,46 @@ test('pause without memory: connect cold-boots, files and identity kept', async 
   } finally {
     await Sandbox.kill(sbx.sandboxId)
   }
+})
+
+test('files outside home as the default user, owned by the user; procfs read to its end', async () => {
+  const sbx = await newSandbox()
+  try {
+    await sbx.files.write('/0/js-notes.txt', 'notes')
+    await sbx.files.write('/etc/js-app.conf', 'conf')
+    await sbx.files.makeDir('/workspace/js')
+    for (const p of ['/0', '/0/js-notes.txt', '/etc/js-app.conf', '/workspace/js']) {
+      assert.equal((await sbx.files.getInfo(p)).owner, 'user', p)
+    }
+    await sbx.files.rename('/etc/js-app.conf', '/opt/js/app.conf')
+    assert.equal(await sbx.files.read('/opt/js/app.conf'), 'conf')
+    await sbx.files.remove('/opt/js')
+    assert.equal(await sbx.files.exists('/opt/js'), false)
+    const boot = (await sbx.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout
+    assert.equal(await sbx.files.read('/proc/sys/kernel/random/boot_id'), boot)
+    assert.equal(await sbx.files.read('/sys/class/net/lo/address'), '00:00:00:00:00:00\n')
+    const r = await sbx.commands.run('touch /etc/js-by-user 2>&1; echo rc=$?')
+    assert.match(r.stdout, /Permission denied[\s\S]*rc=1/)
+  } finally {
+    await sbx.kill()
+  }
+})
+
+test('a killed sandbox ends a waited command with "killed or reached its end of life"', async () => {
+  const sbx = await newSandbox()
+  const h = await sbx.commands.run('sleep 300', { background: true })
+  setTimeout(() => Sandbox.kill(sbx.sandboxId), 1000)
+  await assert.rejects(h.wait(), (err) => {
+    assert.match(String(err.message), /The sandbox was killed or reached its end of life/)
+    return true
+  })
+})
+
+test('a killed sandbox\'s port answers E2B\'s 502 body', async () => {
+  const sbx = await newSandbox()
+  const id = sbx.sandboxId
+  await sbx.kill()
+  const res = await fetch(`${process.env.E2B_SANDBOX_URL}/health`, { headers: { 'E2b-Sandbox-Id': id } })
+  assert.equal(res.status, 502)
+  assert.deepEqual(await res.json(), { message: 'The sandbox was not found', sandboxId: id, code: 502 })
 })

@@ -96,9 +96,67 @@ def test_a_killed_sandbox_ends_its_command_stream(fresh):
     not_running = getattr(e2b_exceptions, "SandboxNotRunningException", None)
     if not_running is not None:
         assert isinstance(err.value, not_running), repr(err.value)
-    # Before SandboxNotRunningException (2.63) the SDK called it a timeout.
     text = str(err.value)
-    assert any(w in text for w in ("killed", "not found", "sandbox timeout")), text
+    import e2b.envd.rpc as rpc
+
+    if "end of life" in inspect.getsource(rpc):
+        # Every SDK that has the wording gives it (2.45 only after the
+        # connection is reset mid-body and /health then says 502).
+        assert "The sandbox was killed or reached its end of life" in text, text
+    else:
+        # Older SDKs call any stream that breaks a timeout.
+        assert "sandbox timeout" in text, text
+
+
+def test_a_killed_sandbox_s_ports_answer_e2bs_502_body(fresh):
+    s = fresh()
+    host = s.get_host(8000)
+    s.kill()
+    want = {"message": "The sandbox was not found", "sandboxId": s.sandbox_id, "code": 502}
+    status, _, body = http("GET", "/", headers={"Host": host}, key=None)
+    assert (status, json.loads(body)) == (502, want)
+    status, _, body = http("GET", "/health", headers={"E2b-Sandbox-Id": s.sandbox_id}, key=None)
+    assert (status, json.loads(body)) == (502, want)
+
+
+def test_files_outside_home_as_the_default_user_like_envd(sbx):
+    """envd serves file calls as root and hands what they create to the
+    user; commands still run as the user."""
+    sbx.files.write("/0/notes.txt", "notes")
+    sbx.files.write("/etc/tine-e2e-app.conf", "conf")
+    sbx.files.make_dir("/workspace/x")
+    for p in ("/0", "/0/notes.txt", "/etc/tine-e2e-app.conf", "/workspace", "/workspace/x"):
+        assert sbx.files.get_info(p).owner == "user", p
+    assert sbx.files.get_info("/etc").owner == "root"
+    sbx.files.rename("/etc/tine-e2e-app.conf", "/opt/tine-e2e/app.conf")
+    assert sbx.files.read("/opt/tine-e2e/app.conf") == "conf"
+    assert sbx.files.get_info("/opt/tine-e2e").owner == "user"
+    assert sbx.files.read("/etc/shadow").startswith("root:")
+    # Commands are still the user's hand, not root's.
+    r = sbx.commands.run("touch /etc/tine-e2e-by-user 2>&1; echo rc=$?")
+    assert "Permission denied" in r.stdout and "rc=1" in r.stdout, r.stdout
+    for p in ("/0", "/opt/tine-e2e", "/workspace"):
+        sbx.files.remove(p)
+        assert not sbx.files.exists(p)
+    # Real errors keep envd's statuses.
+    with pytest.raises((e2b_exceptions.NotFoundException, FileNotFoundError)):
+        sbx.files.read("/0/notes.txt")
+    with pytest.raises(e2b_exceptions.InvalidArgumentException):
+        sbx.files.read("/etc")
+
+
+def test_files_whose_size_stat_cannot_tell_are_read_to_their_end(sbx):
+    boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+    assert re.fullmatch(r"[0-9a-f-]{36}\n", boot), boot
+    assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot
+    assert sbx.files.read("/sys/class/net/lo/address") == "00:00:00:00:00:00\n"
+    assert bytes(sbx.files.read("/proc/self/status", format="bytes")).startswith(b"Name:")
+    if supports(sbx.files.read, "gzip"):
+        assert sbx.files.read("/proc/sys/kernel/random/boot_id", gzip=True) == boot
+    # A byte range (no SDK sends one; curl-style clients do).
+    url = sbx.download_url("/proc/sys/kernel/random/boot_id")
+    status, body = fetch(url, headers={"Range": "bytes=0-7"})
+    assert (status, body) == (206, boot[:8].encode())
 
 
 def test_pause_without_memory_cold_boots_with_the_same_identity(fresh):
@@ -106,7 +164,8 @@ def test_pause_without_memory_cold_boots_with_the_same_identity(fresh):
         pytest.skip(f"e2b {SDK_VERSION}: pause has no keep_memory")
     s = fresh()
     s.files.write("/home/user/kept.txt", "kept")
-    boot = s.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+    boot = s.files.read("/proc/sys/kernel/random/boot_id")
+    assert len(boot) == 37, boot
     s.commands.run("sleep 600", background=True)
     token = s._envd_access_token
     s.pause(keep_memory=False)
@@ -115,7 +174,8 @@ def test_pause_without_memory_cold_boots_with_the_same_identity(fresh):
     assert back.sandbox_id == s.sandbox_id
     assert back._envd_access_token == token
     assert back.files.read("/home/user/kept.txt") == "kept"
-    assert back.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot
+    # Read as E2B's own tests read it: through the files API.
+    assert back.files.read("/proc/sys/kernel/random/boot_id") != boot
     assert "sleep 600" not in back.commands.run("ps -eo args").stdout
 
 
