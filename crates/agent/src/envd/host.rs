@@ -93,12 +93,18 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// How far the guest's wall clock may be off `/init`'s timestamp before it
+/// is set. A restored guest's clock stopped while it was captured, so after
+/// any pause it is behind by the pause's length; the stamp itself is a few
+/// milliseconds old when it arrives, so smaller drifts are left alone.
+const CLOCK_TOLERANCE: std::time::Duration = std::time::Duration::from_millis(50);
+
 fn sync_clock(ts: std::time::Duration) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     let drift = now.abs_diff(ts);
-    if drift <= std::time::Duration::from_secs(1) || !nix::unistd::Uid::effective().is_root() {
+    if drift <= CLOCK_TOLERANCE || !nix::unistd::Uid::effective().is_root() {
         return;
     }
     let spec = nix::sys::time::TimeSpec::from(ts);

@@ -160,6 +160,37 @@ def test_files_whose_size_stat_cannot_tell_are_read_to_their_end(sbx):
     assert (status, body) == (206, boot[:8].encode())
 
 
+def guest_clocks(s):
+    """(guest uptime, guest wall clock, host wall clock before, after)."""
+    before = time.time()
+    out = s.commands.run("cat /proc/uptime; date +%s.%N").stdout.split()
+    return float(out[0]), float(out[2]), before, time.time()
+
+
+def test_wall_clock_and_timers_across_pause_and_resume(fresh):
+    s = fresh()
+    s.commands.run("cat /proc/uptime > /tmp/t0; sleep 2; cat /proc/uptime > /tmp/t1", background=True)
+    up_before, _, _, host_paused = guest_clocks(s)
+    s.pause()
+    # Paused for less than a second: the guest's clock is behind by less
+    # than that, and must still be set.
+    time.sleep(0.5)
+    back = Sandbox.connect(s.sandbox_id)
+    up_after, wall, host_before, host_after = guest_clocks(back)
+    # The guest's monotonic clock stood still while it was paused ...
+    assert up_after - up_before < time.time() - host_paused - 0.5, (up_before, up_after)
+    # ... and its wall clock was set to the host's on resume.
+    assert host_before - 0.2 <= wall <= host_after + 0.2, (host_before, wall, host_after)
+    # The sleep then ends after 2 s of the guest's own time, no sooner.
+    deadline = time.monotonic() + 60
+    while not back.files.exists("/tmp/t1"):
+        assert time.monotonic() < deadline, "the guest's sleep never ended"
+        time.sleep(0.1)
+    t0 = float(back.files.read("/tmp/t0").split()[0])
+    t1 = float(back.files.read("/tmp/t1").split()[0])
+    assert t1 - t0 >= 2.0, (t0, t1)
+
+
 def test_pause_without_memory_cold_boots_with_the_same_identity(fresh):
     if not supports(Sandbox.pause, "keep_memory"):
         pytest.skip(f"e2b {SDK_VERSION}: pause has no keep_memory")
