@@ -170,6 +170,10 @@ pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             .param("iterations", n),
     );
     ctx.api.kill(&sb.id).await?;
+    out.rows.push(match timer_across_pause(ctx, n.min(3)).await {
+        Ok(row) => row,
+        Err(e) => Row::failed("P4", TIMER_ROW, format!("{e:#}")),
+    });
     if let Some(own) = &ctx.own {
         ctx.step("restarting the server with resume_ahead = 1");
         own.lock().await.resume_ahead = 1;
@@ -242,4 +246,56 @@ async fn resume_ahead(ctx: &Ctx, n: usize, out: &mut Out) -> anyhow::Result<Row>
             .param("iterations", n)
             .param("resume_ahead", 1),
     )
+}
+
+const TIMER_ROW: &str = "a guest `sleep 2` paused 350 ms in: fires after resume";
+
+/// How long after a resume a guest timer fires, against the time it had
+/// left: `sleep 2` is started in the guest, the sandbox is paused 350 ms
+/// later and resumed at once. The floor is the time the sleep had left
+/// (2 s less the host time from its start to the pause); the sample is the
+/// guest's wall clock when it fired (set from the host's at the resume)
+/// less the host's clock when the resume returned.
+async fn timer_across_pause(ctx: &Ctx, n: usize) -> anyhow::Result<Row> {
+    const SLEEP_MS: f64 = 2000.0;
+    let sb = ctx.api.create(ctx.args.cpus, ctx.args.memory_mb).await?;
+    let wall = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    };
+    let (mut fired_ms, mut left_ms) = (Vec::new(), Vec::new());
+    for i in 1..=n {
+        ctx.step(format!("timer {i}/{n}: sleep 2 in the guest, pause, resume"));
+        run(
+            ctx,
+            &sb,
+            "rm -f /tmp/tine-fired; setsid sh -c 'sleep 2; date +%s.%N > /tmp/tine-fired' \
+             </dev/null >/dev/null 2>&1 &",
+        )
+        .await?;
+        let started = wall();
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let paused = wall();
+        ctx.api.pause(&sb.id).await?;
+        ctx.api.resume(&sb.id).await?;
+        let resumed = wall();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let fired = loop {
+            let out = run(ctx, &sb, "cat /tmp/tine-fired 2>/dev/null || true").await?;
+            if let Ok(secs) = out.trim().parse::<f64>() {
+                break secs * 1000.0;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "the guest's sleep never ended");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        left_ms.push(SLEEP_MS - (paused - started));
+        fired_ms.push(fired - resumed);
+    }
+    ctx.api.kill(&sb.id).await?;
+    Ok(Row::new("P4", TIMER_ROW, "ms")
+        .samples(fired_ms)
+        .floor("the time the sleep had left at the pause", left_ms)
+        .ratio_target(1.1, "p50 ≤ 1.1× the time left")
+        .param("iterations", n))
 }
