@@ -3,7 +3,8 @@
 # the default template (`base`), and print the environment variables that
 # point the E2B SDKs at it.
 #
-# Environment: TINE_LISTEN (default 127.0.0.1:3000), TINE_DATA_DIR.
+# Environment: TINE_LISTEN (default 127.0.0.1:3000), TINE_DATA_DIR,
+# TINE_SKIP_MCP=1 (no mcp-gateway template).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -17,6 +18,11 @@ listen="${TINE_LISTEN:-127.0.0.1:3000}"
 log "building the tine CLI"
 cargo build --release --locked -p tine-cli
 tine=target/release/tine
+# The template Sandbox.create(mcp=...) starts from (once per recipe;
+# TINE_SKIP_MCP=1 skips it).
+if [[ "${TINE_SKIP_MCP:-0}" != 1 ]]; then
+    TINE_BIN="$PWD/$tine" "$TINE_SCRIPTS_DIR/build-mcp-gateway.sh"
+fi
 
 log "creating an API key for this run (list them: $tine keys list)"
 key="$("$tine" keys create --name "run.sh $(date -u +%FT%TZ)" 2>/dev/null)"

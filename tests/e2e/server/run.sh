@@ -61,6 +61,10 @@ export TINE_DATA_DIR="$BASE_DATA_DIR/e2e-server"
 export TINE_SHM_DIR="${TINE_E2E_SHM_DIR:-/dev/shm/tine-e2e-server}"
 mkdir -p "$TINE_DATA_DIR"
 ln -sfn "$BASE_DATA_DIR/current" "$TINE_DATA_DIR/current"
+if [[ "${TINE_E2E_SKIP_MCP:-0}" != 1 ]]; then
+    log "template mcp-gateway (scripts/build-mcp-gateway.sh: once per recipe)"
+    TINE_BIN="$TINE_BIN" "$ROOT/scripts/build-mcp-gateway.sh" || { echo "error: building the mcp-gateway template failed" >&2; exit 1; }
+fi
 
 export TINE_E2E_STATE
 TINE_E2E_STATE="$(mktemp -d -t tine-e2e-server.XXXXXX)"

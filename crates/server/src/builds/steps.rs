@@ -230,7 +230,11 @@ pub fn quote(s: &str) -> String {
 /// The script (run as root) that creates the workdir, owned by the step's
 /// user when it makes it.
 pub fn mkdir_workdir(state: &State) -> String {
-    let d = quote(state.workdir.trim_end_matches('/'));
+    // `/` stays `/` (trimmed, it would be the empty path).
+    let d = match state.workdir.trim_end_matches('/') {
+        "" => "/".to_string(),
+        d => quote(d),
+    };
     format!(
         "[ -d {d} ] || {{ mkdir -p {d} && chown {} {d}; }}",
         quote(&state.user)
@@ -458,6 +462,27 @@ mod tests {
         assert_ne!(
             layer_key("p", &run, &st, Some("a")),
             layer_key("p", &run, &st, Some("b"))
+        );
+    }
+
+    #[test]
+    fn the_root_workdir_is_not_the_empty_path() {
+        let root = State {
+            workdir: "/".into(),
+            ..State::default()
+        };
+        assert_eq!(
+            mkdir_workdir(&root),
+            "[ -d / ] || { mkdir -p / && chown 'user' /; }"
+        );
+        let app = State {
+            workdir: "/app/".into(),
+            ..State::default()
+        };
+        assert!(
+            mkdir_workdir(&app).starts_with("[ -d '/app' ]"),
+            "{}",
+            mkdir_workdir(&app)
         );
     }
 }

@@ -143,8 +143,11 @@ struct NewSandbox {
     /// Features tine does not have: refused rather than ignored, so a
     /// sandbox never starts without what it was asked to have.
     volume_mounts: Option<serde_json::Value>,
-    mcp: Option<serde_json::Value>,
     iam: Option<serde_json::Value>,
+    /// The SDK's MCP config: an object, or null. The SDK itself starts the
+    /// gateway in the sandbox (`mcp-gateway --config`, from the template
+    /// `mcp-gateway`), so the server only checks its shape.
+    mcp: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -160,6 +163,16 @@ fn is_empty_json(v: &serde_json::Value) -> bool {
         serde_json::Value::Object(m) => m.is_empty(),
         serde_json::Value::Array(a) => a.is_empty(),
         _ => false,
+    }
+}
+
+/// `mcp` is an object (the servers the SDK starts in the sandbox) or null.
+fn check_mcp(mcp: Option<&serde_json::Value>) -> Result<(), ApiError> {
+    match mcp {
+        None | Some(serde_json::Value::Null | serde_json::Value::Object(_)) => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "mcp must be an object of MCP server configs (or null)",
+        )),
     }
 }
 
@@ -209,7 +222,6 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
     let req: NewSandbox = super::parse_json(body)?;
     for (field, value, why) in [
         ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
-        ("mcp", &req.mcp, "tine has no MCP gateway"),
         ("iam", &req.iam, "tine has no secrets or header transforms"),
     ] {
         if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
@@ -218,6 +230,7 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
             )));
         }
     }
+    check_mcp(req.mcp.as_ref())?;
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
     let template_id = req
@@ -304,4 +317,32 @@ pub async fn refresh(
     }
     s.manager.set_timeout(&id, d)?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mcp_is_an_object_or_null() {
+        let req: NewSandbox =
+            serde_json::from_str(r#"{"templateID":"mcp-gateway","mcp":{"time":{},"memory":{}}}"#)
+                .unwrap();
+        assert!(check_mcp(req.mcp.as_ref()).is_ok());
+        for ok in ["null", "{}"] {
+            let v: serde_json::Value = serde_json::from_str(ok).unwrap();
+            assert!(check_mcp(Some(&v)).is_ok(), "{ok}");
+        }
+        assert!(check_mcp(None).is_ok());
+        for bad in ["[]", "\"time\"", "3", "true"] {
+            let v: serde_json::Value = serde_json::from_str(bad).unwrap();
+            let e = check_mcp(Some(&v)).unwrap_err();
+            assert!(
+                e.message.contains("mcp must be an object"),
+                "{bad}: {}",
+                e.message
+            );
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        }
+    }
 }
