@@ -27,6 +27,10 @@ pub struct Paths {
     /// device set).
     #[serde(default = "yes")]
     pub balloon: bool,
+    /// Boot TCG guests on the TSC clocksource (see
+    /// [`crate::qemu::guest_clock_cmdline`]).
+    #[serde(default = "yes")]
+    pub guest_tsc: bool,
 }
 
 fn yes() -> bool {
@@ -54,6 +58,7 @@ impl Paths {
             jail: crate::jail::JailConfig::from_env(),
             track_writes: env_switch("TINE_TRACK_WRITES"),
             balloon: env_switch("TINE_BALLOON"),
+            guest_tsc: env_switch("TINE_GUEST_TSC"),
         }
     }
 

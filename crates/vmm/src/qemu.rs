@@ -72,6 +72,54 @@ pub fn host_cpu_khz() -> Option<u64> {
     Some((mhz * 1000.0) as u64)
 }
 
+/// The guest's clock under TCG: the TSC, trusted as it is (no watchdog,
+/// no cross-CPU sync check), so an idle guest stops its tick (NO_HZ).
+///
+/// TCG's TSC is the host's TSC read by each vCPU thread, so it is
+/// synchronised across vCPUs and stops while the VM is stopped (QEMU
+/// keeps its offset across a migration), which a restored guest needs. Left
+/// alone, the guest finds it "unstable" (the sync check and the watchdog
+/// measure an emulated CPU that is often descheduled) and falls back to
+/// `refined-jiffies`: a 250 Hz tick on every vCPU, each one emulated, and a
+/// clock that runs slow when ticks are late. KVM keeps the kernel's own
+/// choice (kvm-clock). `TINE_GUEST_TSC=0` turns it off for new boots
+/// (templates are named after it, see `Driver::boot_devices`).
+///
+/// Such a machine also has no i8254 PIT. QEMU resets the PIT's channel 0
+/// to a square wave of 65536 counts, and the guest kernel (6.1) does not
+/// stop it when it moves to the LAPIC timer: QEMU then wakes every 27 ms
+/// to raise a masked interrupt, and kicks the vCPU each time (most of an
+/// idle TCG guest's host CPU once the tick is gone). A TSC-clocked guest
+/// with a TSC-deadline LAPIC timer never needs the PIT. Whether a VM has
+/// one is part of its device state, so it follows the recorded kernel
+/// command line ([`tsc_clocked`]), which its snapshots keep.
+///
+/// Two more words keep idle guests asleep, traced in a guest
+/// (`timer:timer_start`): `nowatchdog` (the soft-lockup watchdog's
+/// hrtimer on every vCPU, which an emulated CPU trips anyway) and no
+/// proactive compaction (kcompactd woke every 500 ms).
+pub fn guest_clock_cmdline(paths: &crate::Paths, accel: Accel) -> Vec<String> {
+    if accel == Accel::Tcg && paths.guest_tsc {
+        TSC_CLOCK
+            .iter()
+            .chain(QUIET_IDLE.iter())
+            .map(|w| w.to_string())
+            .collect()
+    } else {
+        Vec::new()
+    }
+}
+
+const QUIET_IDLE: [&str; 2] = ["nowatchdog", "sysctl.vm.compaction_proactiveness=0"];
+
+const TSC_CLOCK: [&str; 2] = ["clocksource=tsc", "tsc=reliable"];
+
+/// Whether a VM booted with these extra kernel words runs on the TSC clock
+/// (and so has no PIT).
+pub fn tsc_clocked(extra_cmdline: &[String]) -> bool {
+    TSC_CLOCK.iter().all(|w| extra_cmdline.iter().any(|e| e == w))
+}
+
 /// Kernel command line. The `tine.*` words are read by our agent.
 ///
 /// Under TCG the guest's early TSC calibration measures an emulated PIT
@@ -121,7 +169,12 @@ pub fn args(l: &Launch) -> Vec<String> {
         "none".into(),
         "-no-reboot".into(),
         "-M".into(),
-        "microvm,acpi=on,memory-backend=mem".into(),
+        if tsc_clocked(&l.extra_cmdline) {
+            // No i8254: see `guest_clock_cmdline`.
+            "microvm,acpi=on,pit=off,memory-backend=mem".into()
+        } else {
+            "microvm,acpi=on,memory-backend=mem".into()
+        },
         "-accel".into(),
         accel,
         "-cpu".into(),
@@ -279,6 +332,35 @@ mod tests {
         assert!(a.ends_with("-incoming defer"));
         assert!(!a.contains("-kernel"), "a clone does not load the kernel");
         assert!(!a.contains("-initrd"));
+    }
+
+    #[test]
+    fn a_tsc_clocked_machine_has_no_pit_and_its_clones_neither() {
+        let paths = crate::Paths {
+            data_dir: "/d".into(),
+            shm_dir: "/s".into(),
+            jail: Default::default(),
+            track_writes: true,
+            balloon: true,
+            guest_tsc: true,
+        };
+        let words = guest_clock_cmdline(&paths, Accel::Tcg);
+        assert!(tsc_clocked(&words));
+        assert!(guest_clock_cmdline(&paths, Accel::Kvm).is_empty());
+        let off = crate::Paths {
+            guest_tsc: false,
+            ..paths
+        };
+        assert!(guest_clock_cmdline(&off, Accel::Tcg).is_empty());
+        for incoming in [false, true] {
+            let mut l = launch(incoming, !incoming);
+            l.extra_cmdline.extend(words.iter().cloned());
+            let a = args(&l).join(" ");
+            assert!(a.contains("-M microvm,acpi=on,pit=off,memory-backend=mem"), "{a}");
+            if !incoming {
+                assert!(a.contains("clocksource=tsc tsc=reliable"));
+            }
+        }
     }
 
     #[test]

@@ -177,6 +177,7 @@ mod tests {
             jail: Default::default(),
             track_writes: true,
             balloon: true,
+            guest_tsc: true,
         };
         let disk = |id: &str| paths.snapshot_dir(id).join("disk.qcow2");
         // tpl <- kept (a row); tpl <- under-vm <- sealed (no meta: a capture

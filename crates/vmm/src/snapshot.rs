@@ -568,6 +568,7 @@ mod checksum_tests {
             jail: Default::default(),
             track_writes: true,
             balloon: true,
+            guest_tsc: true,
         };
         make(&paths, "whole");
         Snapshot::open(&paths, "whole").unwrap();

@@ -71,6 +71,7 @@ fn setup() -> (tempfile::TempDir, tempfile::TempDir, Paths, Artifacts, Reap) {
         jail: tine_vmm::JailConfig::from_env(),
         track_writes: true,
         balloon: true,
+        guest_tsc: true,
     };
     let reap = Reap(data.path().to_path_buf());
     // Last in the tuple, so it is dropped first, before the dirs go.
@@ -780,6 +781,7 @@ async fn a_capture_on_a_full_disk_gives_the_vm_back() {
         // dropped reads that file again, and a hole in it needs a page of
         // the full tmpfs (on a disk file system, memory but no room).
         balloon: false,
+        guest_tsc: true,
     };
     let _reap = Reap(data.clone());
 

@@ -34,6 +34,7 @@ pub fn own_paths(base: &Paths) -> Paths {
         jail: base.jail.clone(),
         track_writes: base.track_writes,
         balloon: base.balloon,
+        guest_tsc: base.guest_tsc,
     }
 }
 
@@ -46,6 +47,7 @@ pub fn floor_paths(base: &Paths) -> Paths {
         jail: base.jail.clone(),
         track_writes: base.track_writes,
         balloon: base.balloon,
+        guest_tsc: base.guest_tsc,
     }
 }
 

@@ -90,6 +90,7 @@ fn host(ctx: &Ctx, root: &Path, name: &str) -> anyhow::Result<Paths> {
         jail: ctx.paths.jail.clone(),
         track_writes: ctx.paths.track_writes,
         balloon: ctx.paths.balloon,
+        guest_tsc: ctx.paths.guest_tsc,
     };
     let _ = std::fs::remove_dir_all(&paths.data_dir);
     link_artifacts(&Paths::from_env(), &paths)?;

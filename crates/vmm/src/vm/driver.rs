@@ -75,11 +75,14 @@ fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
 #[async_trait::async_trait]
 impl Driver for QemuDriver {
     fn boot_devices(&self) -> String {
+        let mut parts = Vec::new();
         if self.paths().balloon {
-            "balloon".into()
-        } else {
-            String::new()
+            parts.push("balloon");
         }
+        if self.paths().guest_tsc && crate::Accel::probe() == crate::Accel::Tcg {
+            parts.push("tsc");
+        }
+        parts.join(",")
     }
 
     async fn boot(

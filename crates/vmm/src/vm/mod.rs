@@ -347,8 +347,13 @@ impl Vm {
         id: &str,
         machine: Machine,
         artifacts: &Artifacts,
-        opts: StartOptions,
+        mut opts: StartOptions,
     ) -> Result<Vm> {
+        // The clock words go into the VM's record and its snapshots'
+        // meta, so a cold boot from a snapshot's disk gets them again.
+        let mut words = crate::qemu::guest_clock_cmdline(paths, machine.accel);
+        words.append(&mut opts.extra_cmdline);
+        opts.extra_cmdline = words;
         Vm::boot_over(paths, id, machine, artifacts, Origin::Boot, opts).await
     }
 
