@@ -150,8 +150,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                 let listener = crate::proxy::TcpListener(listener);
                 // Each request knows its connection's socket: the proxy
                 // resets it when a sandbox goes mid-stream.
-                let app =
-                    app.into_make_service_with_connect_info::<crate::proxy::ClientSocket>();
+                let app = app.into_make_service_with_connect_info::<crate::proxy::ClientSocket>();
                 axum::serve(listener, app)
                     .with_graceful_shutdown(stop)
                     .await

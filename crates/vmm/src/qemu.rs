@@ -117,7 +117,9 @@ const TSC_CLOCK: [&str; 2] = ["clocksource=tsc", "tsc=reliable"];
 /// Whether a VM booted with these extra kernel words runs on the TSC clock
 /// (and so has no PIT).
 pub fn tsc_clocked(extra_cmdline: &[String]) -> bool {
-    TSC_CLOCK.iter().all(|w| extra_cmdline.iter().any(|e| e == w))
+    TSC_CLOCK
+        .iter()
+        .all(|w| extra_cmdline.iter().any(|e| e == w))
 }
 
 /// Kernel command line. The `tine.*` words are read by our agent.
@@ -356,7 +358,10 @@ mod tests {
             let mut l = launch(incoming, !incoming);
             l.extra_cmdline.extend(words.iter().cloned());
             let a = args(&l).join(" ");
-            assert!(a.contains("-M microvm,acpi=on,pit=off,memory-backend=mem"), "{a}");
+            assert!(
+                a.contains("-M microvm,acpi=on,pit=off,memory-backend=mem"),
+                "{a}"
+            );
             if !incoming {
                 assert!(a.contains("clocksource=tsc tsc=reliable"));
             }

@@ -491,14 +491,23 @@ fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
         assert_eq!(owner(std::path::Path::new(&path)), nobody_ids);
         assert_eq!(owner(&dir.path().join("new/deeper")), nobody_ids);
         assert_eq!(owner(&dir.path().join("new")), nobody_ids);
-        assert_eq!(owner(dir.path()), (0, 0), "an existing directory keeps its owner");
+        assert_eq!(
+            owner(dir.path()),
+            (0, 0),
+            "an existing directory keeps its owner"
+        );
         // An existing root-only file is overwritten and handed over.
         let secret = dir.path().join("secret");
         std::fs::write(&secret, b"s").unwrap();
         std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
             .unwrap();
         let (status, got) = a
-            .request("GET", &format!("/files?path={}&username=nobody", secret.display()), &[], "")
+            .request(
+                "GET",
+                &format!("/files?path={}&username=nobody", secret.display()),
+                &[],
+                "",
+            )
             .await;
         assert_eq!((status, &got[..]), (200, &b"s"[..]));
 
@@ -518,12 +527,21 @@ fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
         let resp = a.client.request(mk(format!("{d}/m/n"))).await.unwrap();
         assert_eq!(resp.status(), 409);
         let resp = a.client.request(mk(path.clone())).await.unwrap();
-        assert_eq!(resp.status(), 400, "a file in the way is an invalid argument");
+        assert_eq!(
+            resp.status(),
+            400,
+            "a file in the way is an invalid argument"
+        );
 
         // A procfs file says size 0: it is read to its end, plain, gzip
         // and by range.
         let (status, plain) = a
-            .request("GET", "/files?path=/proc/self/mountinfo&username=nobody", &[], "")
+            .request(
+                "GET",
+                "/files?path=/proc/self/mountinfo&username=nobody",
+                &[],
+                "",
+            )
             .await;
         assert_eq!(status, 200);
         assert!(plain.len() > 20, "read {} bytes of mountinfo", plain.len());
@@ -538,8 +556,11 @@ fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
             .await;
         assert_eq!(status, 200);
         let mut unzipped = Vec::new();
-        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&zipped[..]), &mut unzipped)
-            .unwrap();
+        std::io::Read::read_to_end(
+            &mut flate2::read::GzDecoder::new(&zipped[..]),
+            &mut unzipped,
+        )
+        .unwrap();
         assert_eq!(unzipped, version);
         let (status, part) = a
             .request(
@@ -551,11 +572,21 @@ fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
             .await;
         assert_eq!((status, &part[..]), (206, &version[..5]));
         let (status, part) = a
-            .request("GET", &format!("/files?path={path}&username=nobody"), &[("range", "bytes=-2")], "")
+            .request(
+                "GET",
+                &format!("/files?path={path}&username=nobody"),
+                &[("range", "bytes=-2")],
+                "",
+            )
             .await;
         assert_eq!((status, &part[..]), (206, &b"=1"[..]));
         let (status, _) = a
-            .request("GET", &format!("/files?path={path}&username=nobody"), &[("range", "bytes=9-")], "")
+            .request(
+                "GET",
+                &format!("/files?path={path}&username=nobody"),
+                &[("range", "bytes=9-")],
+                "",
+            )
             .await;
         assert_eq!(status, 416);
         let (status, body) = a
@@ -563,7 +594,12 @@ fn file_calls_run_as_root_and_hand_what_they_create_to_the_user() {
             .await;
         assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
         let (status, _) = a
-            .request("GET", &format!("/files?path={d}/missing&username=nobody"), &[], "")
+            .request(
+                "GET",
+                &format!("/files?path={d}/missing&username=nobody"),
+                &[],
+                "",
+            )
             .await;
         assert_eq!(status, 404);
     });

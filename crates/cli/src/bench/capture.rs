@@ -170,10 +170,11 @@ pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
             .param("iterations", n),
     );
     ctx.api.kill(&sb.id).await?;
-    out.rows.push(match timer_across_pause(ctx, n.min(3)).await {
-        Ok(row) => row,
-        Err(e) => Row::failed("P4", TIMER_ROW, format!("{e:#}")),
-    });
+    out.rows
+        .push(match timer_across_pause(ctx, n.min(3)).await {
+            Ok(row) => row,
+            Err(e) => Row::failed("P4", TIMER_ROW, format!("{e:#}")),
+        });
     if let Some(own) = &ctx.own {
         ctx.step("restarting the server with resume_ahead = 1");
         own.lock().await.resume_ahead = 1;
@@ -266,7 +267,9 @@ async fn timer_across_pause(ctx: &Ctx, n: usize) -> anyhow::Result<Row> {
     };
     let (mut fired_ms, mut left_ms) = (Vec::new(), Vec::new());
     for i in 1..=n {
-        ctx.step(format!("timer {i}/{n}: sleep 2 in the guest, pause, resume"));
+        ctx.step(format!(
+            "timer {i}/{n}: sleep 2 in the guest, pause, resume"
+        ));
         run(
             ctx,
             &sb,

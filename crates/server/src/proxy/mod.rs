@@ -32,8 +32,8 @@ mod signed;
 mod stream_end;
 
 use signed::{Refusal, SignedQuery};
-pub use stream_end::{ClientSocket, TcpListener};
 use stream_end::EndsWithSandbox;
+pub use stream_end::{ClientSocket, TcpListener};
 
 /// The port `E2b-Sandbox-Port` defaults to: the agent's.
 pub const ENVD_PORT: u16 = tine_agent_client::AGENT_PORT;
@@ -332,7 +332,10 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
     // The client's connection, reset if the sandbox goes mid-body (HTTP/1
     // only: an HTTP/2 connection carries other streams).
     let client = (req.version() <= http::Version::HTTP_11)
-        .then(|| req.extensions().get::<axum::extract::ConnectInfo<ClientSocket>>())
+        .then(|| {
+            req.extensions()
+                .get::<axum::extract::ConnectInfo<ClientSocket>>()
+        })
         .flatten()
         .map(|c| c.0);
     let live = match state.manager.live(&t.sandbox) {

@@ -252,7 +252,9 @@ mod tests {
         let app = axum::Router::new().route(
             "/stream",
             axum::routing::get(
-                move |axum::extract::ConnectInfo(client): axum::extract::ConnectInfo<ClientSocket>| {
+                move |axum::extract::ConnectInfo(client): axum::extract::ConnectInfo<
+                    ClientSocket,
+                >| {
                     let gone = token.clone();
                     async move {
                         let (mut tx, inner) = channel();
@@ -277,10 +279,13 @@ mod tests {
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(axum::serve(
-            TcpListener(listener),
-            app.into_make_service_with_connect_info::<ClientSocket>(),
-        ).into_future());
+        tokio::spawn(
+            axum::serve(
+                TcpListener(listener),
+                app.into_make_service_with_connect_info::<ClientSocket>(),
+            )
+            .into_future(),
+        );
         let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
         conn.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
             .await

@@ -138,7 +138,10 @@ fn pump(mut r: impl Read, tx: &Tx) -> std::io::Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
+        if tx
+            .blocking_send(Ok(Bytes::copy_from_slice(&buf[..n])))
+            .is_err()
+        {
             return Ok(());
         }
     }
@@ -236,7 +239,10 @@ fn unsatisfiable(size: u64) -> Response {
         Body::from(body.to_string()),
     );
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Ok(v) = HeaderValue::from_str(&format!("bytes */{size}")) {
         h.insert(header::CONTENT_RANGE, v);
     }

@@ -141,7 +141,9 @@ async fn download(
     let p = path.clone();
     let (file, meta) = blocking(move || {
         let file = File::open(&p).map_err(|e| EnvdError::io(&e, p.display()))?;
-        let meta = file.metadata().map_err(|e| EnvdError::io(&e, p.display()))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| EnvdError::io(&e, p.display()))?;
         if meta.is_dir() {
             return Err(EnvdError::InvalidArgument(format!(
                 "path '{}' is a directory",
