@@ -10,6 +10,7 @@
 //! max_cpu_count = 8
 //! max_memory_mb = 8192
 //! max_sandboxes = 256
+//! max_sandboxes_per_core = 100    # capacity by CPU: at most this many per host core (0: no bound)
 //! max_body_bytes = 1048576
 //! max_fork_count = 32
 //! min_free_memory_mb = 256        # refuse starts (429) below this MemAvailable
@@ -70,6 +71,12 @@ pub struct Config {
     pub max_memory_mb: u32,
     /// Sandboxes alive at once; creates beyond it get 429.
     pub max_sandboxes: usize,
+    /// Capacity by CPU: sandboxes (live, starting, pooled, restored ahead)
+    /// per host core, so a host refuses creates (429) before its live
+    /// sandboxes stop answering. An idle TCG sandbox costs about 0.2 % of
+    /// a core (docs/benchmarks.md, P15), so the bound is the CPU left for
+    /// the ones that work. 0: no bound beyond `max_sandboxes`.
+    pub max_sandboxes_per_core: f64,
     /// A VM start (create, resume, fork) is refused with 429 while the
     /// host's `MemAvailable` is below this (0: never).
     pub min_free_memory_mb: u64,
@@ -156,6 +163,7 @@ impl Default for Config {
             min_memory_mb: 128,
             max_memory_mb: 8192,
             max_sandboxes: 256,
+            max_sandboxes_per_core: 100.0,
             min_free_memory_mb: 256,
             min_free_disk_mb: 1024,
             max_body_bytes: 1 << 20,
@@ -197,6 +205,23 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// How many sandboxes this host holds: `max_sandboxes`, and
+    /// `max_sandboxes_per_core` times its cores (at least one sandbox).
+    pub fn capacity(&self) -> Capacity {
+        self.capacity_for(host_cores())
+    }
+
+    /// [`Config::capacity`] on a host of `cores` cores.
+    pub fn capacity_for(&self, cores: usize) -> Capacity {
+        let by_cpu = (self.max_sandboxes_per_core > 0.0)
+            .then(|| ((self.max_sandboxes_per_core * cores as f64).floor() as usize).max(1));
+        Capacity {
+            sandboxes: by_cpu.map_or(self.max_sandboxes, |c| c.min(self.max_sandboxes)),
+            by_cpu,
+            cores,
+        }
+    }
+
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let Some(path) = path else {
             return Ok(Self::default());
@@ -225,6 +250,9 @@ impl Config {
         }
         if self.max_concurrent_builds == 0 {
             return bad("max_concurrent_builds must be at least 1");
+        }
+        if !(self.max_sandboxes_per_core >= 0.0 && self.max_sandboxes_per_core.is_finite()) {
+            return bad("max_sandboxes_per_core must be a number, at least 0 (0: no bound)");
         }
         if self.default_timeout_secs == 0 || self.default_timeout_secs > self.max_timeout_secs {
             return bad("default_timeout_secs must be between 1 and max_timeout_secs");
@@ -267,6 +295,25 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_is_the_smaller_of_max_sandboxes_and_the_cpu_bound() {
+        let mut c = Config::default();
+        assert_eq!(c.capacity_for(2).sandboxes, 200);
+        assert_eq!(c.capacity_for(2).by_cpu, Some(200));
+        assert_eq!(c.capacity_for(4).sandboxes, 256, "max_sandboxes bounds it");
+        c.max_sandboxes_per_core = 1.25;
+        assert_eq!(c.capacity_for(2).sandboxes, 2);
+        c.max_sandboxes_per_core = 0.1;
+        assert_eq!(c.capacity_for(2).sandboxes, 1, "at least one");
+        c.max_sandboxes_per_core = 0.0;
+        assert_eq!(c.capacity_for(2), Capacity { sandboxes: 256, by_cpu: None, cores: 2 });
+        c.max_sandboxes_per_core = -1.0;
+        assert!(c.validate().is_err());
+        c.max_sandboxes_per_core = f64::NAN;
+        assert!(c.validate().is_err());
+    }
+
 
     #[test]
     fn jail_and_team_settings_are_checked() {
@@ -331,4 +378,20 @@ mod tests {
             Err(ConfigError::Invalid(_))
         ));
     }
+}
+
+/// The host's capacity for sandboxes (see [`Config::capacity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Sandboxes at most: the smaller bound.
+    pub sandboxes: usize,
+    /// The CPU bound, when there is one.
+    pub by_cpu: Option<usize>,
+    /// Host cores it was computed from.
+    pub cores: usize,
+}
+
+/// Cores this process may run on (the cgroup's and affinity's view).
+pub fn host_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

@@ -43,6 +43,10 @@ pub struct Metrics {
     pub image_cache_bytes: Family<KindLabel, Gauge>,
     pub image_cache_reads: Family<KindLabel, Gauge>,
     pub image_cache_hit_ratio: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// The host's capacity for sandboxes by bound (`total`, `cpu`,
+    /// `max_sandboxes`) and what of it is in use.
+    pub capacity: Family<KindLabel, Gauge>,
+    pub host_cores: Gauge,
 }
 
 impl Default for Metrics {
@@ -82,8 +86,18 @@ impl Default for Metrics {
             "Chunk reads served locally, of all",
             image_cache_hit_ratio.clone(),
         );
+        let capacity = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "capacity_sandboxes",
+            "Sandboxes this host holds: total (the smaller bound), cpu (max_sandboxes_per_core x cores), max_sandboxes; in_use (live, starting, building: what admission counts); pooled (warm pool and restored ahead, which give way)",
+            capacity.clone(),
+        );
+        let host_cores = Gauge::default();
+        registry.register("host_cores", "Host cores the capacity is computed from", host_cores.clone());
         Self {
             registry,
+            capacity,
+            host_cores,
             proxy_bytes,
             api_latency,
             sandboxes,
@@ -122,6 +136,28 @@ impl Metrics {
         if all > 0 {
             self.image_cache_hit_ratio.set(s.hits as f64 / all as f64);
         }
+    }
+
+    /// Copy the host's capacity in.
+    pub fn set_capacity(
+        &self,
+        c: crate::config::Capacity,
+        max_sandboxes: usize,
+        admitted: usize,
+        pooled: usize,
+    ) {
+        let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        let mut kinds = vec![
+            ("total", c.sandboxes),
+            ("max_sandboxes", max_sandboxes),
+            ("in_use", admitted),
+            ("pooled", pooled),
+        ];
+        kinds.extend(c.by_cpu.map(|v| ("cpu", v)));
+        for (kind, v) in kinds {
+            self.capacity.get_or_create(&KindLabel { kind }).set(as_i64(v));
+        }
+        self.host_cores.set(as_i64(c.cores));
     }
 
     pub fn render(&self) -> String {

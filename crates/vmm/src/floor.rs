@@ -69,6 +69,11 @@ pub struct HandVm {
 }
 
 impl HandVm {
+    /// Its QEMU's pid (once started).
+    pub fn pid(&self) -> Option<i32> {
+        self.process.as_ref().map(|p| p.pid())
+    }
+
     /// Its guest's ports.
     pub fn guest(&self) -> std::io::Result<Guest> {
         Ok(std::sync::Arc::new(self.netns.try_clone()?))
@@ -130,6 +135,53 @@ async fn run(
     probe: Probe,
     st: &mut FloorStages,
 ) -> Result<()> {
+    let mut qmp = load(vm, snapshot, st).await?;
+    let t = Instant::now();
+    qmp.run("cont", None).await?;
+    st.cont = ms(t);
+
+    let t = Instant::now();
+    let process = vm.process.as_ref().expect("set by load");
+    let guest = vm.guest().ctx(|| "opening the namespace".into())?;
+    let gone = || process.exit_status().is_some();
+    if !crate::driver::wait_ready(&probe, &guest, Duration::from_secs(60), gone).await {
+        return Err(failed("the guest was not ready within 60 s"));
+    }
+    st.first_reply = ms(t);
+    Ok(())
+}
+
+/// Restore `snapshot` by hand as VM `id` and leave it stopped: QEMU with
+/// the guest loaded and no vCPU running (the floor of an idle sandbox's
+/// host CPU: what QEMU itself costs). Its pid is [`HandVm::pid`].
+pub async fn restore_stopped(paths: &Paths, id: &str, snapshot: &Snapshot) -> Result<HandVm> {
+    let dir = paths.vm_dir(id);
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    let netns = match Netns::create(id).await {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+    };
+    let mut vm = HandVm {
+        netns,
+        process: None,
+        dir: dir.clone(),
+    };
+    match load(&mut vm, snapshot, &mut FloorStages::default()).await {
+        Ok(_) => Ok(vm),
+        Err(e) => {
+            let log = crate::log_tail(&dir.join("qemu.log"), 400);
+            vm.kill().await;
+            Err(failed(format!("{e} (QEMU said: {log:?})")))
+        }
+    }
+}
+
+/// QEMU started over `snapshot`'s files with its device state loaded, its
+/// vCPUs stopped; its QMP connection.
+async fn load(vm: &mut HandVm, snapshot: &Snapshot, st: &mut FloorStages) -> Result<Qmp> {
     let dir = vm.dir.clone();
     let t = Instant::now();
     disk::create_overlay(
@@ -201,20 +253,7 @@ async fn run(
         .await?;
     qmp.wait_migration("loading the device state").await?;
     st.migrate = ms(t);
-
-    let t = Instant::now();
-    qmp.run("cont", None).await?;
-    st.cont = ms(t);
-
-    let t = Instant::now();
-    let process = vm.process.as_ref().expect("set above");
-    let guest = vm.guest().ctx(|| "opening the namespace".into())?;
-    let gone = || process.exit_status().is_some();
-    if !crate::driver::wait_ready(&probe, &guest, Duration::from_secs(60), gone).await {
-        return Err(failed("the guest was not ready within 60 s"));
-    }
-    st.first_reply = ms(t);
-    Ok(())
+    Ok(qmp)
 }
 
 /// A fresh id for a VM made by hand.

@@ -18,6 +18,9 @@ pub struct OwnServer {
     pub pool_size: usize,
     /// Paused sandboxes restored ahead of their resume (`resume_ahead`).
     pub resume_ahead: usize,
+    /// `max_sandboxes` of its config; `None`: the server's default (and its
+    /// `max_sandboxes_per_core`), as P15's density measures.
+    pub max_sandboxes: Option<usize>,
     /// Whether its VMs run jailed (`[jail] enabled`).
     pub jail: bool,
     pub url: String,
@@ -71,6 +74,10 @@ pub(super) fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> 
     std::os::unix::fs::symlink(&src, &link).with_context(|| format!("linking {}", link.display()))
 }
 
+/// The bench server's `max_sandboxes` (every scenario but P15's density).
+pub const BENCH_MAX_SANDBOXES: usize = 128;
+
+#[allow(clippy::too_many_arguments)]
 fn write_config(
     dir: &Path,
     port: u16,
@@ -78,6 +85,7 @@ fn write_config(
     memory_mb: u32,
     pool_size: usize,
     resume_ahead: usize,
+    max_sandboxes: Option<usize>,
     jail: bool,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
@@ -88,10 +96,11 @@ fn write_config(
          default_cpu_count = {cpus}\n\
          default_memory_mb = {memory_mb}\n\
          default_timeout_secs = 1800\n\
-         max_sandboxes = 128\n\
          max_fork_count = 64\n\
+         {max}\
          [jail]\n\
-         enabled = {jail}\n"
+         enabled = {jail}\n",
+        max = max_sandboxes.map_or(String::new(), |m| format!("max_sandboxes = {m}\n")),
     );
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
@@ -123,6 +132,7 @@ impl OwnServer {
             memory_mb,
             pool_size,
             resume_ahead: 0,
+            max_sandboxes: Some(BENCH_MAX_SANDBOXES),
             jail: true,
             url,
             key,
@@ -149,6 +159,7 @@ impl OwnServer {
             self.memory_mb,
             self.pool_size,
             self.resume_ahead,
+            self.max_sandboxes,
             self.jail,
         )?;
         let out = std::fs::OpenOptions::new()

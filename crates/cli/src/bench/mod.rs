@@ -15,6 +15,7 @@ mod capture;
 mod create;
 mod env;
 mod fork;
+mod idle;
 mod image;
 mod mem;
 mod memory;
@@ -52,10 +53,11 @@ pub enum Scenario {
     P9,
     P10,
     P11,
+    P15,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 11] = [
+    const ALL: [Scenario; 12] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -67,6 +69,7 @@ impl Scenario {
         Self::P9,
         Self::P10,
         Self::P11,
+        Self::P15,
     ];
 
     fn id(self) -> &'static str {
@@ -82,6 +85,7 @@ impl Scenario {
             Self::P9 => "P9",
             Self::P10 => "P10",
             Self::P11 => "P11",
+            Self::P15 => "P15",
         }
     }
 
@@ -98,13 +102,14 @@ impl Scenario {
             Self::P9 => "template build: cached and last-step-changed vs cold",
             Self::P10 => "100 MiB download through the egress path vs the host",
             Self::P11 => "RL rollout: episodes that fork at step 3 (Python SDK)",
+            Self::P15 => "idle sandboxes: host CPU each, and how many a host holds",
         }
     }
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P11).
+    /// Scenarios to run (default: all of P1–P11 and P15).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
@@ -239,6 +244,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P9 => build::p9(ctx, out).await,
         Scenario::P10 => net::p10(ctx, out).await,
         Scenario::P11 => rollout::p11(ctx, out).await,
+        Scenario::P15 => idle::p15(ctx, out).await,
     }
 }
 

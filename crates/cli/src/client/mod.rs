@@ -107,6 +107,14 @@ impl Api {
             .with_context(|| format!("{method} {path}: the answer is not JSON"))
     }
 
+    /// The server's Prometheus text (`GET /metrics`).
+    pub async fn metrics_text(&self) -> anyhow::Result<String> {
+        let req = Request::get(format!("{}/metrics", self.base)).body(Full::default())?;
+        let (status, body) = self.send(req).await?;
+        anyhow::ensure!(status.is_success(), "GET /metrics: HTTP {status}");
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
     pub async fn health(&self) -> bool {
         let Ok(req) = Request::get(format!("{}/health", self.base)).body(Full::default()) else {
             return false;

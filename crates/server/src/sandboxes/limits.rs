@@ -58,9 +58,32 @@ pub fn machine(
     }
     Ok(Machine {
         vcpus: cpus,
-        memory_mib: mem,
+        memory_mib: memory_shape(mem).min(config.max_memory_mb),
         ..Machine::default()
     })
+}
+
+/// The memory a sandbox gets for `asked` MiB: the next of a few sizes
+/// (powers of two and 1.5 times them: 128, 192, 256, 384, 512, 768, …).
+/// Each (vCPUs, memory) pair of `base` is a template snapshot of its own,
+/// built by a cold boot and kept on disk, so sizes are few: a create for
+/// 129 MiB gets 192, not a boot of its own. Asking for more never gives
+/// less.
+pub fn memory_shape(asked: u32) -> u32 {
+    let mut size: u32 = 128;
+    loop {
+        if asked <= size {
+            return size;
+        }
+        let half_step = size + size / 2;
+        if asked <= half_step {
+            return half_step;
+        }
+        match size.checked_mul(2) {
+            Some(next) => size = next,
+            None => return asked,
+        }
+    }
 }
 
 /// How many children a fork may make: 1 to `max_fork_count`.
@@ -144,7 +167,8 @@ impl Drop for Ticket<'_> {
 
 impl Manager {
     /// Admit `more` sandboxes of `machine`'s shape for team `team`: room
-    /// under `max_sandboxes` (live VMs and starts admitted before) and in
+    /// in the host's capacity (`max_sandboxes` and `max_sandboxes_per_core`;
+    /// live VMs and starts admitted before) and in
     /// the team's limits (its starting and running rows and its admitted
     /// starts), reserved until the ticket is dropped.
     pub(super) fn admit(
@@ -159,8 +183,14 @@ impl Manager {
         let building = self.building_vms();
         let mut r = self.admission.0.lock().unwrap_or_else(|e| e.into_inner());
         let n = self.live_count() + r.starts + building;
-        if n + more as usize > self.config.max_sandboxes {
-            return Err(SandboxError::Capacity(n));
+        let capacity = self.config.capacity();
+        if n + more as usize > capacity.sandboxes {
+            return Err(SandboxError::Capacity(super::CapacityReached {
+                used: n,
+                asked: more as usize,
+                capacity,
+                max_sandboxes: self.config.max_sandboxes,
+            }));
         }
         let mut used = self.db.team_usage(team)?;
         if let Some(reserved) = r.teams.get(team) {
@@ -181,6 +211,14 @@ impl Manager {
             each,
             uncounted: AtomicU64::new(more),
         })
+    }
+
+    /// The host's capacity, what admission counts against it (live,
+    /// starting and building VMs) and the warm pool's VMs (ready, warming
+    /// and restored ahead), which give way to starts.
+    pub fn capacity(&self) -> (crate::config::Capacity, usize, usize) {
+        let (n, pooled) = self.vms_in_use();
+        (self.config.capacity(), n, pooled)
     }
 
     /// VMs of template builds running now.
@@ -207,7 +245,7 @@ impl Manager {
     /// the pool may still add.
     pub(super) fn fit_pool(&self) -> usize {
         let (n, pooled) = self.vms_in_use();
-        let max = self.config.max_sandboxes;
+        let max = self.config.capacity().sandboxes;
         let excess = (n + pooled).saturating_sub(max);
         if excess > 0 {
             self.pool.shrink(excess);
@@ -313,6 +351,22 @@ mod tests {
     #[test]
     fn reads_the_hosts_available_memory() {
         assert!(mem_available_mb().is_some_and(|m| m > 0));
+    }
+
+    #[test]
+    fn memory_is_rounded_up_to_a_few_shapes() {
+        let shapes: Vec<u32> = [1, 128, 129, 192, 193, 256, 300, 511, 512, 513, 1000, 8192]
+            .iter()
+            .map(|&m| memory_shape(m))
+            .collect();
+        assert_eq!(shapes, [128, 128, 192, 192, 256, 256, 384, 512, 512, 768, 1024, 8192]);
+        assert_eq!(memory_shape(u32::MAX), u32::MAX);
+        let c = Config {
+            max_memory_mb: 1000,
+            ..Config::default()
+        };
+        assert_eq!(machine(&c, None, Some(900)).unwrap().memory_mib, 1000, "never above the max");
+        assert_eq!(machine(&c, None, Some(129)).unwrap().memory_mib, 192);
     }
 
     #[test]

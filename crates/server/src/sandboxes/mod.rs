@@ -44,6 +44,38 @@ pub use lifecycle::CreateRequest;
 /// The envd version our agent implements (advertised as `envdVersion`).
 pub const ENVD_VERSION: &str = tine_agent_client::ENVD_VERSION;
 
+/// Why a start was refused for capacity: what is in use and the bound.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapacityReached {
+    /// Sandboxes live, starting, pooled and restored ahead.
+    pub used: usize,
+    pub asked: usize,
+    pub capacity: crate::config::Capacity,
+    pub max_sandboxes: usize,
+}
+
+impl std::fmt::Display for CapacityReached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.capacity;
+        write!(
+            f,
+            "the host is at capacity: {} sandboxes in use + {} asked > {} ",
+            self.used, self.asked, c.sandboxes
+        )?;
+        match c.by_cpu {
+            Some(cpu) if cpu < self.max_sandboxes => write!(
+                f,
+                "(max_sandboxes_per_core: {cpu} for {} cores); running sandboxes are not affected, try again later or on another host",
+                c.cores
+            ),
+            _ => write!(
+                f,
+                "(max_sandboxes); running sandboxes are not affected, try again later or on another host"
+            ),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error("sandbox {0} not found")]
@@ -60,8 +92,9 @@ pub enum SandboxError {
     },
     #[error("{0}")]
     Conflict(String),
-    #[error("capacity reached: {0} sandboxes are running (max_sandboxes)")]
-    Capacity(usize),
+    /// The host holds all the sandboxes it may ([`crate::config::Capacity`]).
+    #[error("{0}")]
+    Capacity(CapacityReached),
     /// The host lacks the memory a start needs (`min_free_memory_mb`).
     #[error("{0}")]
     HostMemory(String),
