@@ -252,14 +252,6 @@ async fn upload_multipart(
     Ok(written)
 }
 
-/// Sets a written file's owner once more when it is written: a watch sees
-/// the `CHMOD` event that ends envd's create, write, chmod sequence.
-fn set_owner(file: &File, (uid, gid): (u32, u32)) -> std::io::Result<()> {
-    if !nix::unistd::Uid::effective().is_root() {
-        return Ok(());
-    }
-    std::os::unix::fs::fchown(file, Some(uid), Some(gid))
-}
 
 /// A file being written by a blocking-pool thread.
 struct Sink {
@@ -270,8 +262,8 @@ struct Sink {
 impl Sink {
     /// Opens `path` for writing as envd does: missing parent directories
     /// are made and handed to the user, an existing file is truncated, and
-    /// the file belongs to the user (set before the first byte, so a full
-    /// disk leaves a file of the right owner).
+    /// the file is handed to the user once written (a watch sees create,
+    /// write, chmod, as envd's), also when the write fails half-way.
     async fn open(user: &User, path: PathBuf, gzip: bool) -> Result<Sink> {
         let p = path.clone();
         let owner = user.owner();
@@ -285,37 +277,39 @@ impl Sink {
                     p.display()
                 )));
             }
-            let file = File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))?;
-            chown(&p, owner)?;
-            Ok(file)
+            File::create(&p).map_err(|e| EnvdError::io(&e, p.display()))
         })
         .await?;
         let (tx, mut rx) = mpsc::channel::<Bytes>(8);
         let writer = tokio::task::spawn_blocking(move || {
             let fail = |e: std::io::Error| EnvdError::io(&e, path.display());
-            if gzip {
+            let gzip_fail = |e: std::io::Error| {
+                EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
+            };
+            let written = if gzip {
                 let mut dec = flate2::write::GzDecoder::new(std::io::BufWriter::with_capacity(
                     256 << 10,
                     file,
                 ));
-                while let Some(chunk) = rx.blocking_recv() {
-                    dec.write_all(&chunk).map_err(|e| {
-                        EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
-                    })?;
-                }
-                dec.try_finish().map_err(|e| {
-                    EnvdError::InvalidArgument(format!("gzip body of {}: {e}", path.display()))
-                })?;
-                dec.get_mut().flush().map_err(fail)?;
-                set_owner(dec.get_ref().get_ref(), owner).map_err(fail)
+                (|| {
+                    while let Some(chunk) = rx.blocking_recv() {
+                        dec.write_all(&chunk).map_err(gzip_fail)?;
+                    }
+                    dec.try_finish().map_err(gzip_fail)?;
+                    dec.get_mut().flush().map_err(fail)
+                })()
             } else {
                 let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
-                while let Some(chunk) = rx.blocking_recv() {
-                    out.write_all(&chunk).map_err(fail)?;
-                }
-                out.flush().map_err(fail)?;
-                set_owner(out.get_ref(), owner).map_err(fail)
-            }
+                (|| {
+                    while let Some(chunk) = rx.blocking_recv() {
+                        out.write_all(&chunk).map_err(fail)?;
+                    }
+                    out.flush().map_err(fail)
+                })()
+            };
+            // The user's file, whether or not all of it was written.
+            let handed = chown(&path, owner);
+            written.and(handed)
         });
         Ok(Sink {
             tx: Some(tx),
