@@ -47,11 +47,10 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         paths.clone(),
         sandboxes::agent::probe(),
     ));
-    let templates = Arc::new(templates::Templates::new(
-        driver.clone(),
-        artifacts.clone(),
-        db.clone(),
-    ));
+    let templates = Arc::new(
+        templates::Templates::new(driver.clone(), artifacts.clone(), db.clone())
+            .with_max_base_shapes(config.max_base_shapes),
+    );
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listening on {}", config.listen))?;

@@ -11,6 +11,7 @@
 //! max_memory_mb = 8192
 //! max_sandboxes = 256
 //! max_sandboxes_per_core = 100    # capacity by CPU: at most this many per host core (0: no bound)
+//! max_base_shapes = 16            # (vCPUs, memory) shapes of `base` kept as snapshots (429 beyond; 0: no bound)
 //! max_body_bytes = 1048576
 //! max_fork_count = 32
 //! min_free_memory_mb = 256        # refuse starts (429) below this MemAvailable
@@ -77,6 +78,11 @@ pub struct Config {
     /// a core (docs/benchmarks.md, P15), so the bound is the CPU left for
     /// the ones that work. 0: no bound beyond `max_sandboxes`.
     pub max_sandboxes_per_core: f64,
+    /// (vCPUs, memory) shapes of `base` kept as template snapshots, at
+    /// most: each is a cold boot and a RAM file on disk, so a create for
+    /// one more gets 429 naming those there are (memory is rounded to a
+    /// few sizes first). 0: no bound.
+    pub max_base_shapes: usize,
     /// A VM start (create, resume, fork) is refused with 429 while the
     /// host's `MemAvailable` is below this (0: never).
     pub min_free_memory_mb: u64,
@@ -164,6 +170,7 @@ impl Default for Config {
             max_memory_mb: 8192,
             max_sandboxes: 256,
             max_sandboxes_per_core: 100.0,
+            max_base_shapes: 16,
             min_free_memory_mb: 256,
             min_free_disk_mb: 1024,
             max_body_bytes: 1 << 20,
@@ -307,13 +314,19 @@ mod tests {
         c.max_sandboxes_per_core = 0.1;
         assert_eq!(c.capacity_for(2).sandboxes, 1, "at least one");
         c.max_sandboxes_per_core = 0.0;
-        assert_eq!(c.capacity_for(2), Capacity { sandboxes: 256, by_cpu: None, cores: 2 });
+        assert_eq!(
+            c.capacity_for(2),
+            Capacity {
+                sandboxes: 256,
+                by_cpu: None,
+                cores: 2
+            }
+        );
         c.max_sandboxes_per_core = -1.0;
         assert!(c.validate().is_err());
         c.max_sandboxes_per_core = f64::NAN;
         assert!(c.validate().is_err());
     }
-
 
     #[test]
     fn jail_and_team_settings_are_checked() {

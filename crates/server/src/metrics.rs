@@ -93,7 +93,11 @@ impl Default for Metrics {
             capacity.clone(),
         );
         let host_cores = Gauge::default();
-        registry.register("host_cores", "Host cores the capacity is computed from", host_cores.clone());
+        registry.register(
+            "host_cores",
+            "Host cores the capacity is computed from",
+            host_cores.clone(),
+        );
         Self {
             registry,
             capacity,
@@ -155,7 +159,9 @@ impl Metrics {
         ];
         kinds.extend(c.by_cpu.map(|v| ("cpu", v)));
         for (kind, v) in kinds {
-            self.capacity.get_or_create(&KindLabel { kind }).set(as_i64(v));
+            self.capacity
+                .get_or_create(&KindLabel { kind })
+                .set(as_i64(v));
         }
         self.host_cores.set(as_i64(c.cores));
     }

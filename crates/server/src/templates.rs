@@ -44,6 +44,9 @@ pub enum TemplateError {
         #[source]
         source: Box<AgentError>,
     },
+    /// A new machine shape of `base` past `max_base_shapes`.
+    #[error("{0}")]
+    TooManyShapes(String),
     #[error(transparent)]
     Db(#[from] DbError),
 }
@@ -54,6 +57,9 @@ pub struct Templates {
     db: Arc<Db>,
     /// One lock per snapshot name, so concurrent creates build it once.
     building: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Machine shapes of `base` this host keeps a snapshot of, at most
+    /// (each is a cold boot and a RAM file on disk); 0: no bound.
+    max_base_shapes: std::sync::atomic::AtomicUsize,
 }
 
 impl Templates {
@@ -63,7 +69,50 @@ impl Templates {
             artifacts,
             db,
             building: Mutex::new(HashMap::new()),
+            max_base_shapes: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// Bound the machine shapes of `base` (`max_base_shapes`).
+    pub fn with_max_base_shapes(self, max: usize) -> Self {
+        self.max_base_shapes
+            .store(max, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Refuse a new shape of `base` when `max_base_shapes` of them are on
+    /// disk already, naming the shapes there are.
+    fn check_new_shape(&self, name: &str) -> Result<(), TemplateError> {
+        let max = self
+            .max_base_shapes
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if max == 0 {
+            return Ok(());
+        }
+        let prefix = format!("tpl-{DEFAULT_TEMPLATE}-");
+        // Only shapes of the same artifacts and devices count: older ones
+        // are no longer restored, and go when nothing needs them.
+        let hash = name.rsplit_once('-').map_or("", |(_, h)| h);
+        let mut shapes: Vec<String> = self
+            .db
+            .all_snapshot_ids()?
+            .into_iter()
+            .filter(|id| id.starts_with(&prefix) && id.ends_with(hash) && id != name)
+            .collect();
+        if shapes.len() < max {
+            return Ok(());
+        }
+        shapes.sort();
+        let held: Vec<&str> = shapes
+            .iter()
+            .filter_map(|id| id.strip_prefix(&prefix))
+            .filter_map(|rest| rest.rsplit_once('-').map(|(shape, _)| shape))
+            .collect();
+        Err(TemplateError::TooManyShapes(format!(
+            "this host keeps {} machine shapes of '{DEFAULT_TEMPLATE}' (max_base_shapes = {max}), each a snapshot of its own: ask for one of them ({}) or use a template of your own",
+            shapes.len(),
+            held.join(", ")
+        )))
     }
 
     pub fn exists(&self, template: &str) -> bool {
@@ -154,6 +203,7 @@ impl Templates {
         if let Ok(s) = self.driver.open_snapshot(&name) {
             return Ok((s, row(machine)));
         }
+        self.check_new_shape(&name)?;
         // Leftovers of an interrupted build would make the capture fail.
         let _ = self.driver.delete_snapshot(&name);
         tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");

@@ -28,7 +28,9 @@ pub async fn p15(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     }
     match density(ctx).await {
         Ok(rows) => out.rows.extend(rows),
-        Err(e) => out.rows.push(Row::failed("P15", "density", format!("{e:#}"))),
+        Err(e) => out
+            .rows
+            .push(Row::failed("P15", "density", format!("{e:#}"))),
     }
     Ok(())
 }
@@ -56,7 +58,9 @@ fn clock_ticks() -> f64 {
 /// QEMU CPU time over that window, in % of a core. The floor is the same
 /// machine loaded by hand and left stopped (no vCPU runs): QEMU's own cost.
 async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
-    ctx.step(format!("idle cost: creating {IDLE} sandboxes of {cpus} vCPUs"));
+    ctx.step(format!(
+        "idle cost: creating {IDLE} sandboxes of {cpus} vCPUs"
+    ));
     let mut sandboxes = Vec::new();
     for _ in 0..IDLE {
         sandboxes.push(ctx.api.create(cpus, ctx.args.memory_mb).await?);
@@ -75,13 +79,21 @@ async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         // Let the creates' after-effects (page faults, reporting) settle.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        ctx.step(format!("idle cost: {IDLE} idle sandboxes of {cpus} vCPUs for {IDLE_SECS} s"));
-        let before = pids.iter().map(|&p| cpu_secs(p)).collect::<anyhow::Result<Vec<_>>>()?;
+        ctx.step(format!(
+            "idle cost: {IDLE} idle sandboxes of {cpus} vCPUs for {IDLE_SECS} s"
+        ));
+        let before = pids
+            .iter()
+            .map(|&p| cpu_secs(p))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let floor_before = cpu_secs(floor_pid)?;
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs(IDLE_SECS)).await;
         let secs = t.elapsed().as_secs_f64();
-        let after = pids.iter().map(|&p| cpu_secs(p)).collect::<anyhow::Result<Vec<_>>>()?;
+        let after = pids
+            .iter()
+            .map(|&p| cpu_secs(p))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let floor_pct = (cpu_secs(floor_pid)? - floor_before) / secs * 100.0;
         let pct: Vec<f64> = before
             .iter()
@@ -89,14 +101,21 @@ async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
             .map(|(b, a)| (a - b) / secs * 100.0)
             .collect();
         let mean = pct.iter().sum::<f64>() / pct.len() as f64;
-        let mut row = Row::new("P15", format!("idle host CPU per sandbox, {cpus} vCPUs"), "% core")
-            .samples(pct)
-            .floor("the same machine loaded and stopped (QEMU alone)", vec![floor_pct])
-            .ratio_only()
-            .param("sandboxes", IDLE)
-            .param("seconds", IDLE_SECS)
-            .param("vcpus", cpus)
-            .param("mean_pct", (mean * 1000.0).round() / 1000.0);
+        let mut row = Row::new(
+            "P15",
+            format!("idle host CPU per sandbox, {cpus} vCPUs"),
+            "% core",
+        )
+        .samples(pct)
+        .floor(
+            "the same machine loaded and stopped (QEMU alone)",
+            vec![floor_pct],
+        )
+        .ratio_only()
+        .param("sandboxes", IDLE)
+        .param("seconds", IDLE_SECS)
+        .param("vcpus", cpus)
+        .param("mean_pct", (mean * 1000.0).round() / 1000.0);
         row.target = format!("mean ≤ {IDLE_TARGET_PCT} % of a core");
         row.met = Some(mean <= IDLE_TARGET_PCT);
         anyhow::Ok(row)
@@ -178,10 +197,9 @@ async fn exec_samples(ctx: &Ctx, live: &[Sandbox], seed: &mut u64) -> anyhow::Re
 /// `commands.run("true")` timed at 25 %, 50 % and 100 % of that count
 /// against one sandbox live.
 async fn density(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
-    let own = ctx
-        .own
-        .as_ref()
-        .context("needs the bench's own server (not --server): it restarts it with the default capacity")?;
+    let own = ctx.own.as_ref().context(
+        "needs the bench's own server (not --server): it restarts it with the default capacity",
+    )?;
     {
         let mut server = own.lock().await;
         server.max_sandboxes = None;
@@ -209,11 +227,22 @@ async fn density_at_capacity(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let marks = [(capacity / 4, "25 %"), (capacity / 2, "50 %")];
     let refused = loop {
         if let Some((_, label)) = marks.iter().find(|(n, _)| *n == live.len() && *n > 1) {
-            ctx.step(format!("density: commands.run(true) with {} live ({label})", live.len()));
+            ctx.step(format!(
+                "density: commands.run(true) with {} live ({label})",
+                live.len()
+            ));
             let s = exec_samples(ctx, &live, &mut seed).await?;
-            rows.push(exec_row(&format!("{label} of capacity"), live.len(), s, &alone));
+            rows.push(exec_row(
+                &format!("{label} of capacity"),
+                live.len(),
+                s,
+                &alone,
+            ));
         }
-        ctx.step(format!("density: creating sandbox {} (capacity {capacity})", live.len() + 1));
+        ctx.step(format!(
+            "density: creating sandbox {} (capacity {capacity})",
+            live.len() + 1
+        ));
         match ctx.api.create(cpus, mem).await {
             Ok(sb) => live.push(sb),
             Err(e) if format!("{e:#}").contains("HTTP 429") => break format!("{e:#}"),
@@ -227,24 +256,34 @@ async fn density_at_capacity(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     };
     let memory = host_memory_used_mib();
     let busy = host_cpu_busy_pct(Duration::from_secs(10)).await;
-    ctx.step(format!("density: commands.run(true) with {} live (100 %)", live.len()));
+    ctx.step(format!(
+        "density: commands.run(true) with {} live (100 %)",
+        live.len()
+    ));
     let s = exec_samples(ctx, &live, &mut seed).await?;
     let mut full = exec_row("100 % of capacity", live.len(), s, &alone);
     if let (Some(s), Some(f)) = (Summary::of(&full.samples), Summary::of(&full.floor_samples)) {
         let r = s.p99 / f.p99.max(1e-3);
-        full.params.insert("p99_ratio".into(), serde_json::json!((r * 100.0).round() / 100.0));
+        full.params.insert(
+            "p99_ratio".into(),
+            serde_json::json!((r * 100.0).round() / 100.0),
+        );
         full.target = "p99 ≤ 3× one sandbox live".into();
         full.met = Some(r <= 3.0);
     }
     rows.push(full);
-    let mut held = Row::new("P15", "idle sandboxes held until a create is refused", "sandboxes")
-        .samples(vec![live.len() as f64])
-        .param("capacity", capacity)
-        .param("vcpus", cpus)
-        .param("memory_mb", mem)
-        .param("host_memory_used_mib", memory.round())
-        .param("host_cpu_busy_pct_10s", (busy * 10.0).round() / 10.0)
-        .param("refusal", refused);
+    let mut held = Row::new(
+        "P15",
+        "idle sandboxes held until a create is refused",
+        "sandboxes",
+    )
+    .samples(vec![live.len() as f64])
+    .param("capacity", capacity)
+    .param("vcpus", cpus)
+    .param("memory_mb", mem)
+    .param("host_memory_used_mib", memory.round())
+    .param("host_cpu_busy_pct_10s", (busy * 10.0).round() / 10.0)
+    .param("refusal", refused);
     held.target = "refused with 429 at capacity".into();
     held.met = Some(live.len() == capacity);
     rows.push(held);

@@ -61,6 +61,7 @@ fn template_status(e: &TemplateError) -> StatusCode {
     match e {
         TemplateError::NotFound(_) => StatusCode::NOT_FOUND,
         TemplateError::Invalid(_) => StatusCode::BAD_REQUEST,
+        TemplateError::TooManyShapes(_) => StatusCode::TOO_MANY_REQUESTS,
         TemplateError::Vm { source, .. } => vm_status(source.kind()),
         TemplateError::Build { .. } | TemplateError::Agent { .. } | TemplateError::Db(_) => {
             StatusCode::INTERNAL_SERVER_ERROR

@@ -25,7 +25,12 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         .get_or_create(&StateLabel { state: "running" })
         .set(state.manager.live_count() as i64);
     let (capacity, admitted, pooled) = state.manager.capacity();
-    m.set_capacity(capacity, state.manager.config.max_sandboxes, admitted, pooled);
+    m.set_capacity(
+        capacity,
+        state.manager.config.max_sandboxes,
+        admitted,
+        pooled,
+    );
     if let Some(stats) = tine_image::nbd::daemon::read_stats(&state.data_dir) {
         m.set_image_cache(&stats);
     }

@@ -359,13 +359,20 @@ mod tests {
             .iter()
             .map(|&m| memory_shape(m))
             .collect();
-        assert_eq!(shapes, [128, 128, 192, 192, 256, 256, 384, 512, 512, 768, 1024, 8192]);
+        assert_eq!(
+            shapes,
+            [128, 128, 192, 192, 256, 256, 384, 512, 512, 768, 1024, 8192]
+        );
         assert_eq!(memory_shape(u32::MAX), u32::MAX);
         let c = Config {
             max_memory_mb: 1000,
             ..Config::default()
         };
-        assert_eq!(machine(&c, None, Some(900)).unwrap().memory_mib, 1000, "never above the max");
+        assert_eq!(
+            machine(&c, None, Some(900)).unwrap().memory_mib,
+            1000,
+            "never above the max"
+        );
         assert_eq!(machine(&c, None, Some(129)).unwrap().memory_mib, 192);
     }
 

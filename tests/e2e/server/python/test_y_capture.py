@@ -322,3 +322,34 @@ def test_auto_pause_at_timeout_then_resume(fresh):
     assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED, "paused, not killed, at its timeout"
     resumed = Sandbox.connect(s.sandbox_id, timeout=600)
     assert resumed.files.read("/home/user/mark") == "kept"
+
+
+def test_clock_and_timers_across_snapshot_restore_and_fork(fresh):
+    """Guests run on the TSC clock (KVM: kvm-clock), never on jiffies; a
+    sleep started before a snapshot or a fork ends in every copy after the
+    guest's own 3 s, and each copy's wall clock is set to the host's."""
+    s = fresh(timeout=600)
+    cs = s.commands.run("cat /sys/devices/system/clocksource/clocksource0/current_clocksource").stdout.strip()
+    assert cs in ("tsc", "kvm-clock"), cs
+    s.commands.run("cat /proc/uptime > /tmp/t0; sleep 3; cat /proc/uptime > /tmp/t1", background=True)
+    wait_for_file(s, "/tmp/t0")
+    snap = s.create_snapshot()
+    kids = s.fork(count=2, timeout=600)
+    for k in kids:
+        assert not isinstance(k, Exception), k
+    try:
+        copies = [s, fresh(template=snap.snapshot_id, timeout=600), *kids]
+        for c in copies:
+            before = time.time()
+            wall = float(c.commands.run("date +%s.%N").stdout)
+            assert before - 0.2 <= wall <= time.time() + 0.2, (before, wall)
+        for c in copies:
+            wait_for_file(c, "/tmp/t1")
+            t0 = float(c.files.read("/tmp/t0").split()[0])
+            t1 = float(c.files.read("/tmp/t1").split()[0])
+            assert t1 - t0 >= 3.0, (c.sandbox_id, t0, t1)
+    finally:
+        for k in kids:
+            if not isinstance(k, Exception):
+                k.kill()
+        Sandbox.delete_snapshot(snap.snapshot_id)

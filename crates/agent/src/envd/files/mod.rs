@@ -252,7 +252,6 @@ async fn upload_multipart(
     Ok(written)
 }
 
-
 /// A file being written by a blocking-pool thread.
 struct Sink {
     tx: Option<mpsc::Sender<Bytes>>,

@@ -48,7 +48,8 @@ fn manager_with(driver: &FakeDriver, db: &Arc<Db>, config: Config) -> Manager {
         rootfs: "/fake/rootfs".into(),
     };
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
-    let templates = Templates::new(driver.clone(), artifacts, db.clone());
+    let templates = Templates::new(driver.clone(), artifacts, db.clone())
+        .with_max_base_shapes(config.max_base_shapes);
     Manager::new(config, db.clone(), driver, templates.into(), network())
 }
 
@@ -234,6 +235,38 @@ async fn concurrent_creates_get_exactly_the_limit() {
         .filter_map(|r| r.as_ref().err())
         .all(|e| matches!(e, SandboxError::Capacity(_))));
     assert_eq!(manager.live_count(), 3);
+}
+
+#[tokio::test]
+async fn shapes_of_base_are_rounded_and_bounded() {
+    let mut cfg = config();
+    cfg.max_base_shapes = 2;
+    let s = setup_with(cfg).await;
+    let shape = |cpus: u32, mem: u32| CreateRequest {
+        cpu_count: Some(cpus),
+        memory_mb: Some(mem),
+        ..base()
+    };
+    let a = s.manager.create(shape(1, 256)).await.unwrap();
+    // 129 MiB is given 192: a second shape.
+    let b = s.manager.create(shape(1, 129)).await.unwrap();
+    assert_eq!(s.manager.get(&b.id).unwrap().memory_mb, 192);
+    // 150 MiB is 192 too: no third shape.
+    s.manager.create(shape(1, 150)).await.unwrap();
+    let err = s.manager.create(shape(2, 256)).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            SandboxError::Template(crate::templates::TemplateError::TooManyShapes(_))
+        ),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("max_base_shapes = 2") && msg.contains("1c-192m") && msg.contains("1c-256m"),
+        "{msg}"
+    );
+    s.manager.kill(&a.id, "test").await.unwrap();
 }
 
 #[tokio::test]
@@ -613,7 +646,10 @@ async fn pooled_vms_count_but_make_room_for_sandboxes() {
     assert_ne!(first.id, second.id);
     assert_eq!(s.manager.live_count(), 2);
     let err = s.manager.create(base()).await.unwrap_err();
-    assert!(matches!(&err, SandboxError::Capacity(c) if c.used == 2), "{err}");
+    assert!(
+        matches!(&err, SandboxError::Capacity(c) if c.used == 2),
+        "{err}"
+    );
     // Never more VMs than the limit plus the pool's own warm-ups in flight.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     assert!(
