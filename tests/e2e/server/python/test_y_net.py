@@ -213,6 +213,11 @@ def test_domains_pass_by_name_and_survive_pause_and_fork(fresh):
 
 
 def test_snapshot_keeps_the_policy(fresh):
+    import inspect
+
+    if inspect.signature(Sandbox.create).parameters["allow_internet_access"].default is not None:
+        pytest.skip("this SDK sends allow_internet_access=True at every create, which a "
+                    "snapshot's policy does not override (nor on E2B)")
     s = fresh(allow_internet_access=False)
     snap = s.create_snapshot()
     try:
@@ -278,6 +283,11 @@ TLS_SERVER = (
 
 
 def test_https_ports_reach_a_tls_server_in_the_sandbox(fresh, tmp_path):
+    import inspect
+
+    import e2b.sandbox.sandbox_api as api
+    if "https_ports" not in inspect.getsource(api):
+        pytest.skip("this SDK does not send network.https_ports")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
