@@ -100,25 +100,9 @@ fn base_response(status: StatusCode, body: Body) -> Response {
 
 /// The whole file, read to end of file by a blocking-pool reader and sent
 /// chunk by chunk (no `Content-Length`: the size is known only at the end).
-/// A read error after the first chunk aborts the body, so the client sees
-/// a broken transfer, never a short file that looks whole.
 pub fn whole(file: File, gzip: bool, path: PathBuf) -> Response {
-    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(4);
-    tokio::task::spawn_blocking(move || {
-        let result = if gzip {
-            pump_gzip(file, &tx)
-        } else {
-            pump(file, &tx)
-        };
-        if let Err(e) = result {
-            tracing::warn!(path = %path.display(), error = %e, "reading a file for download");
-            let _ = tx.blocking_send(Err(e));
-        }
-    });
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    });
-    let mut resp = base_response(StatusCode::OK, Body::from_stream(stream));
+    let body = streamed(path, move |tx| pump(file, gzip, tx));
+    let mut resp = base_response(StatusCode::OK, body);
     if gzip {
         resp.headers_mut()
             .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
@@ -128,27 +112,30 @@ pub fn whole(file: File, gzip: bool, path: PathBuf) -> Response {
 
 type Tx = mpsc::Sender<std::io::Result<Bytes>>;
 
-/// A receiver that went away ends the read without an error.
-fn pump(mut r: impl Read, tx: &Tx) -> std::io::Result<()> {
-    let mut buf = vec![0u8; CHUNK];
-    loop {
-        let n = match r.read(&mut buf) {
-            Ok(0) => return Ok(()),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if tx
-            .blocking_send(Ok(Bytes::copy_from_slice(&buf[..n])))
-            .is_err()
-        {
-            return Ok(());
+/// A body that `produce` feeds from a blocking-pool thread. A read error
+/// after the first chunk aborts the body, so the client sees a broken
+/// transfer, never a short file that looks whole.
+fn streamed<F>(path: PathBuf, produce: F) -> Body
+where
+    F: FnOnce(&Tx) -> std::io::Result<()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(4);
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = produce(&tx) {
+            tracing::warn!(path = %path.display(), error = %e, "reading a file for download");
+            let _ = tx.blocking_send(Err(e));
         }
-    }
+    });
+    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
 }
 
-fn pump_gzip(mut r: impl Read, tx: &Tx) -> std::io::Result<()> {
-    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+/// Sends what `r` reads until its end, gzip-compressed or as it is. A
+/// receiver that went away ends the read without an error.
+fn pump(mut r: impl Read, gzip: bool, tx: &Tx) -> std::io::Result<()> {
+    let mut enc =
+        gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
     let mut buf = vec![0u8; CHUNK];
     loop {
         let n = match r.read(&mut buf) {
@@ -157,13 +144,20 @@ fn pump_gzip(mut r: impl Read, tx: &Tx) -> std::io::Result<()> {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        enc.write_all(&buf[..n])?;
-        let out = std::mem::take(enc.get_mut());
+        let out = match &mut enc {
+            Some(enc) => {
+                enc.write_all(&buf[..n])?;
+                std::mem::take(enc.get_mut())
+            }
+            None => buf[..n].to_vec(),
+        };
         if !out.is_empty() && tx.blocking_send(Ok(Bytes::from(out))).is_err() {
             return Ok(());
         }
     }
-    let _ = tx.blocking_send(Ok(Bytes::from(enc.finish()?)));
+    if let Some(enc) = enc {
+        let _ = tx.blocking_send(Ok(Bytes::from(enc.finish()?)));
+    }
     Ok(())
 }
 
@@ -178,21 +172,12 @@ pub async fn ranged(file: File, meta: Metadata, range: ByteRange, path: &Path) -
             return Ok(unsatisfiable(size));
         };
         let len = end - start + 1;
-        let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(4);
-        tokio::task::spawn_blocking(move || {
-            let mut file = file;
-            let result = file
-                .seek(SeekFrom::Start(start))
-                .and_then(|_| pump(file.take(len), &tx));
-            if let Err(e) = result {
-                tracing::warn!(path = %p.display(), error = %e, "reading a file range");
-                let _ = tx.blocking_send(Err(e));
-            }
+        let mut file = file;
+        let body = streamed(p, move |tx| {
+            file.seek(SeekFrom::Start(start))?;
+            pump(file.take(len), false, tx)
         });
-        let stream = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|item| (item, rx))
-        });
-        return Ok(partial(Body::from_stream(stream), start, end, size));
+        return Ok(partial(body, start, end, size));
     }
     let read = blocking(move || {
         let mut data = Vec::new();
