@@ -138,14 +138,18 @@ pub async fn serve(
         let socket = axum::extract::ConnectInfo(crate::proxy::ClientSocket(
             std::os::fd::AsRawFd::as_raw_fd(&tcp),
         ));
-        let app = app.clone().layer(axum::Extension(socket));
+        let app = app.clone();
         tokio::spawn(async move {
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => return tracing::debug!(%peer, "TLS handshake failed: {e}"),
                 Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
             };
-            let service = hyper_util::service::TowerToHyperService::new(app);
+            // The router is always ready: each request is a call on a clone.
+            let service = hyper::service::service_fn(move |mut req: http::Request<_>| {
+                req.extensions_mut().insert(socket);
+                tower_service::Service::call(&mut app.clone(), req)
+            });
             let builder =
                 hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
             if let Err(e) = builder
