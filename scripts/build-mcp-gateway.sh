@@ -6,9 +6,11 @@
 #   2. on the host: the npm MCP servers (npm install) and the PyPI ones
 #      (pip install --target, wheels for CPython 3.11, the guest's Python),
 #      packed into servers.tar, so the guest runs neither npm nor pip;
-#   3. `tine template build -f crates/mcp-gateway/template/Dockerfile`
-#      (FROM base: apt-get installs nodejs in the build VM). It runs without
-#      a server; a server on the same data dir sees the template at once.
+#   3. the host's `node` (nodejs is installed when missing) and the shared
+#      libraries it needs that the base rootfs lacks, packed into node.tar;
+#   4. `tine template build -f crates/mcp-gateway/template/Dockerfile`
+#      (FROM base). The build VM needs no network. It runs without a
+#      server; a server on the same data dir sees the template at once.
 #
 # Idempotent: keyed by a hash of this script (which pins the servers'
 # versions), the Dockerfile, the gateway's sources and the guest artifacts
@@ -25,7 +27,14 @@ set -euo pipefail
 ROOT="$(cd "$TINE_SCRIPTS_DIR/.." && pwd)"
 cd "$ROOT"
 need_root
-need_cmd cargo npm python3 tar
+need_cmd cargo python3 tar debugfs ldd
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    apt_update_once
+    log "apt-get install nodejs npm (for the MCP servers)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nodejs npm >&2 ||
+        die "apt-get install nodejs npm failed"
+fi
+node_bin="$(readlink -f "$(command -v node)")"
 
 NAME=mcp-gateway
 # The catalog's servers (crates/mcp-gateway/src/catalog.rs names the same).
@@ -46,7 +55,7 @@ DOCKERFILE=crates/mcp-gateway/template/Dockerfile
 [[ -e $TINE_DATA_DIR/current/vmlinuz ]] || die "no guest artifacts in $TINE_DATA_DIR/current (run scripts/setup-host.sh)"
 mapfile -t sources < <(find crates/mcp-gateway/src -name '*.rs' | sort)
 artifacts="$(for a in vmlinuz initramfs.cpio rootfs-base.ext4; do readlink -f "$TINE_DATA_DIR/current/$a"; done)"
-hash="$(recipe_hash "${BASH_SOURCE[0]}" "$DOCKERFILE" crates/mcp-gateway/Cargo.toml "${sources[@]}" -- \
+hash="$(recipe_hash "${BASH_SOURCE[0]}" "$DOCKERFILE" crates/mcp-gateway/Cargo.toml "${sources[@]}" "$node_bin" -- \
     "shape=$VCPUS/$MEMORY_MIB" "artifacts=$artifacts")"
 dir="$TINE_DATA_DIR/mcp-gateway"
 stage="$dir/stage-$hash"
@@ -96,6 +105,26 @@ else
     info "servers: $(du -h "$servers" | cut -f1) after $(elapsed "$start")"
 fi
 ln "$servers" "$stage.tmp/servers.tar" 2>/dev/null || cp -p "$servers" "$stage.tmp/servers.tar"
+
+# Node.js for the npm servers: the host's own `node` (Debian's or another
+# package's) and those of the shared libraries it loads that the base rootfs
+# lacks, packed into node.tar (files only, no directory entries). The build
+# VM then needs no network: CI hosts give guests none.
+rm -rf "$dir/.node.tmp" && mkdir -p "$dir/.node.tmp/usr/local/bin"
+cp -pL "$node_bin" "$dir/.node.tmp/usr/local/bin/node"
+while read -r lib; do
+    # The rootfs is usr-merged: /lib/… lives at /usr/lib/….
+    [[ $lib == /lib/* || $lib == /lib64/* ]] && lib="/usr$lib"
+    if debugfs -R "stat $lib" "$TINE_DATA_DIR/current/rootfs-base.ext4" 2>/dev/null | grep -q '^Inode:'; then
+        continue
+    fi
+    info "node needs $lib, which the rootfs lacks: copied"
+    mkdir -p "$dir/.node.tmp$(dirname "$lib")"
+    cp -L "$lib" "$dir/.node.tmp$lib"
+done < <(ldd "$node_bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }')
+(cd "$dir/.node.tmp" && find . -type f -print0 | tar --owner=0 --group=0 --null -T - -cf "$stage.tmp/node.tar")
+rm -rf "$dir/.node.tmp"
+info "node $("$node_bin" --version) from $node_bin"
 rm -rf "$stage" && mv "$stage.tmp" "$stage"
 
 log "tine template build -f $DOCKERFILE $NAME ($VCPUS vCPUs, $MEMORY_MIB MiB; a TCG guest takes minutes)"
@@ -103,6 +132,6 @@ log "tine template build -f $DOCKERFILE $NAME ($VCPUS vCPUs, $MEMORY_MIB MiB; a 
     --ready-timeout-secs 120 "$stage" "$NAME"
 find "$dir" -maxdepth 1 \( -name 'stage-*' -o -name 'built-*' \) ! -name "*-$hash" -exec rm -rf {} +
 find "$dir" -maxdepth 1 -name 'servers-*.tar' ! -samefile "$servers" -delete
-rm -f "$stage/servers.tar"
+rm -f "$stage/servers.tar" "$stage/node.tar"
 touch "$dir/built-$hash"
 log "template $NAME built in $(elapsed "$start")"
