@@ -45,6 +45,7 @@ pub use driver::{
 pub use error::{Error, ErrorKind, Result};
 pub use firewall::{EgressRules, Net4};
 pub use jail::JailConfig;
+pub use process::cpu_time;
 pub use snapshot::Snapshot;
 pub use vm::{log_tail, QemuDriver, StartOptions, Vm, VmRecord, VmState};
 

@@ -159,3 +159,41 @@ impl QemuProcess {
         self.wait().await
     }
 }
+
+/// The CPU time (user + system, all threads) process `pid` has used so
+/// far, from `/proc/PID/stat`; `None` if it is gone or unreadable.
+pub fn cpu_time(pid: i32) -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_cpu_ticks(&stat).map(|ticks| {
+        let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .filter(|&t| t > 0)
+            .unwrap_or(100) as u64;
+        std::time::Duration::from_nanos(ticks.saturating_mul(1_000_000_000) / hz)
+    })
+}
+
+/// utime + stime, in clock ticks, from a `/proc/PID/stat` line (fields 14
+/// and 15; the command name before them may hold spaces and parentheses).
+fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = stat.rsplit_once(')')?.1;
+    let mut f = rest.split_whitespace().skip(11);
+    let utime: u64 = f.next()?.parse().ok()?;
+    let stime: u64 = f.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ticks_are_read_after_a_command_name_with_spaces_and_parentheses() {
+        let line = "4242 (qemu (x) 1) S 1 4242 4242 0 -1 4194560 100 0 0 0 37 5 0 0 20 0 3 0";
+        assert_eq!(parse_cpu_ticks(line), Some(42));
+        assert_eq!(parse_cpu_ticks("4242 (qemu) S 1"), None);
+        assert_eq!(parse_cpu_ticks("garbage"), None);
+        assert!(cpu_time(std::process::id() as i32).is_some());
+    }
+}

@@ -37,21 +37,9 @@ pub async fn p15(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
 
 /// utime + stime of a process, in seconds.
 fn cpu_secs(pid: i32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("reading /proc/{pid}/stat"))?;
-    // Fields after the command name (which may hold spaces), from field 3.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    Ok(ticks as f64 / clock_ticks())
-}
-
-fn clock_ticks() -> f64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .map_or(100.0, |t| t as f64)
+    tine_vmm::cpu_time(pid)
+        .map(|t| t.as_secs_f64())
+        .with_context(|| format!("reading /proc/{pid}/stat"))
 }
 
 /// `IDLE` sandboxes of `cpus` vCPUs left idle for `IDLE_SECS`: each one's

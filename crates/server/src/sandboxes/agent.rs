@@ -46,17 +46,24 @@ pub struct Metrics {
     pub disk_total: u64,
 }
 
-pub async fn metrics(guest: &Guest, token: &str) -> Result<Metrics, AgentError> {
-    let m = tine_agent_client::metrics(guest.connect(AGENT_PORT), token).await?;
-    // Stamped with the host's clock: ranges are asked in it.
+/// Now, in the host's clock (ranges are asked in it): RFC 3339 and Unix
+/// seconds.
+pub fn stamp_now() -> (String, i64) {
     let now = crate::db::now_ms() / 1000;
     let ts =
         time::OffsetDateTime::from_unix_timestamp(now).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let text = ts
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    (text, now)
+}
+
+pub async fn metrics(guest: &Guest, token: &str) -> Result<Metrics, AgentError> {
+    let m = tine_agent_client::metrics(guest.connect(AGENT_PORT), token).await?;
+    let (timestamp, timestamp_unix) = stamp_now();
     Ok(Metrics {
-        timestamp: ts
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_default(),
-        timestamp_unix: now,
+        timestamp,
+        timestamp_unix,
         cpu_count: m.cpu_count,
         cpu_used_pct: m.cpu_used_pct,
         mem_used: m.mem_used,
