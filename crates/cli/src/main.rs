@@ -7,6 +7,7 @@
 
 mod bench;
 mod client;
+mod cluster;
 mod dockerfile;
 mod image;
 mod sandbox;
@@ -44,6 +45,12 @@ enum Command {
     /// Manage API keys.
     #[command(subcommand)]
     Keys(server::KeysCommand),
+    /// Run a cluster gateway: the one endpoint in front of many nodes
+    /// (docs/cluster.md).
+    Gateway(cluster::GatewayArgs),
+    /// A cluster's catalog: API keys, nodes.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Build, list and delete templates.
     #[command(subcommand)]
     Template(template::TemplateCommand),
@@ -81,6 +88,8 @@ fn main() -> anyhow::Result<()> {
             Command::Run(args) => vm::run_once(args).await,
             Command::Serve(args) => server::serve(args).await,
             Command::Keys(cmd) => server::keys(cmd),
+            Command::Gateway(args) => cluster::gateway(args).await,
+            Command::Cluster(cmd) => cluster::run(cmd).await,
             Command::Template(cmd) => template::run(cmd).await,
             Command::Image(cmd) => image::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,

@@ -107,6 +107,8 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         (config.build_layer_ttl_secs > 0)
             .then(|| std::time::Duration::from_secs(config.build_layer_ttl_secs)),
     )?);
+    let cluster = config.cluster.enabled().then(|| config.cluster.clone());
+    let config_listen = config.listen;
     let manager = Arc::new(sandboxes::Manager::new(
         config, db, driver, templates, network,
     ));
@@ -114,6 +116,21 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         .recover()
         .await
         .context("recovering sandboxes of the previous run")?;
+    // Cluster mode: join before serving (PostgreSQL must answer now).
+    let listen = config_listen;
+    let link = match &cluster {
+        Some(c) => {
+            let link = Arc::new(
+                crate::cluster::node::NodeLink::join(c, listen, &paths.data_dir)
+                    .await
+                    .context("joining the cluster ([cluster] in the config)")?,
+            );
+            tracing::info!(node = %link.id, "cluster node: API calls only from gateways");
+            tokio::spawn(link.clone().run(manager.clone()));
+            Some(link)
+        }
+        None => None,
+    };
     tokio::spawn(manager.clone().sweep_loop());
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
@@ -126,6 +143,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         data_dir: paths.data_dir.clone(),
         builds,
         idempotency: Default::default(),
+        cluster_secret: link.as_ref().map(|l| l.secret.clone()),
     });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();

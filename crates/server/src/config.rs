@@ -138,6 +138,9 @@ pub struct Config {
     /// Per-team limits (`[teams.<name>]`); a team not named gets
     /// `[teams.default]`'s, or none.
     pub teams: std::collections::BTreeMap<String, TeamLimits>,
+    /// Cluster mode (`[cluster]`): this server is a node behind gateways
+    /// (docs/cluster.md).
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// What one team may hold at once; a create, resume, fork or snapshot
@@ -191,6 +194,7 @@ impl Default for Config {
             jail: Default::default(),
             require_kvm: false,
             teams: Default::default(),
+            cluster: Default::default(),
         }
     }
 }

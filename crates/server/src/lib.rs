@@ -13,8 +13,10 @@
 pub mod api;
 pub mod app;
 pub mod builds;
+pub mod cluster;
 pub mod config;
 pub mod db;
+pub mod gateway;
 pub use tine_vmm::failpoint;
 pub mod guest_client;
 mod guest_tls;

@@ -20,4 +20,7 @@ pub struct AppState {
     pub builds: Arc<crate::builds::Builds>,
     /// Creates already made under an `Idempotency-Key`.
     pub idempotency: crate::api::idempotency::Idempotency,
+    /// In cluster mode, the secret gateways send: API calls come only
+    /// from them ([`crate::cluster::gateway_team`]).
+    pub cluster_secret: Option<String>,
 }

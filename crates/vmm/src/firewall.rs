@@ -220,12 +220,24 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
 
 /// The host's table (see the module docs); `pool` holds every VM's veth
 /// addresses.
+/// The host table of a server whose veths come from `pool`: `tine_host`
+/// for the default pool, one of its own for another (several servers on
+/// one host, as in a cluster on one machine, each masquerade their pool).
+pub fn host_table(pool: Net4) -> String {
+    if pool == crate::netns::DEFAULT_POOL {
+        "tine_host".into()
+    } else {
+        format!("tine_host_{}", pool.to_string().replace(['.', '/'], "_"))
+    }
+}
+
 pub fn render_host(pool: Net4) -> String {
     let v = VETH_HOST_PREFIX;
+    let t = host_table(pool);
     format!(
-        "table inet tine_host\n\
-         delete table inet tine_host\n\
-         table inet tine_host {{\n\
+        "table inet {t}\n\
+         delete table inet {t}\n\
+         table inet {t} {{\n\
          \x20 chain input {{\n\
          \x20   type filter hook input priority filter - 5; policy accept;\n\
          \x20   iifname \"{v}*\" ct state established,related accept\n\
@@ -419,5 +431,10 @@ mod tests {
         let s = render_host(Net4::parse("10.233.0.0/16").unwrap());
         assert!(s.contains("iifname \"tnv*\" reject"));
         assert!(s.contains("ip saddr 10.233.0.0/16 oifname != \"tnv*\" masquerade"));
+        assert!(s.starts_with("table inet tine_host\n"));
+        // Another pool (a second server on the host) has a table of its own.
+        let other = render_host(Net4::parse("10.241.0.0/16").unwrap());
+        assert!(other.starts_with("table inet tine_host_10_241_0_0_16\n"));
+        assert!(other.contains("ip saddr 10.241.0.0/16 oifname"));
     }
 }

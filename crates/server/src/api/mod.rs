@@ -22,6 +22,7 @@ use http::request::Parts;
 use serde::de::DeserializeOwned;
 
 pub use error::ApiError;
+pub use sandboxes::{list_filter, listed, page_token};
 
 use crate::db::ApiKey;
 use crate::metrics::RouteLabels;
@@ -124,6 +125,9 @@ impl FromRequestParts<Arc<AppState>> for Authed {
         parts: &mut Parts,
         state: &Arc<AppState>,
     ) -> Result<Self, ApiError> {
+        if let Some(secret) = &state.cluster_secret {
+            return gateway_key(secret, &parts.headers).map(Authed);
+        }
         let key = parts
             .headers
             .get("x-api-key")
@@ -144,6 +148,29 @@ impl FromRequestParts<Arc<AppState>> for Authed {
                 e.to_string(),
             )),
         }
+    }
+}
+
+/// A node in a cluster takes calls only from its gateways, which name the
+/// caller's team (their key was checked against the cluster's catalog).
+fn gateway_key(secret: &str, headers: &http::HeaderMap) -> Result<ApiKey, ApiError> {
+    use crate::cluster::Refusal;
+    match crate::cluster::gateway_team(secret, headers) {
+        Ok(team) => Ok(ApiKey {
+            id: "gateway".into(),
+            name: "a cluster gateway".into(),
+            prefix: String::new(),
+            created_ms: 0,
+            revoked_ms: None,
+            team,
+        }),
+        Err(Refusal::NotFromGateway) => Err(ApiError::unauthorized(
+            "this server is a cluster node: send API calls to a tine gateway, not to the node",
+        )),
+        Err(Refusal::WrongSecret) => Err(ApiError::unauthorized("wrong cluster secret")),
+        Err(Refusal::NoTeam) => Err(ApiError::bad_request(
+            "a gateway call without a valid x-tine-team header",
+        )),
     }
 }
 

@@ -60,7 +60,13 @@ pub fn valid_team(team: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
-fn hash(key: &str) -> String {
+/// A new key's plaintext (E2B's shape).
+pub fn new_key_plaintext() -> String {
+    format!("{KEY_PREFIX}{}", crate::ids::random_hex(KEY_BYTES))
+}
+
+/// What is stored of a key: its SHA-256, hex.
+pub fn hash(key: &str) -> String {
     Sha256::digest(key.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -74,7 +80,7 @@ impl Db {
 
     /// A key of team `team` (checked with [`valid_team`] by the caller).
     pub fn create_team_key(&self, name: &str, team: &str) -> Result<NewKey> {
-        let plaintext = format!("{KEY_PREFIX}{}", crate::ids::random_hex(KEY_BYTES));
+        let plaintext = new_key_plaintext();
         let key = ApiKey {
             id: format!("key_{}", crate::ids::random_hex(6)),
             name: name.to_string(),

@@ -19,7 +19,7 @@ use rusqlite::Connection;
 
 pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
-pub use keys::{valid_team, ApiKey, NewKey, DEFAULT_TEAM};
+pub use keys::{hash as key_hash, new_key_plaintext, valid_team, ApiKey, NewKey, DEFAULT_TEAM};
 pub use sandboxes::{ListFilter, TeamUsage};
 pub use snapshots::{SnapshotKind, SnapshotRow};
 

@@ -260,7 +260,7 @@ enum Unreachable {
 
 /// E2B's answer for a sandbox that is not running, byte for byte: clients
 /// compare the message, and the id is a field of its own.
-fn not_found(id: &str) -> Response {
+pub fn not_found(id: &str) -> Response {
     #[derive(serde::Serialize)]
     struct NotFound<'a> {
         message: &'static str,

@@ -337,7 +337,7 @@ impl Manager {
 }
 
 /// `MemAvailable` of /proc/meminfo, in MiB.
-fn mem_available_mb() -> Option<u64> {
+pub(crate) fn mem_available_mb() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

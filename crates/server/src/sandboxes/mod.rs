@@ -65,7 +65,7 @@ impl std::fmt::Display for CapacityReached {
         match c.by_cpu {
             Some(cpu) if cpu < self.max_sandboxes => write!(
                 f,
-                "(max_sandboxes_per_core: {cpu} for {} cores); running sandboxes are not affected, try again later or on another host",
+                "(max_sandboxes_per_core × {} cores = {cpu}); running sandboxes are not affected, try again later or on another host",
                 c.cores
             ),
             _ => write!(

@@ -97,7 +97,22 @@ fn parse_time(name: &str, value: Option<&str>) -> Result<Option<i64>, ApiError> 
 }
 
 fn encode_token(r: &SandboxRecord) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", r.started_at_ms, r.id))
+    page_token(r.started_at_ms, &r.id)
+}
+
+/// The `x-next-token` after the sandbox `(started_ms, id)`.
+pub fn page_token(started_ms: i64, id: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{started_ms}:{id}"))
+}
+
+/// The filter of a list call's query string, as this API parses it (a
+/// gateway lists from the catalog with the same rules). `paged`: the v2
+/// list (running and paused by default) rather than v1 (running).
+pub fn list_filter(query: &str, paged: bool) -> Result<ListFilter, ApiError> {
+    let q: ListQuery = serde_urlencoded::from_str(query)
+        .map_err(|e| ApiError::bad_request(format!("bad query: {e}")))?;
+    let defaults = [SandboxState::Running, SandboxState::Paused];
+    parse_filter(&q, if paged { &defaults } else { &defaults[..1] })
 }
 
 fn decode_token(t: &str) -> Option<(i64, String)> {

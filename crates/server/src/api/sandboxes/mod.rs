@@ -89,6 +89,12 @@ struct LifecycleOut {
     auto_resume: bool,
 }
 
+/// A sandbox as `GET /v2/sandboxes` lists it (no secrets): what a node in
+/// a cluster publishes of it to the catalog.
+pub fn listed(r: SandboxRecord) -> serde_json::Value {
+    serde_json::to_value(detail(r, None)).unwrap_or_default()
+}
+
 fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
     DetailOut {
         template_id: r.template_id,

@@ -1,0 +1,99 @@
+//! Forwarding a request to a node and its response back, streamed both
+//! ways.
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use http::{header, HeaderValue, Request, StatusCode};
+
+/// The gateway's pooled HTTP client to nodes.
+pub type NodeClient =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Body>;
+
+pub fn client() -> NodeClient {
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(std::time::Duration::from_secs(3)));
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(std::time::Duration::from_secs(60))
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(http)
+}
+
+/// Headers that belong to one connection, not to the request.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Why a node gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// Nothing reached the node (refused, unreachable): safe to send
+    /// elsewhere.
+    #[error("node {0} is unreachable: {1}")]
+    Unreachable(String, String),
+    /// The request may have reached it.
+    #[error("node {0} failed mid-request: {1}")]
+    Failed(String, String),
+}
+
+impl ForwardError {
+    pub fn into_response(self) -> Response {
+        let body = serde_json::json!({ "code": 503, "message": self.to_string() });
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response()
+    }
+}
+
+/// `req` sent to the node at `address` (`http://host:port`) as it is, with
+/// `extra` headers set and `drop` headers removed; the Host header is kept
+/// (the node's proxy reads `<port>-<id>.<domain>` from it).
+pub async fn forward(
+    client: &NodeClient,
+    node: &str,
+    address: &str,
+    req: Request<Body>,
+    extra: &[(&'static str, HeaderValue)],
+    drop: &[&str],
+) -> Result<Response, ForwardError> {
+    let (mut parts, body) = req.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    parts.uri = format!("{address}{path}")
+        .parse()
+        .map_err(|e| ForwardError::Unreachable(node.into(), format!("bad node address: {e}")))?;
+    parts.version = http::Version::HTTP_11;
+    for h in HOP_BY_HOP.iter().chain(drop) {
+        parts.headers.remove(*h);
+    }
+    for (name, value) in extra {
+        parts.headers.insert(*name, value.clone());
+    }
+    let resp = client
+        .request(Request::from_parts(parts, body))
+        .await
+        .map_err(|e| {
+            if e.is_connect() {
+                ForwardError::Unreachable(node.into(), e.to_string())
+            } else {
+                ForwardError::Failed(node.into(), e.to_string())
+            }
+        })?;
+    let (mut parts, body) = resp.into_parts();
+    for h in HOP_BY_HOP {
+        parts.headers.remove(h);
+    }
+    Ok(Response::from_parts(parts, Body::new(body)))
+}

@@ -1,0 +1,314 @@
+//! `tine gateway`: the one endpoint of a cluster. Stateless (any number of
+//! replicas): it checks API keys against the catalog in PostgreSQL, places
+//! creates on nodes ([`place`]), routes every call about a sandbox, and
+//! its envd and port traffic, to the node that holds it, and lists a
+//! team's sandboxes across nodes from the catalog ([`rest`]).
+//!
+//! What it knows is cached in memory (keys for a minute, where each
+//! sandbox lives until it is killed, nodes for a second), so known
+//! sandboxes keep answering while PostgreSQL restarts; creates wait for it
+//! (503).
+
+mod forward;
+pub mod place;
+mod rest;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use http::{header, HeaderValue, StatusCode};
+use serde::Deserialize;
+
+use crate::api::ApiError;
+use crate::cluster::catalog::{Catalog, ClusterKey, Node};
+use crate::config::TeamLimits;
+use forward::{ForwardError, NodeClient};
+
+/// `tine gateway`'s config file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    pub listen: SocketAddr,
+    /// The cluster's catalog (as the nodes' `[cluster] postgres_url`).
+    pub postgres_url: String,
+    /// The secret the nodes expect (as their `[cluster] secret_file`).
+    pub secret_file: PathBuf,
+    /// The domain sandboxes are addressed under (`<port>-<id>.<domain>`);
+    /// the nodes must be configured with the same one.
+    pub domain: Option<String>,
+    /// A node silent for longer is down: its capacity is not used and its
+    /// sandboxes are reported not running.
+    pub node_grace_secs: u64,
+    pub max_body_bytes: usize,
+    /// Cluster-wide team limits (`[teams.<name>]`; `max_sandboxes` is
+    /// enforced here across nodes, the rest by each node).
+    pub teams: BTreeMap<String, TeamLimits>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: "127.0.0.1:3000".parse().expect("a valid address"),
+            postgres_url: String::new(),
+            secret_file: PathBuf::from("/etc/tine/cluster.secret"),
+            domain: None,
+            node_grace_secs: 15,
+            max_body_bytes: 64 << 20,
+            teams: BTreeMap::new(),
+        }
+    }
+}
+
+impl GatewayConfig {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let c: GatewayConfig =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        anyhow::ensure!(!c.postgres_url.is_empty(), "postgres_url is required");
+        Ok(c)
+    }
+
+    fn domain(&self) -> String {
+        self.domain
+            .clone()
+            .unwrap_or_else(|| format!("localhost:{}", self.listen.port()))
+    }
+
+    fn team_max(&self, team: &str) -> Option<usize> {
+        self.teams
+            .get(team)
+            .or_else(|| self.teams.get(crate::db::DEFAULT_TEAM))
+            .and_then(|l| l.max_sandboxes)
+    }
+}
+
+/// How long a verified key is trusted without asking PostgreSQL again,
+/// and how long past that while PostgreSQL does not answer.
+const KEY_FRESH: Duration = Duration::from_secs(60);
+const KEY_STALE_OK: Duration = Duration::from_secs(3600);
+/// How long the node list is reused.
+const NODES_FRESH: Duration = Duration::from_secs(1);
+
+pub struct Gateway {
+    cfg: GatewayConfig,
+    domain: String,
+    secret: HeaderValue,
+    catalog: Catalog,
+    client: NodeClient,
+    keys: Mutex<HashMap<String, (ClusterKey, Instant)>>,
+    /// Sandbox id → (node id, team), for sandboxes not known to be gone.
+    routes: Mutex<HashMap<String, (String, String)>>,
+    nodes: tokio::sync::Mutex<(Vec<Node>, Option<Instant>)>,
+}
+
+/// Run the gateway until SIGTERM/SIGINT.
+pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
+    let secret = crate::cluster::read_secret(&cfg.secret_file)?;
+    let catalog = Catalog::connect(&cfg.postgres_url)
+        .await
+        .context("connecting to the cluster catalog (postgres_url)")?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let g = Arc::new(Gateway {
+        domain: cfg.domain(),
+        secret: HeaderValue::from_str(&secret)
+            .context("the cluster secret is not a header value")?,
+        catalog,
+        client: forward::client(),
+        keys: Mutex::default(),
+        routes: Mutex::default(),
+        nodes: tokio::sync::Mutex::new((Vec::new(), None)),
+        cfg,
+    });
+    tracing::info!(addr = %listener.local_addr()?, "tine gateway listening");
+    let app = axum::Router::new().fallback(handle).with_state(g);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+/// Every request: sandbox traffic to its node, the REST API to [`rest`].
+async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    if let Some(t) = crate::proxy::target(req.headers(), &path, &g.domain) {
+        return g.sandbox_traffic(&t.sandbox, req).await;
+    }
+    if path == "/health" {
+        return (StatusCode::OK, "ok").into_response();
+    }
+    let key = match g.authenticate(req.headers()).await {
+        Ok(k) => k,
+        Err(e) => return e.into_response(),
+    };
+    rest::route(&g, key, req)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+impl Gateway {
+    /// The caller's key, from `X-API-KEY` or `Authorization: Bearer`.
+    async fn authenticate(&self, headers: &http::HeaderMap) -> Result<ClusterKey, ApiError> {
+        let plaintext = headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .or_else(|| {
+                headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+            })
+            .map(str::trim)
+            .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))?;
+        let hash = crate::db::key_hash(plaintext);
+        let cached = self
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&hash)
+            .cloned();
+        if let Some((k, at)) = &cached {
+            if at.elapsed() < KEY_FRESH {
+                return Ok(k.clone());
+            }
+        }
+        match self.catalog.verify_key(plaintext).await {
+            Ok(Some(k)) => {
+                self.keys
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(hash, (k.clone(), Instant::now()));
+                Ok(k)
+            }
+            Ok(None) => {
+                self.keys
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&hash);
+                Err(ApiError::unauthorized("invalid API key"))
+            }
+            // PostgreSQL is down: a key seen lately still works.
+            Err(e) => match cached {
+                Some((k, at)) if at.elapsed() < KEY_STALE_OK => Ok(k),
+                _ => Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    e.to_string(),
+                )),
+            },
+        }
+    }
+
+    /// The nodes, at most [`NODES_FRESH`] old (older while PostgreSQL does
+    /// not answer).
+    async fn nodes(&self) -> Vec<Node> {
+        let mut cache = self.nodes.lock().await;
+        if cache.1.is_none_or(|t| t.elapsed() >= NODES_FRESH) {
+            match self.catalog.nodes().await {
+                Ok(n) => *cache = (n, Some(Instant::now())),
+                Err(e) => tracing::warn!("listing nodes: {e}"),
+            }
+        }
+        cache.0.clone()
+    }
+
+    async fn node(&self, id: &str) -> Option<Node> {
+        self.nodes().await.into_iter().find(|n| n.id == id)
+    }
+
+    fn grace_ms(&self) -> i64 {
+        (self.cfg.node_grace_secs * 1000) as i64
+    }
+
+    /// Where sandbox `id` lives: (node, team), from the cache or the
+    /// catalog.
+    async fn locate(&self, id: &str) -> Result<Option<(String, String)>, ApiError> {
+        if let Some(r) = self
+            .routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+        {
+            return Ok(Some(r.clone()));
+        }
+        let found = self
+            .catalog
+            .locate(id)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+        if let Some(r) = &found {
+            self.remember(id, &r.0, &r.1);
+        }
+        Ok(found)
+    }
+
+    fn remember(&self, id: &str, node: &str, team: &str) {
+        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: forgetting costs one catalog lookup.
+        if routes.len() >= 1_000_000 {
+            routes.clear();
+        }
+        routes.insert(id.to_string(), (node.to_string(), team.to_string()));
+    }
+
+    fn forget(&self, id: &str) {
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+    }
+
+    /// envd or port traffic for sandbox `id`, to its node as it came (the
+    /// node's proxy checks the sandbox's own tokens).
+    async fn sandbox_traffic(&self, id: &str, req: Request) -> Response {
+        let node = match self.locate(id).await {
+            Ok(Some((node, _))) => node,
+            Ok(None) => return crate::proxy::not_found(id),
+            Err(e) => return e.into_response(),
+        };
+        let Some(n) = self.node(&node).await else {
+            return crate::proxy::not_found(id);
+        };
+        match forward::forward(&self.client, &n.id, &n.status.address, req, &[], &[]).await {
+            Ok(r) => r,
+            Err(e) => e.into_response(),
+        }
+    }
+
+    /// `req` to node `n` on behalf of `team`.
+    async fn to_node(
+        &self,
+        n: &Node,
+        team: &str,
+        req: http::Request<Body>,
+    ) -> Result<Response, ForwardError> {
+        let team = HeaderValue::from_str(team).unwrap_or_else(|_| HeaderValue::from_static("-"));
+        forward::forward(
+            &self.client,
+            &n.id,
+            &n.status.address,
+            req,
+            &[
+                (crate::cluster::SECRET_HEADER, self.secret.clone()),
+                (crate::cluster::TEAM_HEADER, team),
+            ],
+            &["x-api-key", "authorization"],
+        )
+        .await
+    }
+}

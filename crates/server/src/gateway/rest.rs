@@ -1,0 +1,385 @@
+//! The REST API through a gateway: creates placed on a node, calls about a
+//! sandbox sent to its node (and what they changed written to the catalog
+//! at once), lists from the catalog, the rest (templates, builds,
+//! snapshots) to the template node.
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, Method, StatusCode};
+
+use super::forward::ForwardError;
+use super::{place, Gateway};
+use crate::api::ApiError;
+use crate::cluster::catalog::{ClusterKey, Node, SandboxRow};
+
+pub async fn route(g: &Gateway, key: ClusterKey, req: Request) -> Result<Response, ApiError> {
+    let path = req.uri().path().to_string();
+    match (req.method().clone(), path.as_str()) {
+        (Method::POST, "/sandboxes" | "/v2/sandboxes") => create(g, &key, req).await,
+        (Method::GET, "/sandboxes") => list(g, &key, query_of(&req), false).await,
+        (Method::GET, "/v2/sandboxes") => list(g, &key, query_of(&req), true).await,
+        _ => match sandbox_of(&path) {
+            Some(id) => by_id(g, &key, id.to_string(), req).await,
+            None => elsewhere(g, &key, req).await,
+        },
+    }
+}
+
+fn query_of(req: &Request) -> String {
+    req.uri().query().unwrap_or_default().to_string()
+}
+
+/// The sandbox a path is about: `/sandboxes/{id}[/…]`, `/v2/sandboxes/{id}/…`.
+fn sandbox_of(path: &str) -> Option<&str> {
+    let rest = path
+        .strip_prefix("/v2/sandboxes/")
+        .or_else(|| path.strip_prefix("/sandboxes/"))?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+fn unavailable(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+}
+
+/// Statuses with which a node refuses a create before making anything:
+/// the gateway may try another node.
+fn refused(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::INSUFFICIENT_STORAGE
+            | StatusCode::SERVICE_UNAVAILABLE
+    )
+}
+
+async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response, ApiError> {
+    let (parts, body) = req.into_parts();
+    let bytes = crate::api::body_bytes(body, g.cfg.max_body_bytes).await?;
+    let template = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| {
+            v.get("templateID")
+                .and_then(|t| t.as_str())
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "base".to_string());
+    let mut tried: Vec<String> = Vec::new();
+    let mut last: Option<Response> = None;
+    // One try and, when a node refused before making anything, one more
+    // on another node (with the caller's Idempotency-Key, if any).
+    for _ in 0..2 {
+        let nodes = g.nodes().await;
+        let Some(n) = place::choose(&nodes, &template, g.grace_ms(), &tried, |len| {
+            (u64::from_str_radix(&crate::ids::random_hex(4), 16).unwrap_or(0) as usize) % len
+        })
+        .cloned() else {
+            break;
+        };
+        tried.push(n.id.clone());
+        let reservation = match g
+            .catalog
+            .reserve(&key.team, g.cfg.team_max(&key.team), &n.id)
+            .await
+        {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                return Err(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "team {} has reached its max_sandboxes across the cluster",
+                        key.team
+                    ),
+                ))
+            }
+            Err(e) => return Err(unavailable(format!("creates wait for the catalog: {e}"))),
+        };
+        let mut again = http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+        *again.extensions_mut() = http::Extensions::new();
+        let resp = match g.to_node(&n, &key.team, again).await {
+            Ok(r) => r,
+            Err(e @ ForwardError::Unreachable(..)) => {
+                tracing::warn!("create: {e}; trying another node");
+                let _ = g.catalog.release(&reservation).await;
+                last = Some(e.into_response());
+                continue;
+            }
+            Err(e) => {
+                let _ = g.catalog.release(&reservation).await;
+                return Ok(e.into_response());
+            }
+        };
+        if refused(resp.status()) {
+            let _ = g.catalog.release(&reservation).await;
+            last = Some(resp);
+            continue;
+        }
+        if !resp.status().is_success() {
+            let _ = g.catalog.release(&reservation).await;
+            return Ok(resp);
+        }
+        let (rparts, rbody) = resp.into_parts();
+        let out = axum::body::to_bytes(rbody, 1 << 20)
+            .await
+            .map_err(|e| unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
+        if let Some(id) = serde_json::from_slice::<serde_json::Value>(&out)
+            .ok()
+            .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_string))
+        {
+            g.remember(&id, &n.id, &key.team);
+            refresh(g, &n, &key.team, &id, Some(&reservation)).await;
+        }
+        return Ok(Response::from_parts(rparts, Body::from(out)));
+    }
+    Ok(last.unwrap_or_else(|| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "no node of the cluster has room for a sandbox now",
+        )
+        .into_response()
+    }))
+}
+
+/// Read sandbox `id` from its node and write it to the catalog (or mark it
+/// gone); failures only log: the node's next full list heals the catalog.
+async fn refresh(g: &Gateway, n: &Node, team: &str, id: &str, reservation: Option<&str>) {
+    let req = http::Request::get(format!("/sandboxes/{id}"))
+        .body(Body::empty())
+        .expect("a valid request");
+    let resp = match g.to_node(n, team, req).await {
+        Ok(r) => r,
+        Err(e) => return tracing::warn!(sandbox = %id, "refreshing the catalog: {e}"),
+    };
+    if resp.status() == StatusCode::NOT_FOUND {
+        g.forget(id);
+        if let Err(e) = g.catalog.remove(id).await {
+            tracing::warn!(sandbox = %id, "catalog: {e}");
+        }
+        return;
+    }
+    let Ok(bytes) = axum::body::to_bytes(resp.into_body(), 1 << 20).await else {
+        return;
+    };
+    let Some(row) = serde_json::from_slice(&bytes)
+        .ok()
+        .and_then(|v| row_of(team, v))
+    else {
+        return tracing::warn!(sandbox = %id, "refreshing the catalog: the node's answer is not a sandbox");
+    };
+    if let Err(e) = g.catalog.put(&n.id, &row, reservation).await {
+        tracing::warn!(sandbox = %id, "catalog: {e}");
+    }
+}
+
+/// A catalog row from a node's `GET /sandboxes/{id}` (secrets dropped).
+fn row_of(team: &str, mut v: serde_json::Value) -> Option<SandboxRow> {
+    let o = v.as_object_mut()?;
+    o.remove("envdAccessToken");
+    o.remove("domain");
+    let started = o.get("startedAt")?.as_str()?;
+    let started_ms =
+        time::OffsetDateTime::parse(started, &time::format_description::well_known::Rfc3339)
+            .ok()?
+            .unix_timestamp_nanos()
+            / 1_000_000;
+    Some(SandboxRow {
+        id: o.get("sandboxID")?.as_str()?.to_string(),
+        team: team.to_string(),
+        state: o.get("state")?.as_str()?.to_string(),
+        template_id: o.get("templateID")?.as_str()?.to_string(),
+        started_ms: started_ms as i64,
+        metadata: serde_json::from_value(o.get("metadata")?.clone()).unwrap_or_default(),
+        detail: v,
+    })
+}
+
+async fn by_id(
+    g: &Gateway,
+    key: &ClusterKey,
+    id: String,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let not_found = || ApiError::from(crate::sandboxes::SandboxError::NotFound(id.clone()));
+    let (node, team) = g.locate(&id).await?.ok_or_else(not_found)?;
+    if team != key.team {
+        return Err(not_found());
+    }
+    let n = g.node(&node).await.ok_or_else(|| {
+        unavailable(format!(
+            "sandbox {id} is on node {node}, which is not registered"
+        ))
+    })?;
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let resp = match g.to_node(&n, &key.team, req).await {
+        Ok(r) => r,
+        Err(e) => return Ok(e.into_response()),
+    };
+    let status = resp.status();
+    let action = path.rsplit('/').next().unwrap_or_default();
+    match (&method, action) {
+        (&Method::DELETE, _) if status.is_success() || status == StatusCode::NOT_FOUND => {
+            g.forget(&id);
+            if let Err(e) = g.catalog.remove(&id).await {
+                tracing::warn!(sandbox = %id, "catalog: {e}");
+            }
+            Ok(resp)
+        }
+        (&Method::GET, a) if a == id && status.is_success() => {
+            // Names the node: an extra field the SDKs ignore.
+            let (parts, body) = resp.into_parts();
+            let bytes = axum::body::to_bytes(body, 1 << 20)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&bytes).map_err(|e| unavailable(e.to_string()))?;
+            if let Some(o) = v.as_object_mut() {
+                o.insert("nodeID".into(), n.id.clone().into());
+            }
+            let mut parts = parts;
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            Ok(Response::from_parts(parts, Body::from(v.to_string())))
+        }
+        (&Method::POST, "fork") if status.is_success() => {
+            let (parts, body) = resp.into_parts();
+            let bytes = axum::body::to_bytes(body, 16 << 20)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            for child in children(&bytes) {
+                g.remember(&child, &n.id, &key.team);
+                refresh(g, &n, &key.team, &child, None).await;
+            }
+            Ok(Response::from_parts(parts, Body::from(bytes)))
+        }
+        (
+            &Method::POST | &Method::PUT,
+            "pause" | "connect" | "resume" | "timeout" | "refreshes" | "network",
+        ) if status.is_success() => {
+            refresh(g, &n, &key.team, &id, None).await;
+            Ok(resp)
+        }
+        _ => Ok(resp),
+    }
+}
+
+/// The sandbox ids in a fork's answer (`[{"sandbox": {...}} | {"error": ...}]`).
+fn children(bytes: &[u8]) -> Vec<String> {
+    fn ids(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Array(a) => a.iter().for_each(|x| ids(x, out)),
+            serde_json::Value::Object(o) => {
+                if let Some(id) = o.get("sandboxID").and_then(|x| x.as_str()) {
+                    out.push(id.to_string());
+                }
+                o.values().for_each(|x| ids(x, out));
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        ids(&v, &mut out);
+    }
+    out
+}
+
+async fn list(
+    g: &Gateway,
+    key: &ClusterKey,
+    query: String,
+    paged: bool,
+) -> Result<Response, ApiError> {
+    let f = crate::api::list_filter(&query, paged)?;
+    let page = f.limit;
+    let nodes = g.nodes().await;
+    let down: Vec<String> = nodes
+        .iter()
+        .filter(|n| !place::healthy(n, g.grace_ms()))
+        .map(|n| n.id.clone())
+        .collect();
+    let q = crate::cluster::catalog::ListQuery {
+        team: key.team.clone(),
+        states: f.states.iter().map(|s| s.as_str().to_string()).collect(),
+        metadata: f.metadata,
+        template: f.template,
+        started_after_ms: f.started_after_ms,
+        started_before_ms: f.started_before_ms,
+        after: f.after,
+        descending: f.descending,
+        limit: if paged { page + 1 } else { usize::MAX >> 1 },
+        down_nodes: down,
+    };
+    let mut rows = g
+        .catalog
+        .list(&q)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    let mut headers = http::HeaderMap::new();
+    if paged && rows.len() > page {
+        rows.truncate(page);
+        if let Some(last) = rows.last() {
+            headers.insert(
+                "x-next-token",
+                HeaderValue::from_str(&crate::api::page_token(last.started_ms, &last.id))
+                    .expect("base64 is a valid header"),
+            );
+        }
+    }
+    let out: Vec<serde_json::Value> = rows.into_iter().map(|r| r.detail).collect();
+    Ok((headers, axum::Json(out)).into_response())
+}
+
+/// Templates, builds, snapshots: on the template node, the healthy node
+/// first by id (templates built through a gateway are built there, and
+/// placement sends their sandboxes there).
+async fn elsewhere(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response, ApiError> {
+    let nodes = g.nodes().await;
+    let n = nodes
+        .iter()
+        .find(|n| place::healthy(n, g.grace_ms()))
+        .ok_or_else(|| unavailable("no node of the cluster is up"))?;
+    Ok(g.to_node(n, &key.team, req)
+        .await
+        .unwrap_or_else(ForwardError::into_response))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_name_their_sandbox() {
+        assert_eq!(sandbox_of("/sandboxes/i123"), Some("i123"));
+        assert_eq!(sandbox_of("/sandboxes/i123/pause"), Some("i123"));
+        assert_eq!(sandbox_of("/v2/sandboxes/i123/logs"), Some("i123"));
+        assert_eq!(sandbox_of("/sandboxes"), None);
+        assert_eq!(sandbox_of("/sandboxes/"), None);
+        assert_eq!(sandbox_of("/templates/x"), None);
+    }
+
+    #[test]
+    fn a_nodes_detail_becomes_a_row_without_secrets() {
+        let v = serde_json::json!({
+            "sandboxID": "i1", "templateID": "base", "state": "running",
+            "startedAt": "2026-12-06T03:00:00Z", "metadata": {"k": "v"},
+            "envdAccessToken": "secret", "domain": "d",
+        });
+        let r = row_of("t", v).unwrap();
+        assert_eq!(
+            (r.id.as_str(), r.team.as_str(), r.state.as_str()),
+            ("i1", "t", "running")
+        );
+        assert_eq!(r.started_ms, 1_796_526_000_000);
+        assert_eq!(r.metadata.get("k").map(String::as_str), Some("v"));
+        assert!(r.detail.get("envdAccessToken").is_none() && r.detail.get("domain").is_none());
+        assert!(row_of("t", serde_json::json!({"sandboxID": "i1"})).is_none());
+    }
+
+    #[test]
+    fn fork_answers_name_their_children() {
+        let a = br#"[{"sandbox":{"sandboxID":"a"}},{"error":{"code":429}},{"sandbox":{"sandboxID":"b"}}]"#;
+        assert_eq!(children(a), vec!["a", "b"]);
+        assert!(children(b"not json").is_empty());
+    }
+}

@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# cluster.sh: a tine cluster on this one machine: PostgreSQL (Debian's), N
+# nodes (`tine serve`, each with its own data dir, port, veth pool, uid
+# range and cgroup) and M gateways (`tine gateway`). The tests and a person
+# trying cluster mode use the same script (docs/cluster.md).
+#
+#   scripts/cluster.sh up [--nodes N] [--gateways M]   (default 3 and 2)
+#   scripts/cluster.sh down            stop everything; the nodes' sandboxes
+#                                      are killed
+#   scripts/cluster.sh stop-node I     SIGKILL node I's server (its VMs live on)
+#   scripts/cluster.sh start-node I    start node I again (it adopts its VMs)
+#   scripts/cluster.sh stop-gateway J  SIGKILL gateway J
+#   scripts/cluster.sh restart-postgres
+#
+# `up` installs what is missing as scripts/run.sh does (skipped with
+# TINE_CLUSTER_SKIP_SETUP=1, as the tests do after their own setup) and
+# ends by printing E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY for the
+# first gateway.
+#
+# Environment: TINE_DATA_DIR (/var/lib/tine), TINE_CLUSTER_DIR
+# ($TINE_DATA_DIR/cluster), TINE_BIN (default: build target/release/tine),
+# TINE_CLUSTER_PG_PORT (5433), TINE_CLUSTER_NODE_PORT (3100: node I listens
+# on 3100+I), TINE_CLUSTER_GATEWAY_PORT (3200: gateway J on 3200+J),
+# TINE_CLUSTER_NODE_CONFIG (TOML appended to every node's config).
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+ROOT="$(cd "$TINE_SCRIPTS_DIR/.." && pwd)"
+need_root
+
+CLUSTER_DIR="${TINE_CLUSTER_DIR:-$TINE_DATA_DIR/cluster}"
+PG_PORT="${TINE_CLUSTER_PG_PORT:-5433}"
+NODE_PORT="${TINE_CLUSTER_NODE_PORT:-3100}"
+GATEWAY_PORT="${TINE_CLUSTER_GATEWAY_PORT:-3200}"
+PG_URL="postgresql://postgres@127.0.0.1:$PG_PORT/tine"
+# PostgreSQL's own files, where its user can reach them (the data dir is
+# 0700 root).
+PG_DIR="${TINE_CLUSTER_PG_DIR:-/var/lib/postgresql/tine-cluster-$PG_PORT}"
+
+cmd="${1:-}"
+shift || true
+NODES=3
+GATEWAYS=2
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --nodes) NODES="$2"; shift 2 ;;
+    --gateways) GATEWAYS="$2"; shift 2 ;;
+    *) break ;;
+    esac
+done
+
+tine_bin() {
+    if [[ -z ${TINE_BIN:-} ]]; then
+        log "building the tine CLI"
+        (cd "$ROOT" && cargo build --release --locked -p tine-cli >&2)
+        TINE_BIN="$ROOT/target/release/tine"
+    fi
+}
+
+pg_bin() {
+    local d
+    d="$(find /usr/lib/postgresql -maxdepth 2 -name bin -type d 2>/dev/null | sort -V | tail -1)"
+    [[ -n $d ]] || die "PostgreSQL is not installed (apt-get install postgresql)"
+    printf '%s\n' "$d"
+}
+
+pg_ctl_() { runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$PG_DIR/data" "$@"; }
+
+postgres_up() {
+    if ! find /usr/lib/postgresql -maxdepth 3 -name initdb 2>/dev/null | grep -q .; then
+        apt_update_once
+        log "apt-get install postgresql"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql >&2 ||
+            die "apt-get install postgresql failed"
+    fi
+    mkdir -p "$CLUSTER_DIR"
+    install -d -o postgres -g postgres -m 0700 "$PG_DIR"
+    if [[ ! -f $PG_DIR/data/PG_VERSION ]]; then
+        log "PostgreSQL: a new database cluster in $PG_DIR/data"
+        rm -rf "$PG_DIR/data"
+        # Trust on loopback only: this cluster is the machine's own (a
+        # production catalog uses a password or TLS: docs/cluster.md).
+        runuser -u postgres -- "$(pg_bin)/initdb" -D "$PG_DIR/data" -U postgres \
+            --auth-local=trust --auth-host=trust --no-sync >/dev/null
+    fi
+    if ! pg_ctl_ status >/dev/null 2>&1; then
+        log "PostgreSQL on 127.0.0.1:$PG_PORT (log $PG_DIR/postgres.log)"
+        pg_ctl_ -l "$PG_DIR/postgres.log" -w -t 60 \
+            -o "-p $PG_PORT -k $PG_DIR -c listen_addresses=127.0.0.1 -c fsync=off" start >/dev/null
+    fi
+    local psql=(runuser -u postgres -- "$(pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -tAq)
+    if [[ "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname = 'tine'")" != 1 ]]; then
+        "${psql[@]}" -c "CREATE DATABASE tine" >/dev/null
+    fi
+}
+
+secret() {
+    if [[ ! -s $CLUSTER_DIR/secret ]]; then
+        (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CLUSTER_DIR/secret")
+    fi
+}
+
+# wait_http URL: until it answers (any status), at most 120 s.
+wait_http() {
+    local i
+    for i in $(seq 1 240); do
+        curl -s -o /dev/null "$1" && return 0
+        sleep 0.5
+    done
+    return 1
+}
+
+node_start() {
+    local i=$1 dir="$CLUSTER_DIR/node-$1" port=$((NODE_PORT + $1))
+    mkdir -p "$dir"
+    ln -sfn "$TINE_DATA_DIR/current" "$dir/current"
+    cat >"$dir/config.toml" <<EOF
+listen = "127.0.0.1:$port"
+# Sandboxes are addressed through the first gateway.
+domain = "localhost:$((GATEWAY_PORT + 1))"
+default_cpu_count = 1
+default_memory_mb = 256
+
+[network]
+veth_pool = "10.$((240 + i)).0.0/16"
+
+[jail]
+uid_base = $((1100000 + i * 100000))
+uid_count = 65536
+cgroup_parent = "tine-node-$i"
+
+[cluster]
+postgres_url = "$PG_URL"
+node_id = "node-$i"
+advertise_url = "http://127.0.0.1:$port"
+secret_file = "$CLUSTER_DIR/secret"
+heartbeat_secs = 1
+publish_secs = 5
+${TINE_CLUSTER_NODE_CONFIG:-}
+EOF
+    log "node $i: tine serve on 127.0.0.1:$port (data dir $dir, log $dir/server.log)"
+    TINE_DATA_DIR="$dir" TINE_SHM_DIR="/dev/shm/tine-cluster-node-$i" \
+        setsid "$TINE_BIN" serve -c "$dir/config.toml" >>"$dir/server.log" 2>&1 </dev/null &
+    echo $! >"$dir/server.pid"
+}
+
+gateway_start() {
+    local j=$1 port=$((GATEWAY_PORT + $1))
+    cat >"$CLUSTER_DIR/gateway-$j.toml" <<EOF
+listen = "127.0.0.1:$port"
+postgres_url = "$PG_URL"
+secret_file = "$CLUSTER_DIR/secret"
+domain = "localhost:$((GATEWAY_PORT + 1))"
+node_grace_secs = 10
+
+# A team with a cluster-wide limit (tests/e2e/cluster).
+[teams.limited]
+max_sandboxes = 2
+EOF
+    log "gateway $j: tine gateway on 127.0.0.1:$port (log $CLUSTER_DIR/gateway-$j.log)"
+    setsid "$TINE_BIN" gateway -c "$CLUSTER_DIR/gateway-$j.toml" >>"$CLUSTER_DIR/gateway-$j.log" 2>&1 </dev/null &
+    echo $! >"$CLUSTER_DIR/gateway-$j.pid"
+}
+
+kill_pidfile() {
+    local f=$1 sig=${2:-TERM}
+    [[ -f $f ]] || return 0
+    local pid
+    pid="$(cat "$f")"
+    if kill -0 "$pid" 2>/dev/null; then
+        kill "-$sig" "$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+    rm -f "$f"
+}
+
+up() {
+    if [[ ${TINE_CLUSTER_SKIP_SETUP:-0} != 1 ]]; then
+        "$TINE_SCRIPTS_DIR/setup-host.sh"
+        "$TINE_SCRIPTS_DIR/build-agent.sh"
+    fi
+    tine_bin
+    postgres_up
+    secret
+    printf '%s\n' "$NODES" >"$CLUSTER_DIR/nodes"
+    printf '%s\n' "$GATEWAYS" >"$CLUSTER_DIR/gateways"
+    local i j
+    for i in $(seq 1 "$NODES"); do node_start "$i"; done
+    for i in $(seq 1 "$NODES"); do
+        wait_http "http://127.0.0.1:$((NODE_PORT + i))/health" ||
+            die "node $i did not start: $(tail -5 "$CLUSTER_DIR/node-$i/server.log")"
+    done
+    for j in $(seq 1 "$GATEWAYS"); do gateway_start "$j"; done
+    for j in $(seq 1 "$GATEWAYS"); do
+        wait_http "http://127.0.0.1:$((GATEWAY_PORT + j))/health" ||
+            die "gateway $j did not start: $(tail -5 "$CLUSTER_DIR/gateway-$j.log")"
+    done
+    local key
+    key="$("$TINE_BIN" cluster create-key --postgres-url "$PG_URL" --name "cluster.sh $(date -u +%FT%TZ)")"
+    cat >&2 <<MSG
+
+==> a cluster of $NODES nodes and $GATEWAYS gateways is up (state: $CLUSTER_DIR;
+    stop it with: scripts/cluster.sh down). Point the SDKs at the first gateway:
+
+export E2B_API_URL=http://127.0.0.1:$((GATEWAY_PORT + 1))
+export E2B_SANDBOX_URL=http://127.0.0.1:$((GATEWAY_PORT + 1))
+export E2B_API_KEY=$key
+export TINE_POSTGRES_URL=$PG_URL
+MSG
+}
+
+down() {
+    local f
+    for f in "$CLUSTER_DIR"/gateway-*.pid; do kill_pidfile "$f"; done
+    for f in "$CLUSTER_DIR"/node-*/server.pid; do kill_pidfile "$f"; done
+    # The nodes' VMs and image daemons, which outlive a stopped server.
+    pkill -KILL -f "qemu-system.*$CLUSTER_DIR/node-" 2>/dev/null || true
+    pkill -TERM -f "nbd-daemon --data-dir $CLUSTER_DIR/node-" 2>/dev/null || true
+    if [[ -f $PG_DIR/data/PG_VERSION ]] && pg_ctl_ status >/dev/null 2>&1; then
+        pg_ctl_ -m fast -w stop >/dev/null
+    fi
+    log "cluster in $CLUSTER_DIR stopped"
+}
+
+case "$cmd" in
+up) up ;;
+down) down ;;
+stop-node) kill_pidfile "$CLUSTER_DIR/node-$1/server.pid" KILL ;;
+start-node)
+    tine_bin
+    node_start "$1"
+    wait_http "http://127.0.0.1:$((NODE_PORT + $1))/health" || die "node $1 did not start"
+    ;;
+stop-gateway) kill_pidfile "$CLUSTER_DIR/gateway-$1.pid" KILL ;;
+restart-postgres)
+    pg_ctl_ -m fast -w stop >/dev/null
+    postgres_up
+    ;;
+*)
+    echo "usage: $0 up [--nodes N] [--gateways M] | down | stop-node I | start-node I | stop-gateway J | restart-postgres" >&2
+    exit 2
+    ;;
+esac
