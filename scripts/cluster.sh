@@ -10,7 +10,8 @@
 #   scripts/cluster.sh stop-node I     SIGKILL node I's server (its VMs live on)
 #   scripts/cluster.sh start-node I    start node I again (it adopts its VMs)
 #   scripts/cluster.sh stop-gateway J  SIGKILL gateway J
-#   scripts/cluster.sh restart-postgres
+#   scripts/cluster.sh start-gateway J
+#   scripts/cluster.sh stop-postgres | start-postgres | restart-postgres
 #
 # `up` installs what is missing as scripts/run.sh does (skipped with
 # TINE_CLUSTER_SKIP_SETUP=1, as the tests do after their own setup) and
@@ -232,12 +233,19 @@ start-node)
     wait_http "http://127.0.0.1:$((NODE_PORT + $1))/health" || die "node $1 did not start"
     ;;
 stop-gateway) kill_pidfile "$CLUSTER_DIR/gateway-$1.pid" KILL ;;
+start-gateway)
+    tine_bin
+    gateway_start "$1"
+    wait_http "http://127.0.0.1:$((GATEWAY_PORT + $1))/health" || die "gateway $1 did not start"
+    ;;
+stop-postgres) pg_ctl_ -m fast -w stop >/dev/null ;;
+start-postgres) postgres_up ;;
 restart-postgres)
     pg_ctl_ -m fast -w stop >/dev/null
     postgres_up
     ;;
 *)
-    echo "usage: $0 up [--nodes N] [--gateways M] | down | stop-node I | start-node I | stop-gateway J | restart-postgres" >&2
+    echo "usage: $0 up [--nodes N] [--gateways M] | down | stop-node I | start-node I | stop-gateway J | start-gateway J | stop-postgres | start-postgres | restart-postgres" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# run.sh: cluster mode end to end: scripts/cluster.sh up (PostgreSQL, 3
+# nodes, 2 gateways, real VMs), then the cluster suite (test_cluster.py,
+# the newest Python SDK) and a part of the server suite through a gateway,
+# then scripts/cluster.sh down and a check that no process of the cluster
+# is left. Run tests/e2e/setup.sh first. Arguments go to pytest.
+#
+# State: $TINE_DATA_DIR/e2e-cluster (each node's data dir under it; the
+# template snapshots are kept between runs). TINE_BIN skips the build.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../../.." && pwd)"
+BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
+VENV="$BASE_DATA_DIR/venv"
+log() { printf '==> %s\n' "$*" >&2; }
+
+[[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
+if [[ -z "${TINE_BIN:-}" ]]; then
+    log "building tine (release)"
+    (cd "$ROOT" && cargo build --release --locked -p tine-cli)
+    TINE_BIN="$ROOT/target/release/tine"
+fi
+export TINE_BIN TINE_DATA_DIR="$BASE_DATA_DIR"
+export TINE_CLUSTER_DIR="$BASE_DATA_DIR/e2e-cluster"
+export TINE_CLUSTER_PG_PORT="${TINE_E2E_CLUSTER_PG_PORT:-5433}"
+export TINE_CLUSTER_NODE_PORT="${TINE_E2E_CLUSTER_NODE_PORT:-3100}"
+export TINE_CLUSTER_GATEWAY_PORT="${TINE_E2E_CLUSTER_GATEWAY_PORT:-3200}"
+export TINE_CLUSTER_SKIP_SETUP=1
+CLUSTER="$ROOT/scripts/cluster.sh"
+
+status=0
+finish() {
+    set +e
+    "$CLUSTER" down
+    sleep 0.5
+    local left
+    left="$(pgrep -f "$TINE_CLUSTER_DIR" || true)"
+    if [[ -n "$left" ]]; then
+        echo "error: processes of the cluster are still alive: $(ps -o pid,args -p "${left//$'\n'/,}" | tail -n +2)" >&2
+        pkill -KILL -f "$TINE_CLUSTER_DIR"
+        status=1
+    fi
+    if [[ $status -ne 0 ]]; then
+        echo "cluster end-to-end tests FAILED (logs: $TINE_CLUSTER_DIR/node-*/server.log, $TINE_CLUSTER_DIR/gateway-*.log)" >&2
+        for f in "$TINE_CLUSTER_DIR"/gateway-1.log "$TINE_CLUSTER_DIR"/node-1/server.log; do
+            echo "--- $f" >&2
+            tail -15 "$f" >&2
+        done
+    else
+        log "cluster end-to-end tests passed"
+    fi
+    exit $status
+}
+trap finish EXIT
+trap 'status=130; exit' INT TERM
+
+# A cluster left by an interrupted run goes first (its sandboxes too).
+"$CLUSTER" down >/dev/null 2>&1 || true
+"$CLUSTER" up --nodes 3 --gateways 2
+
+export TINE_POSTGRES_URL="postgresql://postgres@127.0.0.1:$TINE_CLUSTER_PG_PORT/tine"
+key() { "$TINE_BIN" cluster create-key --postgres-url "$TINE_POSTGRES_URL" --name e2e-cluster --team "$1" 2>/dev/null; }
+E2B_API_KEY="$(key default)"
+TINE_E2E_OTHER_KEY="$(key other)"
+TINE_E2E_LIMITED_KEY="$(key limited)"
+export E2B_API_KEY TINE_E2E_OTHER_KEY TINE_E2E_LIMITED_KEY
+export TINE_E2E_GATEWAYS="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 2))"
+export TINE_E2E_NODES="http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 2)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 3))"
+export E2B_API_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))" E2B_SANDBOX_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))"
+unset E2B_DEBUG E2B_DOMAIN
+
+log "cluster suite (e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"))'))"
+(cd "$HERE" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1

@@ -1,0 +1,239 @@
+"""Cluster mode end to end: 3 nodes and 2 gateways from scripts/cluster.sh,
+real PostgreSQL, real VMs, the real Python SDK pointed at a gateway.
+
+The failure tests come last in the file (pytest keeps file order): they stop
+nodes, a gateway and PostgreSQL, and put them back.
+"""
+
+import concurrent.futures
+import os
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxQuery
+
+GATEWAYS = os.environ["TINE_E2E_GATEWAYS"].split(",")
+NODES = os.environ["TINE_E2E_NODES"].split(",")
+KEY = os.environ["E2B_API_KEY"]
+OTHER_KEY = os.environ["TINE_E2E_OTHER_KEY"]
+LIMITED_KEY = os.environ["TINE_E2E_LIMITED_KEY"]
+CLUSTER = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "cluster.sh")
+RUN = uuid.uuid4().hex[:10]
+
+
+def api(method, path, key=KEY, gateway=GATEWAYS[0], **kw):
+    return httpx.request(method, gateway + path, headers={"X-API-KEY": key}, timeout=120, **kw)
+
+
+def node_of(sandbox_id):
+    r = api("GET", f"/sandboxes/{sandbox_id}")
+    assert r.status_code == 200, r.text
+    return r.json()["nodeID"]
+
+
+def cluster(*args):
+    subprocess.run(["bash", CLUSTER, *args], check=True, timeout=300)
+
+
+def create(**kw):
+    kw.setdefault("metadata", {})["run"] = RUN
+    return Sandbox.create(timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def spread():
+    """12 sandboxes made through the first gateway, killed at the end."""
+    sbs = [create(metadata={"i": str(i)}) for i in range(12)]
+    yield sbs
+    for s in sbs:
+        try:
+            s.kill()
+        except Exception:
+            pass
+
+
+def test_creates_spread_over_every_node_and_each_sandbox_answers_through_either_gateway(spread):
+    nodes = {s.sandbox_id: node_of(s.sandbox_id) for s in spread}
+    assert set(nodes.values()) == {"node-1", "node-2", "node-3"}, nodes
+    for s in spread[:6]:
+        out = s.commands.run("echo hi from $(hostname)")
+        assert out.stdout.strip() == f"hi from {s.sandbox_id}"
+    # The second gateway routes them too (envd and REST).
+    s = spread[0]
+    other = Sandbox.connect(s.sandbox_id, api_url=GATEWAYS[1], sandbox_url=GATEWAYS[1])
+    other.files.write("/tmp/through-gateway-2", "written via gateway 2")
+    assert s.files.read("/tmp/through-gateway-2") == "written via gateway 2"
+    assert api("GET", f"/sandboxes/{s.sandbox_id}", gateway=GATEWAYS[1]).json()["nodeID"] == nodes[s.sandbox_id]
+
+
+def test_list_pages_and_filters_across_nodes_and_teams(spread):
+    ids = {s.sandbox_id for s in spread}
+    listed = Sandbox.list(query=SandboxQuery(metadata={"run": RUN}))
+    seen = []
+    while listed.has_next:
+        seen += [x.sandbox_id for x in listed.next_items()]
+    assert set(seen) == ids and len(seen) == len(ids)
+    # Pages of 5: 5, 5, 2, with the node's own paging token.
+    pages = []
+    token = None
+    while True:
+        params = {"metadata": f"run={RUN}", "limit": 5}
+        if token:
+            params["nextToken"] = token
+        r = api("GET", "/v2/sandboxes", params=params)
+        assert r.status_code == 200, r.text
+        pages.append([x["sandboxID"] for x in r.json()])
+        token = r.headers.get("x-next-token")
+        if not token:
+            break
+    assert [len(p) for p in pages] == [5, 5, 2]
+    assert {i for p in pages for i in p} == ids
+    one = api("GET", "/v2/sandboxes", params={"metadata": f"run={RUN}&i=3"}).json()
+    assert [x["metadata"]["i"] for x in one] == ["3"]
+    # Another team sees none of them, and cannot reach one by id.
+    assert api("GET", "/v2/sandboxes", key=OTHER_KEY).json() == []
+    r = api("GET", f"/sandboxes/{spread[0].sandbox_id}", key=OTHER_KEY)
+    assert r.status_code == 404 and r.json()["code"] == 404
+
+
+def test_fork_children_land_on_the_source_node(spread):
+    src = spread[1]
+    src.commands.run("echo parent > /tmp/state")
+    r = api("POST", f"/sandboxes/{src.sandbox_id}/fork", json={"count": 2})
+    assert r.status_code == 201, r.text
+    children = [x["sandbox"]["sandboxID"] for x in r.json()]
+    assert len(children) == 2
+    try:
+        for c in children:
+            assert node_of(c) == node_of(src.sandbox_id)
+            sb = Sandbox.connect(c)
+            assert sb.commands.run("cat /tmp/state").stdout.strip() == "parent"
+    finally:
+        for c in children:
+            api("DELETE", f"/sandboxes/{c}")
+
+
+def test_bad_input_gets_clear_errors():
+    # A user's key straight to a node: refused, with the way to go.
+    r = httpx.get(NODES[0] + "/v2/sandboxes", headers={"X-API-KEY": KEY})
+    assert r.status_code == 401 and "gateway" in r.json()["message"]
+    # A wrong cluster secret.
+    r = httpx.get(
+        NODES[0] + "/v2/sandboxes",
+        headers={"x-tine-cluster-secret": "0" * 64, "x-tine-team": "default"},
+    )
+    assert r.status_code == 401 and r.json()["message"] == "wrong cluster secret"
+    # A bad key, no key, an unknown sandbox (REST and envd).
+    assert api("GET", "/v2/sandboxes", key="e2b_" + "0" * 40).status_code == 401
+    assert httpx.get(GATEWAYS[0] + "/v2/sandboxes").status_code == 401
+    r = api("GET", "/sandboxes/inope0000000000000000")
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = httpx.get(GATEWAYS[0] + "/health", headers={"E2b-Sandbox-Id": "inope0000000000000000"})
+    assert r.status_code == 502
+    assert r.json() == {"message": "The sandbox was not found", "sandboxId": "inope0000000000000000", "code": 502}
+    # Malformed JSON reaches a node and gets its 400.
+    r = api("POST", "/v2/sandboxes", content=b"{not json")
+    assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_two_gateways_racing_never_exceed_a_teams_limit():
+    def one(i):
+        return api(
+            "POST",
+            "/v2/sandboxes",
+            key=LIMITED_KEY,
+            gateway=GATEWAYS[i % 2],
+            json={"templateID": "base", "timeout": 300, "metadata": {"run": RUN}},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(one, range(6)))
+    made = [a.json()["sandboxID"] for a in answers if a.status_code == 201]
+    try:
+        assert len(made) == 2, [(a.status_code, a.text[:120]) for a in answers]
+        assert all(a.status_code in (201, 429) for a in answers)
+        refused = [a.json() for a in answers if a.status_code == 429]
+        assert all("max_sandboxes" in r["message"] for r in refused)
+    finally:
+        for i in made:
+            api("DELETE", f"/sandboxes/{i}", key=LIMITED_KEY)
+
+
+def test_a_killed_node_answers_503_creates_go_elsewhere_and_it_comes_back(spread):
+    victim = spread[2]
+    n = node_of(victim.sandbox_id)
+    idx = n.split("-")[1]
+    cluster("stop-node", idx)
+    try:
+        r = httpx.get(GATEWAYS[0] + "/health", headers={"E2b-Sandbox-Id": victim.sandbox_id})
+        assert r.status_code == 503 and n in r.json()["message"]
+        r = api("POST", f"/sandboxes/{victim.sandbox_id}/timeout", json={"timeout": 500})
+        assert r.status_code == 503
+        # Creates keep working: a create placed on the dead node (its
+        # heartbeat is recent) is sent to another one.
+        for _ in range(4):
+            s = create()
+            try:
+                assert node_of(s.sandbox_id) != n
+            finally:
+                s.kill()
+    finally:
+        cluster("start-node", idx)
+    assert victim.commands.run("echo back").stdout.strip() == "back"
+
+
+def test_a_node_gone_past_the_grace_is_not_listed_until_it_returns(spread):
+    victim = spread[3]
+    n = node_of(victim.sandbox_id)
+    idx = n.split("-")[1]
+
+    def listed():
+        return {x["sandboxID"] for x in api("GET", "/v2/sandboxes", params={"metadata": f"run={RUN}"}).json()}
+
+    cluster("stop-node", idx)
+    try:
+        time.sleep(12)  # node_grace_secs = 10
+        assert victim.sandbox_id not in listed()
+    finally:
+        cluster("start-node", idx)
+    deadline = time.time() + 30
+    while victim.sandbox_id not in listed() and time.time() < deadline:
+        time.sleep(1)
+    assert victim.sandbox_id in listed()
+
+
+def test_a_killed_gateway_leaves_the_other_serving(spread):
+    cluster("stop-gateway", "2")
+    try:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(GATEWAYS[1] + "/health")
+        for s in spread[:3]:
+            assert s.commands.run("true").exit_code == 0
+        s = create()
+        s.kill()
+    finally:
+        cluster("start-gateway", "2")
+    assert httpx.get(GATEWAYS[1] + "/health").status_code == 200
+
+
+def test_postgres_restarted_known_sandboxes_answer_and_creates_recover(spread):
+    s = spread[4]
+    s.commands.run("true")  # the gateway knows where it lives
+    cluster("stop-postgres")
+    try:
+        assert s.commands.run("echo still").stdout.strip() == "still"
+        r = api("POST", "/v2/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 503, r.text
+    finally:
+        cluster("start-postgres")
+    deadline = time.time() + 60
+    while True:
+        r = api("POST", "/v2/sandboxes", json={"templateID": "base", "metadata": {"run": RUN}})
+        if r.status_code == 201 or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert r.status_code == 201, r.text
+    api("DELETE", f"/sandboxes/{r.json()['sandboxID']}")
