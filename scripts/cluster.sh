@@ -22,7 +22,7 @@
 # ($TINE_DATA_DIR/cluster), TINE_BIN (default: build target/release/tine),
 # TINE_CLUSTER_PG_PORT (5433), TINE_CLUSTER_NODE_PORT (3100: node I listens
 # on 3100+I), TINE_CLUSTER_GATEWAY_PORT (3200: gateway J on 3200+J),
-# TINE_CLUSTER_NODE_CONFIG (TOML appended to every node's config).
+# TINE_CLUSTER_NODE_CONFIG (top-level TOML keys added to every node's config).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -121,6 +121,7 @@ listen = "127.0.0.1:$port"
 domain = "localhost:$((GATEWAY_PORT + 1))"
 default_cpu_count = 1
 default_memory_mb = 256
+${TINE_CLUSTER_NODE_CONFIG:-}
 
 [network]
 veth_pool = "10.$((240 + i)).0.0/16"
@@ -137,7 +138,6 @@ advertise_url = "http://127.0.0.1:$port"
 secret_file = "$CLUSTER_DIR/secret"
 heartbeat_secs = 1
 publish_secs = 5
-${TINE_CLUSTER_NODE_CONFIG:-}
 EOF
     log "node $i: tine serve on 127.0.0.1:$port (data dir $dir, log $dir/server.log)"
     TINE_DATA_DIR="$dir" TINE_SHM_DIR="/dev/shm/tine-cluster-node-$i" \

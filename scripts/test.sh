@@ -7,6 +7,7 @@
 #   4. Rust tests (unit + real QEMU VMs)            cargo test --workspace
 #   5. the agent against the real E2B SDKs          tests/e2e/agent/run.sh
 #   6. the server against the real E2B SDKs         tests/e2e/server/run.sh
+#   7. cluster mode (PostgreSQL, nodes, gateways)   tests/e2e/cluster/run.sh
 #
 # Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
@@ -33,5 +34,9 @@ fi
 if [[ -x tests/e2e/server/run.sh ]]; then
     log "end-to-end: the server with the real E2B SDKs"
     tests/e2e/server/run.sh
+fi
+if [[ -x tests/e2e/cluster/run.sh ]]; then
+    log "end-to-end: cluster mode (3 nodes, 2 gateways, PostgreSQL)"
+    tests/e2e/cluster/run.sh
 fi
 log "all tests passed"

@@ -38,6 +38,13 @@ pub enum ClusterCommand {
         #[arg(long, default_value = "default")]
         team: String,
     },
+    /// Revoke a key by id; gateways refuse it within 10 s (they cache keys
+    /// that long).
+    RevokeKey {
+        #[arg(long, env = "TINE_POSTGRES_URL")]
+        postgres_url: String,
+        id: String,
+    },
     /// List the nodes the catalog knows: address, capacity, live
     /// sandboxes, seconds since their last heartbeat.
     Nodes {
@@ -62,6 +69,14 @@ pub async fn run(cmd: ClusterCommand) -> anyhow::Result<i32> {
             let (key, plaintext) = catalog.create_key(&name, &team).await?;
             eprintln!("created key {} (team {})", key.id, key.team);
             println!("{plaintext}");
+        }
+        ClusterCommand::RevokeKey { postgres_url, id } => {
+            let catalog = Catalog::connect(&postgres_url).await?;
+            anyhow::ensure!(
+                catalog.revoke_key(&id).await?,
+                "no key {id} (or it is revoked already)"
+            );
+            eprintln!("revoked key {id}");
         }
         ClusterCommand::Nodes { postgres_url } => {
             let catalog = Catalog::connect(&postgres_url).await?;

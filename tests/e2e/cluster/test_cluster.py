@@ -139,6 +139,24 @@ def test_bad_input_gets_clear_errors():
     assert r.status_code == 400 and r.json()["code"] == 400
 
 
+def test_a_revoked_key_is_refused_by_every_gateway_within_10_s():
+    tine = os.environ["TINE_BIN"]
+    p = subprocess.run(
+        [tine, "cluster", "create-key", "--name", f"revoke-{RUN}"], capture_output=True, text=True, check=True
+    )
+    key = p.stdout.strip()
+    key_id = p.stderr.split("created key ")[1].split()[0]
+    for g in GATEWAYS:
+        assert api("GET", "/v2/sandboxes", key=key, gateway=g).status_code == 200
+    subprocess.run([tine, "cluster", "revoke-key", key_id], check=True, capture_output=True)
+    time.sleep(11)
+    for g in GATEWAYS:
+        r = api("GET", "/v2/sandboxes", key=key, gateway=g)
+        assert r.status_code == 401 and r.json()["message"] == "invalid API key"
+    p = subprocess.run([tine, "cluster", "revoke-key", key_id], capture_output=True, text=True)
+    assert p.returncode != 0 and "no key" in p.stderr
+
+
 def test_two_gateways_racing_never_exceed_a_teams_limit():
     def one(i):
         return api(

@@ -157,7 +157,9 @@ fn gateway_key(secret: &str, headers: &http::HeaderMap) -> Result<ApiKey, ApiErr
     use crate::cluster::Refusal;
     match crate::cluster::gateway_team(secret, headers) {
         Ok(team) => Ok(ApiKey {
-            id: "gateway".into(),
+            // Per team: what is scoped by key (idempotency keys) stays
+            // within the team.
+            id: format!("gateway:{team}"),
             name: "a cluster gateway".into(),
             prefix: String::new(),
             created_ms: 0,

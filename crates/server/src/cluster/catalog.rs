@@ -21,6 +21,10 @@ const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 /// its node).
 pub const RESERVATION_MS: i64 = 120_000;
 
+/// How long an `Idempotency-Key` keeps sending its creates to one node (as
+/// long as a node remembers it).
+pub const IDEMPOTENCY_MS: i64 = 24 * 3600 * 1000;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {
     #[error("the cluster database is unreachable: {0}")]
@@ -58,7 +62,7 @@ pub struct NodeStatus {
     pub live: usize,
     pub memory_free_mb: u64,
     pub disk_free_mb: u64,
-    /// Templates it holds, by id and by alias.
+    /// Templates and snapshots it holds, by id and by name.
     pub templates: Vec<String>,
     pub version: String,
 }
@@ -143,6 +147,13 @@ CREATE TABLE IF NOT EXISTS tine_reservations (
     team TEXT NOT NULL,
     node_id TEXT NOT NULL,
     expires_ms BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tine_idempotency (
+    team TEXT NOT NULL,
+    key TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (team, key)
 );
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
@@ -429,6 +440,41 @@ impl Catalog {
         Ok(Some(id))
     }
 
+    /// The node a create with `Idempotency-Key` `key` goes to: `node` if
+    /// the key is new (or its claim expired), else the node the first
+    /// attempt went to, whose own idempotency then answers (one sandbox).
+    pub async fn claim_idempotency(&self, team: &str, key: &str, node: &str) -> Result<String> {
+        let db = self.pool.get().await?;
+        let row = db
+            .query_one(
+                &format!(
+                    "INSERT INTO tine_idempotency (team, key, node_id, expires_ms)
+                     VALUES ($1, $2, $3, {NOW_MS} + $4)
+                     ON CONFLICT (team, key) DO UPDATE SET
+                        node_id = CASE WHEN tine_idempotency.expires_ms < {NOW_MS}
+                                       THEN excluded.node_id ELSE tine_idempotency.node_id END,
+                        expires_ms = CASE WHEN tine_idempotency.expires_ms < {NOW_MS}
+                                          THEN excluded.expires_ms ELSE tine_idempotency.expires_ms END
+                     RETURNING node_id"
+                ),
+                &[&team, &key, &node, &IDEMPOTENCY_MS],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Forget the claim of `key` on `node` (its create was refused: a retry
+    /// may go elsewhere).
+    pub async fn unclaim_idempotency(&self, team: &str, key: &str, node: &str) -> Result<()> {
+        let db = self.pool.get().await?;
+        db.execute(
+            "DELETE FROM tine_idempotency WHERE team = $1 AND key = $2 AND node_id = $3",
+            &[&team, &key, &node],
+        )
+        .await?;
+        Ok(())
+    }
+
     /// A reservation whose create failed.
     pub async fn release(&self, reservation: &str) -> Result<()> {
         let db = self.pool.get().await?;
@@ -466,6 +512,18 @@ impl Catalog {
         )
         .await?;
         Ok((key, plaintext))
+    }
+
+    /// Revoke key `id`; false if there is no such key.
+    pub async fn revoke_key(&self, id: &str) -> Result<bool> {
+        let db = self.pool.get().await?;
+        let n = db
+            .execute(
+                &format!("UPDATE tine_api_keys SET revoked_ms = {NOW_MS} WHERE id = $1 AND revoked_ms IS NULL"),
+                &[&id],
+            )
+            .await?;
+        Ok(n > 0)
     }
 
     pub async fn verify_key(&self, plaintext: &str) -> Result<Option<ClusterKey>> {

@@ -71,11 +71,12 @@ impl NodeLink {
     fn status(&self, manager: &Manager) -> NodeStatus {
         let (cap, admitted, _) = manager.capacity();
         let mut templates = vec!["base".to_string()];
-        if let Ok(rows) = manager.db().list_templates() {
-            for r in rows {
-                templates.extend(r.names.iter().cloned());
-                templates.push(r.id.clone());
-            }
+        // Templates and persistent snapshots: both can be created from.
+        let rows = manager.db().list_templates().into_iter().flatten();
+        let snapshots = manager.list_snapshots(None).into_iter().flatten();
+        for r in rows.chain(snapshots) {
+            templates.extend(r.names.iter().cloned());
+            templates.push(r.id.clone());
         }
         templates.sort();
         templates.dedup();

@@ -4,7 +4,7 @@
 //! its envd and port traffic, to the node that holds it, and lists a
 //! team's sandboxes across nodes from the catalog ([`rest`]).
 //!
-//! What it knows is cached in memory (keys for a minute, where each
+//! What it knows is cached in memory (keys for 10 s, where each
 //! sandbox lives until it is killed, nodes for a second), so known
 //! sandboxes keep answering while PostgreSQL restarts; creates wait for it
 //! (503).
@@ -92,7 +92,7 @@ impl GatewayConfig {
 
 /// How long a verified key is trusted without asking PostgreSQL again,
 /// and how long past that while PostgreSQL does not answer.
-const KEY_FRESH: Duration = Duration::from_secs(60);
+const KEY_FRESH: Duration = Duration::from_secs(10);
 const KEY_STALE_OK: Duration = Duration::from_secs(3600);
 /// How long the node list is reused.
 const NODES_FRESH: Duration = Duration::from_secs(1);
@@ -149,6 +149,9 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
     if let Some(t) = crate::proxy::target(req.headers(), &path, &g.domain) {
         return g.sandbox_traffic(&t.sandbox, req).await;
+    }
+    if crate::proxy::names_no_sandbox(&req) {
+        return g.any_node(req).await;
     }
     if path == "/health" {
         return (StatusCode::OK, "ok").into_response();
@@ -288,6 +291,45 @@ impl Gateway {
             Ok(r) => r,
             Err(e) => e.into_response(),
         }
+    }
+
+    /// A sandbox request that names no sandbox ([`crate::proxy::names_no_sandbox`]):
+    /// to each healthy node in turn until one knows the sandbox (the others
+    /// answer with [`crate::proxy::NO_SUCH_SANDBOX_HEADER`]). The body is
+    /// held in memory for that, up to `max_body_bytes`.
+    async fn any_node(&self, req: Request) -> Response {
+        let (parts, body) = req.into_parts();
+        let bytes = match crate::api::body_bytes(body, self.cfg.max_body_bytes).await {
+            Ok(b) => b,
+            Err(e) => return e.into_response(),
+        };
+        let mut last = None;
+        for n in self
+            .nodes()
+            .await
+            .iter()
+            .filter(|n| place::healthy(n, self.grace_ms()))
+        {
+            let again = http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+            match forward::forward(&self.client, &n.id, &n.status.address, again, &[], &[]).await {
+                Ok(mut r)
+                    if r.headers()
+                        .contains_key(crate::proxy::NO_SUCH_SANDBOX_HEADER) =>
+                {
+                    r.headers_mut().remove(crate::proxy::NO_SUCH_SANDBOX_HEADER);
+                    last = Some(r)
+                }
+                Ok(r) => return r,
+                Err(e) => last = Some(e.into_response()),
+            }
+        }
+        last.unwrap_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no node of the cluster is up",
+            )
+            .into_response()
+        })
     }
 
     /// `req` to node `n` on behalf of `team`.

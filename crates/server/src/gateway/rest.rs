@@ -65,58 +65,98 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
                 .map(str::to_string)
         })
         .unwrap_or_else(|| "base".to_string());
+    let idem = parts
+        .headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let mut tried: Vec<String> = Vec::new();
     let mut last: Option<Response> = None;
     // One try and, when a node refused before making anything, one more
-    // on another node (with the caller's Idempotency-Key, if any).
+    // on another node.
     for _ in 0..2 {
         let nodes = g.nodes().await;
-        let Some(n) = place::choose(&nodes, &template, g.grace_ms(), &tried, |len| {
+        let Some(mut n) = place::choose(&nodes, &template, g.grace_ms(), &tried, |len| {
             (u64::from_str_radix(&crate::ids::random_hex(4), 16).unwrap_or(0) as usize) % len
         })
         .cloned() else {
             break;
         };
-        tried.push(n.id.clone());
-        let reservation = match g
-            .catalog
-            .reserve(&key.team, g.cfg.team_max(&key.team), &n.id)
-            .await
-        {
-            Ok(Some(r)) => r,
-            Ok(None) => {
-                return Err(ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!(
-                        "team {} has reached its max_sandboxes across the cluster",
-                        key.team
-                    ),
-                ))
+        // The same Idempotency-Key goes where its first attempt went; that
+        // node's own idempotency answers with the sandbox it made.
+        let mut first = true;
+        if let Some(k) = &idem {
+            let at = g
+                .catalog
+                .claim_idempotency(&key.team, k, &n.id)
+                .await
+                .map_err(|e| unavailable(format!("creates wait for the catalog: {e}")))?;
+            if at != n.id {
+                first = false;
+                n = nodes.iter().find(|x| x.id == at).cloned().ok_or_else(|| {
+                    unavailable(format!(
+                        "this Idempotency-Key's create went to node {at}, which is gone"
+                    ))
+                })?;
             }
-            Err(e) => return Err(unavailable(format!("creates wait for the catalog: {e}"))),
+        }
+        tried.push(n.id.clone());
+        let reservation = if first {
+            match g
+                .catalog
+                .reserve(&key.team, g.cfg.team_max(&key.team), &n.id)
+                .await
+            {
+                Ok(Some(r)) => Some(r),
+                Ok(None) => {
+                    if let Some(k) = &idem {
+                        let _ = g.catalog.unclaim_idempotency(&key.team, k, &n.id).await;
+                    }
+                    return Err(ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "team {} has reached its max_sandboxes across the cluster",
+                            key.team
+                        ),
+                    ));
+                }
+                Err(e) => return Err(unavailable(format!("creates wait for the catalog: {e}"))),
+            }
+        } else {
+            None
         };
-        let mut again = http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
-        *again.extensions_mut() = http::Extensions::new();
+        // Undo the reservation and (for a first attempt) the key's claim.
+        let undo = || async {
+            if let Some(r) = &reservation {
+                let _ = g.catalog.release(r).await;
+            }
+            if let (true, Some(k)) = (first, &idem) {
+                let _ = g.catalog.unclaim_idempotency(&key.team, k, &n.id).await;
+            }
+        };
+        let again = http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
         let resp = match g.to_node(&n, &key.team, again).await {
             Ok(r) => r,
             Err(e @ ForwardError::Unreachable(..)) => {
                 tracing::warn!("create: {e}; trying another node");
-                let _ = g.catalog.release(&reservation).await;
+                undo().await;
                 last = Some(e.into_response());
                 continue;
             }
             Err(e) => {
-                let _ = g.catalog.release(&reservation).await;
+                if let Some(r) = &reservation {
+                    let _ = g.catalog.release(r).await;
+                }
                 return Ok(e.into_response());
             }
         };
         if refused(resp.status()) {
-            let _ = g.catalog.release(&reservation).await;
+            undo().await;
             last = Some(resp);
             continue;
         }
         if !resp.status().is_success() {
-            let _ = g.catalog.release(&reservation).await;
+            undo().await;
             return Ok(resp);
         }
         let (rparts, rbody) = resp.into_parts();
@@ -128,7 +168,7 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
             .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_string))
         {
             g.remember(&id, &n.id, &key.team);
-            refresh(g, &n, &key.team, &id, Some(&reservation)).await;
+            refresh(g, &n, &key.team, &id, reservation.as_deref()).await;
         }
         return Ok(Response::from_parts(rparts, Body::from(out)));
     }
@@ -330,18 +370,110 @@ async fn list(
     Ok((headers, axum::Json(out)).into_response())
 }
 
-/// Templates, builds, snapshots: on the template node, the healthy node
-/// first by id (templates built through a gateway are built there, and
-/// placement sends their sandboxes there).
+/// Templates, builds, snapshots. `GET /snapshots` asks every node (a
+/// snapshot lives where its sandbox did); a template or snapshot by id
+/// goes to the node that holds it; the rest (builds, new templates) to the
+/// template node, the healthy node first by id: templates built through a
+/// gateway are built there, and placement sends their sandboxes there.
 async fn elsewhere(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response, ApiError> {
     let nodes = g.nodes().await;
-    let n = nodes
+    let up: Vec<&Node> = nodes
         .iter()
-        .find(|n| place::healthy(n, g.grace_ms()))
+        .filter(|n| place::healthy(n, g.grace_ms()))
+        .collect();
+    let first = *up
+        .first()
         .ok_or_else(|| unavailable("no node of the cluster is up"))?;
-    Ok(g.to_node(n, &key.team, req)
+    let path = req.uri().path().to_string();
+    if req.method() == Method::GET && path == "/snapshots" {
+        return snapshots(g, key, &up, query_of(&req)).await;
+    }
+    let held = path
+        .strip_prefix("/templates/")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|id| {
+            up.iter()
+                .find(|n| n.status.templates.iter().any(|t| t == id))
+                .copied()
+        });
+    Ok(g.to_node(held.unwrap_or(first), &key.team, req)
         .await
         .unwrap_or_else(ForwardError::into_response))
+}
+
+/// `GET /snapshots` across nodes: each node's whole list, merged, then
+/// paged as one node pages (`nextToken` = how many were skipped).
+async fn snapshots(
+    g: &Gateway,
+    key: &ClusterKey,
+    up: &[&Node],
+    query: String,
+) -> Result<Response, ApiError> {
+    let mut q: Vec<(String, String)> = serde_urlencoded::from_str(&query)
+        .map_err(|e| ApiError::bad_request(format!("bad query: {e}")))?;
+    let take = |q: &mut Vec<(String, String)>, k: &str| {
+        let v = q.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+        q.retain(|(key, _)| key != k);
+        v
+    };
+    let limit = match take(&mut q, "limit") {
+        Some(l) => l
+            .parse::<usize>()
+            .map_err(|_| ApiError::bad_request("invalid limit"))?,
+        None => 100,
+    }
+    .clamp(1, 1000);
+    let skip = match take(&mut q, "nextToken").filter(|t| !t.is_empty()) {
+        Some(t) => t
+            .parse::<usize>()
+            .map_err(|_| ApiError::bad_request("invalid nextToken"))?,
+        None => 0,
+    };
+    q.push(("limit".into(), "1000".into()));
+    let each = serde_urlencoded::to_string(&q).unwrap_or_default();
+    let mut all: Vec<serde_json::Value> = Vec::new();
+    for n in up {
+        let mut token: Option<String> = None;
+        loop {
+            let mut uri = format!("/snapshots?{each}");
+            if let Some(t) = &token {
+                uri += &format!("&nextToken={t}");
+            }
+            let req = http::Request::get(uri)
+                .body(Body::empty())
+                .expect("a valid request");
+            let resp = g
+                .to_node(n, &key.team, req)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            if !resp.status().is_success() {
+                return Ok(resp);
+            }
+            token = resp
+                .headers()
+                .get("x-next-token")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let page: Vec<serde_json::Value> =
+                serde_json::from_slice(&bytes).map_err(|e| unavailable(e.to_string()))?;
+            all.extend(page);
+            if token.is_none() {
+                break;
+            }
+        }
+    }
+    let page: Vec<serde_json::Value> = all.iter().skip(skip).take(limit).cloned().collect();
+    let mut headers = http::HeaderMap::new();
+    if skip + page.len() < all.len() {
+        headers.insert(
+            "x-next-token",
+            HeaderValue::from_str(&(skip + page.len()).to_string()).expect("digits"),
+        );
+    }
+    Ok((headers, axum::Json(page)).into_response())
 }
 
 #[cfg(test)]

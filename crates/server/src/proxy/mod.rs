@@ -104,6 +104,13 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
     }
     match signed_target(&state, &req) {
         Some(Ok(t)) => return proxy(state, t, req).await,
+        Some(Err(Refusal::Invalid)) => {
+            return no_such_sandbox(error(
+                StatusCode::UNAUTHORIZED,
+                Refusal::Invalid.message().into(),
+                false,
+            ))
+        }
         Some(Err(refusal)) => {
             return error(StatusCode::UNAUTHORIZED, refusal.message().into(), false)
         }
@@ -111,13 +118,32 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
     }
     match token_target(&state, &req) {
         Some(Some(t)) => proxy(state, t, req).await,
-        Some(None) => error(
+        Some(None) => no_such_sandbox(error(
             StatusCode::BAD_GATEWAY,
             "The sandbox of this X-Access-Token was not found".into(),
             is_rpc(req.uri().path()),
-        ),
+        )),
         None => next.run(req).await,
     }
+}
+
+/// Set on the answer to a request naming no sandbox whose secrets match
+/// none of this server's: a cluster gateway asks the next node.
+pub const NO_SUCH_SANDBOX_HEADER: &str = "x-tine-no-such-sandbox";
+
+fn no_such_sandbox(mut r: Response) -> Response {
+    r.headers_mut()
+        .insert(NO_SUCH_SANDBOX_HEADER, http::HeaderValue::from_static("1"));
+    r
+}
+
+/// A request for some sandbox that does not say which (a signed `/files`
+/// URL against `E2B_SANDBOX_URL`, an envd call with only its
+/// `X-Access-Token`): only the server holding the sandbox can tell, by its
+/// secrets. A cluster gateway asks its nodes in turn.
+pub fn names_no_sandbox(req: &Request) -> bool {
+    let signed = matches!(SignedQuery::of(req), Some(Ok(_)));
+    signed || (is_envd_path(req.uri().path()) && req.headers().contains_key("x-access-token"))
 }
 
 /// Paths only envd serves (`/health` and `/metrics` are the server's own
