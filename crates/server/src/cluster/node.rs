@@ -81,7 +81,7 @@ impl NodeLink {
         templates.sort();
         templates.dedup();
         let disk_free_mb = nix::sys::statvfs::statvfs(&self.data_dir)
-            .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64 >> 20)
+            .map(|s| (s.blocks_available() * s.fragment_size()) >> 20)
             .unwrap_or(0);
         NodeStatus {
             address: self.address.clone(),
