@@ -12,6 +12,7 @@
 
 mod build;
 mod capture;
+mod cluster;
 mod create;
 mod env;
 mod fork;
@@ -53,11 +54,12 @@ pub enum Scenario {
     P9,
     P10,
     P11,
+    P12,
     P15,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 12] = [
+    const ALL: [Scenario; 13] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -69,6 +71,7 @@ impl Scenario {
         Self::P9,
         Self::P10,
         Self::P11,
+        Self::P12,
         Self::P15,
     ];
 
@@ -85,6 +88,7 @@ impl Scenario {
             Self::P9 => "P9",
             Self::P10 => "P10",
             Self::P11 => "P11",
+            Self::P12 => "P12",
             Self::P15 => "P15",
         }
     }
@@ -102,6 +106,7 @@ impl Scenario {
             Self::P9 => "template build: cached and last-step-changed vs cold",
             Self::P10 => "100 MiB download through the egress path vs the host",
             Self::P11 => "RL rollout: episodes that fork at step 3 (Python SDK)",
+            Self::P12 => "cluster: a gateway against a node, placement at 1,000 nodes",
             Self::P15 => "idle sandboxes: host CPU each, and how many a host holds",
         }
     }
@@ -109,7 +114,7 @@ impl Scenario {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P11 and P15).
+    /// Scenarios to run (default: all of P1–P12 and P15).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
@@ -244,6 +249,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P9 => build::p9(ctx, out).await,
         Scenario::P10 => net::p10(ctx, out).await,
         Scenario::P11 => rollout::p11(ctx, out).await,
+        Scenario::P12 => cluster::p12(ctx, out).await,
         Scenario::P15 => idle::p15(ctx, out).await,
     }
 }

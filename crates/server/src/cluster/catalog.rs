@@ -263,6 +263,21 @@ impl Catalog {
             .collect())
     }
 
+    /// Remove a node and everything the catalog holds of it (a host taken
+    /// out of the cluster for good; its sandboxes are not reachable).
+    pub async fn forget_node(&self, node: &str) -> Result<()> {
+        let mut db = self.pool.get().await?;
+        let tx = db.transaction().await?;
+        for table in ["tine_sandboxes", "tine_reservations", "tine_idempotency"] {
+            tx.execute(&format!("DELETE FROM {table} WHERE node_id = $1"), &[&node])
+                .await?;
+        }
+        tx.execute("DELETE FROM tine_nodes WHERE id = $1", &[&node])
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     // ---- sandboxes ----
 
     /// A node's full list of sandboxes, read at `observed_ms` (taken from

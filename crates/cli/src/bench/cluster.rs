@@ -1,0 +1,253 @@
+//! P12: cluster mode. A cluster of 3 nodes and 1 gateway on this machine
+//! (`scripts/cluster.sh`, its own dir and ports): create and
+//! `commands.run` through the gateway against the same calls straight to
+//! a node (`p12.py`, the real Python SDK), the spread of creates over the
+//! nodes; then the control plane at scale, in the same PostgreSQL: 1,000
+//! nodes and 100,000 sandboxes as rows, placement latency and routing
+//! lookups per second.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Deserialize;
+use tine_server::cluster::catalog::{Catalog, NodeStatus, SandboxRow};
+
+use super::report::Row;
+use super::{Ctx, Out};
+
+const SCRIPT: &str = include_str!("p12.py");
+/// Ports of the bench's cluster (apart from the tests' 5433/3100/3200).
+const PG_PORT: u16 = 5434;
+const NODE_PORT: u16 = 3300;
+const GATEWAY_PORT: u16 = 3400;
+const SIM_NODES: usize = 1000;
+const SIM_PER_NODE: usize = 100;
+
+#[derive(Deserialize)]
+struct P12Result {
+    create_gateway: Vec<f64>,
+    create_node: Vec<f64>,
+    run_gateway: Vec<f64>,
+    run_node: Vec<f64>,
+    spread: std::collections::BTreeMap<String, usize>,
+    errors: Vec<String>,
+}
+
+/// `scripts/cluster.sh` of this source tree (`TINE_CLUSTER_SCRIPT` overrides).
+fn script() -> PathBuf {
+    std::env::var_os("TINE_CLUSTER_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/cluster.sh"))
+        })
+}
+
+struct Cluster {
+    dir: PathBuf,
+}
+
+impl Cluster {
+    async fn cmd(&self, args: &[&str]) -> anyhow::Result<String> {
+        let exe = std::env::current_exe()?;
+        let out = tokio::process::Command::new("bash")
+            .arg(script())
+            .args(args)
+            .env("TINE_CLUSTER_DIR", &self.dir)
+            .env("TINE_CLUSTER_PG_PORT", PG_PORT.to_string())
+            .env("TINE_CLUSTER_NODE_PORT", NODE_PORT.to_string())
+            .env("TINE_CLUSTER_GATEWAY_PORT", GATEWAY_PORT.to_string())
+            .env("TINE_CLUSTER_SKIP_SETUP", "1")
+            .env("TINE_BIN", exe)
+            .output()
+            .await
+            .context("running scripts/cluster.sh")?;
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        anyhow::ensure!(
+            out.status.success(),
+            "cluster.sh {}: {}",
+            args.join(" "),
+            err.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+        );
+        Ok(err)
+    }
+}
+
+fn pg_url() -> String {
+    format!("postgresql://postgres@127.0.0.1:{PG_PORT}/tine")
+}
+
+pub async fn p12(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    let cluster = Cluster {
+        dir: ctx.floor_paths.data_dir.join("cluster"),
+    };
+    ctx.step("P12: a cluster of 3 nodes and 1 gateway (scripts/cluster.sh up)".to_string());
+    let _ = cluster.cmd(&["down"]).await;
+    let up = cluster.cmd(&["up", "--nodes", "3", "--gateways", "1"]).await;
+    let result = match up {
+        Ok(text) => measure(ctx, &cluster, &text, out).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = cluster.cmd(&["down"]).await {
+        tracing::warn!("P12: cluster.sh down: {e:#}");
+    }
+    result
+}
+
+async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyhow::Result<()> {
+    let key = up
+        .lines()
+        .find_map(|l| l.strip_prefix("export E2B_API_KEY="))
+        .context("cluster.sh up printed no key")?
+        .to_string();
+    let secret = std::fs::read_to_string(cluster.dir.join("secret"))?;
+    let gateway = format!("http://127.0.0.1:{}", GATEWAY_PORT + 1);
+    let node = format!("http://127.0.0.1:{}", NODE_PORT + 1);
+    let n = ctx.iterations(20);
+    let calls = 200;
+    let spread = 30;
+    ctx.step(format!(
+        "P12: {n} creates and {calls} commands.run through the gateway and straight to a node, then {spread} creates"
+    ));
+    let r: P12Result = super::sdk::run_script(
+        ctx,
+        "p12.py",
+        SCRIPT,
+        &[
+            ("E2B_API_URL", gateway.clone()),
+            ("E2B_SANDBOX_URL", gateway.clone()),
+            ("E2B_API_KEY", key),
+            ("TINE_BENCH_NODE", node),
+            ("TINE_BENCH_SECRET", secret.trim().to_string()),
+            ("TINE_BENCH_N", n.to_string()),
+            ("TINE_BENCH_CALLS", calls.to_string()),
+            ("TINE_BENCH_SPREAD", spread.to_string()),
+        ],
+    )
+    .await?;
+    let error = r.errors.first().cloned();
+    let mut create = Row::new("P12", "create through the gateway (SDK)", "ms")
+        .samples(r.create_gateway)
+        .floor("straight to a node (SDK, cluster secret)", r.create_node);
+    create.target = "p50 ≤ 1.05× floor".into();
+    if let (Some(s), Some(f)) = (create.summary, create.floor) {
+        create.ratio = Some(s.p50 / f.p50);
+        create.met = Some(error.is_none() && s.p50 <= 1.05 * f.p50);
+    }
+    out.rows.push(create.error(error.clone()));
+    let mut run = Row::new("P12", "commands.run(\"true\") through the gateway (SDK)", "ms")
+        .samples(r.run_gateway)
+        .floor("through the node's own proxy", r.run_node);
+    run.target = "p50 ≤ floor + 1 ms".into();
+    if let (Some(s), Some(f)) = (run.summary, run.floor) {
+        run.ratio = Some(s.p50 / f.p50);
+        run.met = Some(error.is_none() && s.p50 <= f.p50 + 1.0);
+        run = run.param("added_p50_ms", s.p50 - f.p50);
+    }
+    out.rows.push(run.error(error.clone()));
+    let counts: Vec<f64> = r.spread.values().map(|&c| c as f64).collect();
+    let mut spread_row = Row::new("P12", format!("{spread} creates over 3 nodes"), "sandboxes")
+        .samples(counts.clone())
+        .param("per_node", &r.spread);
+    spread_row.target = "every node gets some".into();
+    spread_row.met = Some(r.spread.len() == 3 && counts.iter().sum::<f64>() == spread as f64);
+    out.rows.push(spread_row.error(error));
+    out.rows.extend(control_plane(ctx).await?);
+    Ok(())
+}
+
+/// 1,000 nodes and 100,000 sandboxes as rows in the catalog: placement
+/// (the node list, the choice, the reservation) and lookups of a sandbox's
+/// node (the gateway's cache miss).
+async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
+    let catalog = std::sync::Arc::new(Catalog::connect(&pg_url()).await?);
+    ctx.step(format!(
+        "P12: {SIM_NODES} nodes and {} sandboxes as catalog rows",
+        SIM_NODES * SIM_PER_NODE
+    ));
+    let node_id = |i: usize| format!("sim-node-{i:04}");
+    let started = Instant::now();
+    for i in 0..SIM_NODES {
+        let status = NodeStatus {
+            address: format!("http://10.{}.{}.1:3000", i / 250, i % 250),
+            cores: 64,
+            capacity: 6400,
+            live: SIM_PER_NODE,
+            templates: vec!["base".into()],
+            ..Default::default()
+        };
+        catalog.heartbeat(&node_id(i), &status).await?;
+        let at = catalog.now_ms().await?;
+        let rows: Vec<SandboxRow> = (0..SIM_PER_NODE)
+            .map(|j| SandboxRow {
+                id: format!("isim{i:04}{j:04}"),
+                team: format!("team-{}", (i * SIM_PER_NODE + j) % 100),
+                state: "running".into(),
+                template_id: "base".into(),
+                started_ms: at,
+                metadata: Default::default(),
+                detail: serde_json::json!({"sandboxID": format!("isim{i:04}{j:04}")}),
+            })
+            .collect();
+        catalog.publish(&node_id(i), at, &rows).await?;
+    }
+    let load_s = started.elapsed().as_secs_f64();
+    let result = async {
+        ctx.step("P12: placements and lookups".to_string());
+        let mut place = Vec::new();
+        for k in 0..300 {
+            let t = Instant::now();
+            let nodes = catalog.nodes().await?;
+            let n = tine_server::gateway::place::choose(&nodes, "base", 60_000, &[], |len| k * 7919 % len)
+                .context("no node chosen")?
+                .id
+                .clone();
+            let res = catalog.reserve("team-bench", Some(1_000_000), &n).await?;
+            place.push(t.elapsed().as_secs_f64() * 1000.0);
+            if let Some(r) = res {
+                catalog.release(&r).await?;
+            }
+        }
+        let secs = 5.0;
+        let deadline = Instant::now() + Duration::from_secs_f64(secs);
+        let tasks = (0..8u64).map(|t| {
+            let c = catalog.clone();
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                let mut x = t * 1_000_003 + 17;
+                while Instant::now() < deadline {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let i = (x >> 33) as usize % SIM_NODES;
+                    let j = (x >> 13) as usize % SIM_PER_NODE;
+                    if c.locate(&format!("isim{i:04}{j:04}")).await?.is_some() {
+                        done += 1;
+                    }
+                }
+                anyhow::Ok(done)
+            })
+        });
+        let mut found = 0u64;
+        for t in futures::future::join_all(tasks).await {
+            found += t??;
+        }
+        anyhow::Ok((place, found as f64 / secs))
+    }
+    .await;
+    ctx.step("P12: removing the simulated rows".to_string());
+    for i in 0..SIM_NODES {
+        let _ = catalog.forget_node(&node_id(i)).await;
+    }
+    let (place, lookups) = result?;
+    let mut p = Row::new(
+        "P12",
+        format!("placement among {SIM_NODES} nodes, {} sandboxes", SIM_NODES * SIM_PER_NODE),
+        "ms",
+    )
+    .samples(place)
+    .param("catalog_load_s", load_s);
+    p.target = "(measured; no target)".into();
+    let lookups_row = Row::new("P12", "sandbox → node lookups in the catalog (8 at once)", "lookups/s")
+        .samples(vec![lookups])
+        .param("sandboxes", SIM_NODES * SIM_PER_NODE);
+    Ok(vec![p, lookups_row])
+}
