@@ -8,6 +8,7 @@
 #   5. the agent against the real E2B SDKs          tests/e2e/agent/run.sh
 #   6. the server against the real E2B SDKs         tests/e2e/server/run.sh
 #   7. cluster mode (PostgreSQL, nodes, gateways)   tests/e2e/cluster/run.sh
+#   8. deploy/ manifests and units                  tests/deploy/validate.sh
 #
 # Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
@@ -38,5 +39,9 @@ fi
 if [[ -x tests/e2e/cluster/run.sh ]]; then
     log "end-to-end: cluster mode (3 nodes, 2 gateways, PostgreSQL)"
     tests/e2e/cluster/run.sh
+fi
+if [[ -x tests/deploy/validate.sh ]]; then
+    log "deploy/: Kubernetes manifests (kubernetes-validate), systemd units, configs"
+    tests/deploy/validate.sh
 fi
 log "all tests passed"

@@ -1,11 +1,12 @@
 """P12 of `tine bench`: a cluster's gateway against one of its nodes.
 
 Through the real E2B Python SDK: N creates (one at a time) through the
-gateway and N straight to node 1 (its API with the cluster secret, as a
-gateway calls it); then CALLS commands.run("true") in one sandbox through
-the gateway and as many through node 1's own proxy; then SPREAD creates
+gateway and N straight to the nodes in turn (their API with the cluster
+secret, as a gateway calls it; in turn, so both see the nodes' warm pools
+alike); then CALLS commands.run("true") in one sandbox through the
+gateway and as many through its node's own proxy; then SPREAD creates
 through the gateway, counted by the node each landed on. Reads
-E2B_API_URL (the gateway), E2B_API_KEY, TINE_BENCH_NODE (node 1's URL),
+E2B_API_URL (the gateway), E2B_API_KEY, TINE_BENCH_NODES (the nodes' URLs),
 TINE_BENCH_SECRET, TINE_BENCH_N, TINE_BENCH_CALLS, TINE_BENCH_SPREAD;
 prints one JSON object (latencies in ms). Kills every sandbox it made.
 """
@@ -19,7 +20,7 @@ from e2b import Sandbox
 
 GATEWAY = os.environ["E2B_API_URL"]
 KEY = os.environ["E2B_API_KEY"]
-NODE = os.environ["TINE_BENCH_NODE"]
+NODES = os.environ["TINE_BENCH_NODES"].split(",")
 NODE_HEADERS = {"x-tine-cluster-secret": os.environ["TINE_BENCH_SECRET"], "x-tine-team": "default"}
 N = int(os.environ["TINE_BENCH_N"])
 CALLS = int(os.environ["TINE_BENCH_CALLS"])
@@ -35,11 +36,12 @@ def timed(f):
 
 
 try:
-    for _ in range(N):
+    for i in range(N):
         s, ms = timed(lambda: Sandbox.create(api_url=GATEWAY, sandbox_url=GATEWAY))
         made.append(s)
         out["create_gateway"].append(ms)
-        s, ms = timed(lambda: Sandbox.create(api_url=NODE, sandbox_url=NODE, headers=NODE_HEADERS))
+        node = NODES[i % len(NODES)]
+        s, ms = timed(lambda: Sandbox.create(api_url=node, sandbox_url=node, headers=NODE_HEADERS))
         made.append(s)
         out["create_node"].append(ms)
     # One sandbox on node 1, reached both ways.

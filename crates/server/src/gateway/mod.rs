@@ -131,6 +131,13 @@ pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
     });
     tracing::info!(addr = %listener.local_addr()?, "tine gateway listening");
     let app = axum::Router::new().fallback(handle).with_state(g);
+    // Small writes of streamed answers (process output) go out at once.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             use tokio::signal::unix::{signal, SignalKind};
