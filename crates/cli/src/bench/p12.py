@@ -2,8 +2,8 @@
 
 Through the real E2B Python SDK: N creates (one at a time) through the
 gateway and N straight to the nodes in turn (their API with the cluster
-secret, as a gateway calls it; in turn, so both see the nodes' warm pools
-alike); then CALLS commands.run("true") in one sandbox through the
+secret, as a gateway calls it), each after a pause of a second so that
+both find the nodes' warm pools refilled; then CALLS commands.run("true") in one sandbox through the
 gateway and as many through its node's own proxy; then SPREAD creates
 through the gateway, counted by the node each landed on. Reads
 E2B_API_URL (the gateway), E2B_API_KEY, TINE_BENCH_NODES (the nodes' URLs),
@@ -37,10 +37,14 @@ def timed(f):
 
 try:
     for i in range(N):
+        # A pause before each create lets the nodes' warm pools refill, so
+        # neither side meets a pool the other just emptied.
+        time.sleep(1)
         s, ms = timed(lambda: Sandbox.create(api_url=GATEWAY, sandbox_url=GATEWAY))
         made.append(s)
         out["create_gateway"].append(ms)
         node = NODES[i % len(NODES)]
+        time.sleep(1)
         s, ms = timed(lambda: Sandbox.create(api_url=node, sandbox_url=node, headers=NODE_HEADERS))
         made.append(s)
         out["create_node"].append(ms)

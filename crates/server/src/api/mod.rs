@@ -22,7 +22,7 @@ use http::request::Parts;
 use serde::de::DeserializeOwned;
 
 pub use error::ApiError;
-pub use sandboxes::{list_filter, listed, page_token};
+pub use sandboxes::{list_filter, listed, page_token, LISTED_FIELD};
 
 use crate::db::ApiKey;
 use crate::metrics::RouteLabels;

@@ -302,17 +302,35 @@ impl Catalog {
 
     /// One sandbox as just read from its node (after a create, fork,
     /// pause, resume or timeout change made through a gateway); drops any
-    /// reservation `reservation` held for it.
+    /// reservation `reservation` held for it. One statement: it is on a
+    /// create's path.
     pub async fn put(&self, node: &str, row: &SandboxRow, reservation: Option<&str>) -> Result<()> {
-        let mut db = self.pool.get().await?;
-        let tx = db.transaction().await?;
-        let now: i64 = tx.query_one(&format!("SELECT {NOW_MS}"), &[]).await?.get(0);
-        upsert(&tx, node, now, row).await?;
-        if let Some(res) = reservation {
-            tx.execute("DELETE FROM tine_reservations WHERE id = $1", &[&res])
-                .await?;
-        }
-        tx.commit().await?;
+        let db = self.pool.get().await?;
+        let metadata = serde_json::to_value(&row.metadata).unwrap_or_default();
+        db.execute(
+            &format!(
+                "WITH released AS (DELETE FROM tine_reservations WHERE id = $9)
+                 INSERT INTO tine_sandboxes
+                    (id, node_id, team, state, template_id, started_ms, metadata, detail, observed_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, {NOW_MS})
+                 ON CONFLICT (id) DO UPDATE SET
+                    node_id = $2, team = $3, state = $4, template_id = $5, started_ms = $6,
+                    metadata = $7, detail = $8, observed_ms = excluded.observed_ms
+                 WHERE tine_sandboxes.observed_ms <= excluded.observed_ms"
+            ),
+            &[
+                &row.id,
+                &node,
+                &row.team,
+                &row.state,
+                &row.template_id,
+                &row.started_ms,
+                &metadata,
+                &row.detail,
+                &reservation.unwrap_or(""),
+            ],
+        )
+        .await?;
         Ok(())
     }
 
@@ -415,42 +433,47 @@ impl Catalog {
         team_max: Option<usize>,
         node: &str,
     ) -> Result<Option<String>> {
+        let id = format!("res_{}", crate::ids::random_hex(8));
+        let insert = format!(
+            "INSERT INTO tine_reservations (id, team, node_id, expires_ms)
+             VALUES ($1, $2, $3, {NOW_MS} + $4)"
+        );
         let mut db = self.pool.get().await?;
+        // Expired reservations go now and then (they no longer count).
+        if u8::from_str_radix(&crate::ids::random_hex(1), 16).unwrap_or(0) % 16 == 0 {
+            db.execute(
+                &format!("DELETE FROM tine_reservations WHERE expires_ms < {NOW_MS}"),
+                &[],
+            )
+            .await?;
+        }
+        let Some(max) = team_max else {
+            // No limit to hold: one statement.
+            db.execute(&insert, &[&id, &team, &node, &RESERVATION_MS])
+                .await?;
+            return Ok(Some(id));
+        };
         let tx = db.transaction().await?;
         tx.execute(
             "SELECT pg_advisory_xact_lock(hashtext('tine-team:' || $1))",
             &[&team],
         )
         .await?;
-        if let Some(max) = team_max {
-            let used: i64 = tx
-                .query_one(
-                    &format!(
-                        "SELECT (SELECT count(*) FROM tine_sandboxes WHERE team = $1 AND state = 'running')
-                              + (SELECT count(*) FROM tine_reservations WHERE team = $1 AND expires_ms > {NOW_MS})"
-                    ),
-                    &[&team],
-                )
-                .await?
-                .get(0);
-            if used.max(0) as usize >= max {
-                return Ok(None);
-            }
+        let used: i64 = tx
+            .query_one(
+                &format!(
+                    "SELECT (SELECT count(*) FROM tine_sandboxes WHERE team = $1 AND state = 'running')
+                          + (SELECT count(*) FROM tine_reservations WHERE team = $1 AND expires_ms > {NOW_MS})"
+                ),
+                &[&team],
+            )
+            .await?
+            .get(0);
+        if used.max(0) as usize >= max {
+            return Ok(None);
         }
-        let id = format!("res_{}", crate::ids::random_hex(8));
-        tx.execute(
-            &format!(
-                "INSERT INTO tine_reservations (id, team, node_id, expires_ms)
-                 VALUES ($1, $2, $3, {NOW_MS} + $4)"
-            ),
-            &[&id, &team, &node, &RESERVATION_MS],
-        )
-        .await?;
-        tx.execute(
-            &format!("DELETE FROM tine_reservations WHERE expires_ms < {NOW_MS}"),
-            &[],
-        )
-        .await?;
+        tx.execute(&insert, &[&id, &team, &node, &RESERVATION_MS])
+            .await?;
         tx.commit().await?;
         Ok(Some(id))
     }

@@ -107,6 +107,7 @@ pub struct Gateway {
     /// Sandbox id → (node id, team), for sandboxes not known to be gone.
     routes: Mutex<HashMap<String, (String, String)>>,
     nodes: tokio::sync::Mutex<(Vec<Node>, Option<Instant>)>,
+    // (read by `nodes`, written by `read_nodes`)
 }
 
 /// Run the gateway until SIGTERM/SIGINT.
@@ -129,6 +130,7 @@ pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
         nodes: tokio::sync::Mutex::new((Vec::new(), None)),
         cfg,
     });
+    tokio::spawn(g.clone().refresh_nodes());
     tracing::info!(addr = %listener.local_addr()?, "tine gateway listening");
     let app = axum::Router::new().fallback(handle).with_state(g);
     // Small writes of streamed answers (process output) go out at once.
@@ -224,17 +226,35 @@ impl Gateway {
         }
     }
 
-    /// The nodes, at most [`NODES_FRESH`] old (older while PostgreSQL does
-    /// not answer).
+    /// The nodes as last read: [`Gateway::refresh_nodes`] reads them every
+    /// [`NODES_FRESH`] in the background, so a create does not wait for
+    /// the list; read here only when that loop has fallen behind.
     async fn nodes(&self) -> Vec<Node> {
-        let mut cache = self.nodes.lock().await;
-        if cache.1.is_none_or(|t| t.elapsed() >= NODES_FRESH) {
-            match self.catalog.nodes().await {
-                Ok(n) => *cache = (n, Some(Instant::now())),
-                Err(e) => tracing::warn!("listing nodes: {e}"),
-            }
+        let stale = self
+            .nodes
+            .lock()
+            .await
+            .1
+            .is_none_or(|t| t.elapsed() >= NODES_FRESH * 3);
+        if stale {
+            self.read_nodes().await;
         }
-        cache.0.clone()
+        self.nodes.lock().await.0.clone()
+    }
+
+    async fn read_nodes(&self) {
+        match self.catalog.nodes().await {
+            Ok(n) => *self.nodes.lock().await = (n, Some(Instant::now())),
+            Err(e) => tracing::warn!("listing nodes: {e}"),
+        }
+    }
+
+    /// Keep the node list fresh, forever.
+    async fn refresh_nodes(self: Arc<Self>) {
+        loop {
+            self.read_nodes().await;
+            tokio::time::sleep(NODES_FRESH).await;
+        }
     }
 
     async fn node(&self, id: &str) -> Option<Node> {

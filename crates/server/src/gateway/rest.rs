@@ -159,16 +159,31 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
             undo().await;
             return Ok(resp);
         }
-        let (rparts, rbody) = resp.into_parts();
-        let out = axum::body::to_bytes(rbody, 1 << 20)
+        let (mut rparts, rbody) = resp.into_parts();
+        let mut out = axum::body::to_bytes(rbody, 1 << 20)
             .await
             .map_err(|e| unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
-        if let Some(id) = serde_json::from_slice::<serde_json::Value>(&out)
-            .ok()
-            .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_string))
-        {
+        let mut v = serde_json::from_slice::<serde_json::Value>(&out).ok();
+        let id = v
+            .as_ref()
+            .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_string));
+        if let Some(id) = id {
             g.remember(&id, &n.id, &key.team);
-            refresh(g, &n, &key.team, &id, reservation.as_deref()).await;
+            // The node's answer carries the sandbox as lists show it; an
+            // older node's does not, and it is read back.
+            let listed = v
+                .as_mut()
+                .and_then(|v| v.as_object_mut()?.remove(crate::api::LISTED_FIELD));
+            match listed.and_then(|l| row_of(&key.team, l)) {
+                Some(row) => {
+                    if let Err(e) = g.catalog.put(&n.id, &row, reservation.as_deref()).await {
+                        tracing::warn!(sandbox = %id, "catalog: {e}");
+                    }
+                    out = serde_json::to_vec(&v).unwrap_or_default().into();
+                    rparts.headers.remove(http::header::CONTENT_LENGTH);
+                }
+                None => refresh(g, &n, &key.team, &id, reservation.as_deref()).await,
+            }
         }
         return Ok(Response::from_parts(rparts, Body::from(out)));
     }

@@ -89,6 +89,9 @@ struct LifecycleOut {
     auto_resume: bool,
 }
 
+/// The field of a cluster node's create answer that carries [`listed`].
+pub const LISTED_FIELD: &str = "tineListed";
+
 /// A sandbox as `GET /v2/sandboxes` lists it (no secrets): what a node in
 /// a cluster publishes of it to the catalog.
 pub fn listed(r: SandboxRecord) -> serde_json::Value {
@@ -209,8 +212,14 @@ pub async fn create(
     let bytes = super::body_bytes(body, s.manager.config.max_body_bytes).await?;
     let attempt = || async {
         let rec = create_sandbox(&s, &api_key.team, &bytes).await?;
-        let out = serde_json::to_value(sandbox_out(rec, &s.domain))
+        // A cluster node hands its gateway the sandbox as lists show it,
+        // for the catalog (the gateway takes the field out).
+        let listed_now = s.cluster_secret.as_ref().map(|_| listed(rec.clone()));
+        let mut out = serde_json::to_value(sandbox_out(rec, &s.domain))
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        if let (Some(l), Some(o)) = (listed_now, out.as_object_mut()) {
+            o.insert(LISTED_FIELD.into(), l);
+        }
         Ok((StatusCode::CREATED, out))
     };
     let (status, out) = match super::idempotency::key_of(&headers)? {
