@@ -4,7 +4,8 @@ Through the real E2B Python SDK: N creates (one at a time) through the
 gateway and N straight to the nodes in turn (their API with the cluster
 secret, as a gateway calls it), each after a pause of a second so that
 both find the nodes' warm pools refilled; then CALLS commands.run("true") in one sandbox through the
-gateway and as many through its node's own proxy; then SPREAD creates
+gateway and as many through its node's own proxy (a sandbox made through
+the gateway); then SPREAD creates
 through the gateway, counted by the node each landed on. Reads
 E2B_API_URL (the gateway), E2B_API_KEY, TINE_BENCH_NODES (the nodes' URLs),
 TINE_BENCH_SECRET, TINE_BENCH_N, TINE_BENCH_CALLS, TINE_BENCH_SPREAD;
@@ -48,9 +49,13 @@ try:
         s, ms = timed(lambda: Sandbox.create(api_url=node, sandbox_url=node, headers=NODE_HEADERS))
         made.append(s)
         out["create_node"].append(ms)
-    # One sandbox on node 1, reached both ways.
-    on_node = made[1]
-    via_gateway = Sandbox.connect(on_node.sandbox_id, api_url=GATEWAY, sandbox_url=GATEWAY)
+    # One sandbox made through the gateway, reached through it and straight
+    # through its node (a sandbox made straight on a node is unknown to the
+    # catalog until the node's next full list).
+    via_gateway = made[0]
+    node_id = httpx.get(f"{GATEWAY}/sandboxes/{via_gateway.sandbox_id}", headers={"X-API-KEY": KEY}).json()["nodeID"]
+    node = NODES[int(node_id.split("-")[1]) - 1]
+    on_node = Sandbox.connect(via_gateway.sandbox_id, api_url=node, sandbox_url=node, headers=NODE_HEADERS)
     for c in (on_node, via_gateway):
         c.commands.run("true")  # warm connections
     for _ in range(CALLS):
