@@ -7,6 +7,13 @@ pub fn random_hex(n: usize) -> String {
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A random index below `len` (> 0), for spreading choices (not secrets).
+pub fn random_index(len: usize) -> usize {
+    let mut buf = [0u8; 8];
+    getrandom::fill(&mut buf).expect("the OS random source works");
+    (u64::from_le_bytes(buf) % len.max(1) as u64) as usize
+}
+
 /// A sandbox id: lowercase letters and digits only, so it can be part of a
 /// host name (`<port>-<id>.<domain>`).
 pub fn sandbox_id() -> String {

@@ -128,19 +128,8 @@ impl FromRequestParts<Arc<AppState>> for Authed {
         if let Some(secret) = &state.cluster_secret {
             return gateway_key(secret, &parts.headers).map(Authed);
         }
-        let key = parts
-            .headers
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .or_else(|| {
-                parts
-                    .headers
-                    .get(http::header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-            })
-            .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))?;
-        match state.manager.db().verify_key(key.trim()) {
+        let key = api_key_of(&parts.headers)?;
+        match state.manager.db().verify_key(key) {
             Ok(Some(k)) => Ok(Authed(k)),
             Ok(None) => Err(ApiError::unauthorized("invalid API key")),
             Err(e) => Err(ApiError::new(
@@ -149,6 +138,22 @@ impl FromRequestParts<Arc<AppState>> for Authed {
             )),
         }
     }
+}
+
+/// The caller's API key: `X-API-KEY`, or `Authorization: Bearer` (the
+/// server's and a cluster gateway's one reading of it).
+pub fn api_key_of(headers: &http::HeaderMap) -> Result<&str, ApiError> {
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| {
+            headers
+                .get(http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+        })
+        .map(str::trim)
+        .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))
 }
 
 /// A node in a cluster takes calls only from its gateways, which name the

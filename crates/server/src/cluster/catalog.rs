@@ -287,7 +287,7 @@ impl Catalog {
         let mut db = self.pool.get().await?;
         let tx = db.transaction().await?;
         for r in rows {
-            upsert(&tx, node, observed_ms, r).await?;
+            upsert(&tx, node, Some(observed_ms), r, None).await?;
         }
         let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
         tx.execute(
@@ -306,32 +306,7 @@ impl Catalog {
     /// create's path.
     pub async fn put(&self, node: &str, row: &SandboxRow, reservation: Option<&str>) -> Result<()> {
         let db = self.pool.get().await?;
-        let metadata = serde_json::to_value(&row.metadata).unwrap_or_default();
-        db.execute(
-            &format!(
-                "WITH released AS (DELETE FROM tine_reservations WHERE id = $9)
-                 INSERT INTO tine_sandboxes
-                    (id, node_id, team, state, template_id, started_ms, metadata, detail, observed_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, {NOW_MS})
-                 ON CONFLICT (id) DO UPDATE SET
-                    node_id = $2, team = $3, state = $4, template_id = $5, started_ms = $6,
-                    metadata = $7, detail = $8, observed_ms = excluded.observed_ms
-                 WHERE tine_sandboxes.observed_ms <= excluded.observed_ms"
-            ),
-            &[
-                &row.id,
-                &node,
-                &row.team,
-                &row.state,
-                &row.template_id,
-                &row.started_ms,
-                &metadata,
-                &row.detail,
-                &reservation.unwrap_or(""),
-            ],
-        )
-        .await?;
-        Ok(())
+        upsert(&db, node, None, row, reservation).await
     }
 
     /// A sandbox that is gone (killed, or unknown to its node).
@@ -440,7 +415,7 @@ impl Catalog {
         );
         let mut db = self.pool.get().await?;
         // Expired reservations go now and then (they no longer count).
-        if crate::ids::random_hex(1).starts_with('0') {
+        if crate::ids::random_index(16) == 0 {
             db.execute(
                 &format!("DELETE FROM tine_reservations WHERE expires_ms < {NOW_MS}"),
                 &[],
@@ -592,21 +567,28 @@ fn row_of(r: &tokio_postgres::Row) -> SandboxRow {
     }
 }
 
+/// Write one sandbox row, observed at `observed_ms` (`None`: now, by
+/// PostgreSQL's clock), unless the row holds a later observation; drops
+/// `reservation` in the same statement.
 async fn upsert(
     db: &impl GenericClient,
     node: &str,
-    observed_ms: i64,
+    observed_ms: Option<i64>,
     r: &SandboxRow,
+    reservation: Option<&str>,
 ) -> Result<()> {
     let metadata = serde_json::to_value(&r.metadata).unwrap_or_default();
     db.execute(
-        "INSERT INTO tine_sandboxes
-            (id, node_id, team, state, template_id, started_ms, metadata, detail, observed_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-         ON CONFLICT (id) DO UPDATE SET
-            node_id = $2, team = $3, state = $4, template_id = $5, started_ms = $6,
-            metadata = $7, detail = $8, observed_ms = $9
-         WHERE tine_sandboxes.observed_ms <= $9",
+        &format!(
+            "WITH released AS (DELETE FROM tine_reservations WHERE id = $10)
+             INSERT INTO tine_sandboxes
+                (id, node_id, team, state, template_id, started_ms, metadata, detail, observed_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9, {NOW_MS}))
+             ON CONFLICT (id) DO UPDATE SET
+                node_id = $2, team = $3, state = $4, template_id = $5, started_ms = $6,
+                metadata = $7, detail = $8, observed_ms = excluded.observed_ms
+             WHERE tine_sandboxes.observed_ms <= excluded.observed_ms"
+        ),
         &[
             &r.id,
             &node,
@@ -617,6 +599,7 @@ async fn upsert(
             &metadata,
             &r.detail,
             &observed_ms,
+            &reservation.unwrap_or(""),
         ],
     )
     .await?;

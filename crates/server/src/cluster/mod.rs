@@ -80,12 +80,10 @@ pub fn read_secret(path: &Path) -> Result<String, SecretError> {
 /// SHA-256, so lengths leak nothing either).
 pub fn secret_matches(secret: &str, given: &str) -> bool {
     use sha2::{Digest, Sha256};
-    let a = Sha256::digest(secret.as_bytes());
-    let b = Sha256::digest(given.as_bytes());
-    a.iter()
-        .zip(b.iter())
-        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-        == 0
+    crate::proxy::same_secret(
+        &Sha256::digest(secret.as_bytes()),
+        &Sha256::digest(given.as_bytes()),
+    )
 }
 
 /// Why a node refuses a call in cluster mode.

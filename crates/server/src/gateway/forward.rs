@@ -3,7 +3,7 @@
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use http::{header, HeaderValue, Request, StatusCode};
+use http::{HeaderValue, Request, StatusCode};
 
 /// The gateway's pooled HTTP client to nodes.
 pub type NodeClient =
@@ -43,14 +43,9 @@ pub enum ForwardError {
 }
 
 impl ForwardError {
+    /// 503 in E2B's error shape.
     pub fn into_response(self) -> Response {
-        let body = serde_json::json!({ "code": 503, "message": self.to_string() });
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            [(header::CONTENT_TYPE, "application/json")],
-            body.to_string(),
-        )
-            .into_response()
+        crate::api::ApiError::new(StatusCode::SERVICE_UNAVAILABLE, self.to_string()).into_response()
     }
 }
 

@@ -23,7 +23,7 @@ use anyhow::Context;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
-use http::{header, HeaderValue, StatusCode};
+use http::{HeaderValue, StatusCode};
 use serde::Deserialize;
 
 use crate::api::ApiError;
@@ -107,7 +107,6 @@ pub struct Gateway {
     /// Sandbox id → (node id, team), for sandboxes not known to be gone.
     routes: Mutex<HashMap<String, (String, String)>>,
     nodes: tokio::sync::Mutex<(Vec<Node>, Option<Instant>)>,
-    // (read by `nodes`, written by `read_nodes`)
 }
 
 /// Run the gateway until SIGTERM/SIGINT.
@@ -177,17 +176,7 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
 impl Gateway {
     /// The caller's key, from `X-API-KEY` or `Authorization: Bearer`.
     async fn authenticate(&self, headers: &http::HeaderMap) -> Result<ClusterKey, ApiError> {
-        let plaintext = headers
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .or_else(|| {
-                headers
-                    .get(header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-            })
-            .map(str::trim)
-            .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))?;
+        let plaintext = crate::api::api_key_of(headers)?;
         let hash = crate::db::key_hash(plaintext);
         let cached = self
             .keys

@@ -76,9 +76,13 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     // on another node.
     for _ in 0..2 {
         let nodes = g.nodes().await;
-        let Some(mut n) = place::choose(&nodes, &template, g.grace_ms(), &tried, |len| {
-            (u64::from_str_radix(&crate::ids::random_hex(4), 16).unwrap_or(0) as usize) % len
-        })
+        let Some(mut n) = place::choose(
+            &nodes,
+            &template,
+            g.grace_ms(),
+            &tried,
+            crate::ids::random_index,
+        )
         .cloned() else {
             break;
         };
