@@ -8,6 +8,8 @@
 #   scripts/cluster.sh down            stop everything; the nodes' sandboxes
 #                                      are killed
 #   scripts/cluster.sh stop-node I     SIGKILL node I's server (its VMs live on)
+#   scripts/cluster.sh term-node I     SIGTERM node I's server (as a service
+#                                      manager stops it)
 #   scripts/cluster.sh start-node I    start node I again (it adopts its VMs)
 #   scripts/cluster.sh stop-gateway J  SIGKILL gateway J
 #   scripts/cluster.sh start-gateway J
@@ -22,7 +24,11 @@
 # ($TINE_DATA_DIR/cluster), TINE_BIN (default: build target/release/tine),
 # TINE_CLUSTER_PG_PORT (5433), TINE_CLUSTER_NODE_PORT (3100: node I listens
 # on 3100+I), TINE_CLUSTER_GATEWAY_PORT (3200: gateway J on 3200+J),
-# TINE_CLUSTER_NODE_CONFIG (top-level TOML keys added to every node's config).
+# TINE_CLUSTER_NODE_CONFIG (top-level TOML keys added to every node's config),
+# TINE_CLUSTER_DOMAIN (the domain sandboxes are addressed under, the same
+# for nodes and gateways; default localhost:<first gateway's port>),
+# TINE_CLUSTER_TLS_GATEWAYS (gateway numbers served over HTTPS for that
+# domain, e.g. "2"; their CA: $TINE_CLUSTER_DIR/gateway-data/tls/ca.crt).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -34,6 +40,8 @@ PG_PORT="${TINE_CLUSTER_PG_PORT:-5433}"
 NODE_PORT="${TINE_CLUSTER_NODE_PORT:-3100}"
 GATEWAY_PORT="${TINE_CLUSTER_GATEWAY_PORT:-3200}"
 PG_URL="postgresql://postgres@127.0.0.1:$PG_PORT/tine"
+DOMAIN="${TINE_CLUSTER_DOMAIN:-localhost:$((GATEWAY_PORT + 1))}"
+TLS_GATEWAYS=" ${TINE_CLUSTER_TLS_GATEWAYS:-} "
 # PostgreSQL's own files, where its user can reach them (the data dir is
 # 0700 root).
 PG_DIR="${TINE_CLUSTER_PG_DIR:-/var/lib/postgresql/tine-cluster-$PG_PORT}"
@@ -105,7 +113,8 @@ secret() {
 wait_http() {
     local i
     for i in $(seq 1 240); do
-        curl -s -o /dev/null "$1" && return 0
+        # -k: a TLS gateway's certificate is for its domain's names.
+        curl -sk -o /dev/null "$1" && return 0
         sleep 0.5
     done
     return 1
@@ -117,8 +126,8 @@ node_start() {
     ln -sfn "$TINE_DATA_DIR/current" "$dir/current"
     cat >"$dir/config.toml" <<EOF
 listen = "127.0.0.1:$port"
-# Sandboxes are addressed through the first gateway.
-domain = "localhost:$((GATEWAY_PORT + 1))"
+# Sandboxes are addressed through the gateways.
+domain = "$DOMAIN"
 default_cpu_count = 1
 default_memory_mb = 256
 ${TINE_CLUSTER_NODE_CONFIG:-}
@@ -151,16 +160,30 @@ gateway_start() {
 listen = "127.0.0.1:$port"
 postgres_url = "$PG_URL"
 secret_file = "$CLUSTER_DIR/secret"
-domain = "localhost:$((GATEWAY_PORT + 1))"
+domain = "$DOMAIN"
 node_grace_secs = 10
+data_dir = "$CLUSTER_DIR/gateway-data"
 
 # A team with a cluster-wide limit (tests/e2e/cluster).
 [teams.limited]
 max_sandboxes = 2
 EOF
-    log "gateway $j: tine gateway on 127.0.0.1:$port (log $CLUSTER_DIR/gateway-$j.log)"
+    if [[ $TLS_GATEWAYS == *" $j "* ]]; then
+        printf '\n[tls]\nenabled = true\n' >>"$CLUSTER_DIR/gateway-$j.toml"
+    fi
+    log "gateway $j: tine gateway on $(gateway_url "$j") (log $CLUSTER_DIR/gateway-$j.log)"
     setsid "$TINE_BIN" gateway -c "$CLUSTER_DIR/gateway-$j.toml" >>"$CLUSTER_DIR/gateway-$j.log" 2>&1 </dev/null &
     echo $! >"$CLUSTER_DIR/gateway-$j.pid"
+}
+
+# gateway_url J: where gateway J answers (https for the domain if it is a
+# TLS gateway).
+gateway_url() {
+    if [[ $TLS_GATEWAYS == *" $1 "* ]]; then
+        echo "https://api.${DOMAIN%:*}:$((GATEWAY_PORT + $1))"
+    else
+        echo "http://127.0.0.1:$((GATEWAY_PORT + $1))"
+    fi
 }
 
 kill_pidfile() {
@@ -193,7 +216,7 @@ up() {
     done
     for j in $(seq 1 "$GATEWAYS"); do gateway_start "$j"; done
     for j in $(seq 1 "$GATEWAYS"); do
-        wait_http "http://127.0.0.1:$((GATEWAY_PORT + j))/health" ||
+        wait_http "$(gateway_url "$j")/health" ||
             die "gateway $j did not start: $(tail -5 "$CLUSTER_DIR/gateway-$j.log")"
     done
     local key
@@ -232,11 +255,12 @@ start-node)
     node_start "$1"
     wait_http "http://127.0.0.1:$((NODE_PORT + $1))/health" || die "node $1 did not start"
     ;;
+term-node) kill_pidfile "$CLUSTER_DIR/node-$1/server.pid" TERM ;;
 stop-gateway) kill_pidfile "$CLUSTER_DIR/gateway-$1.pid" KILL ;;
 start-gateway)
     tine_bin
     gateway_start "$1"
-    wait_http "http://127.0.0.1:$((GATEWAY_PORT + $1))/health" || die "gateway $1 did not start"
+    wait_http "$(gateway_url "$1")/health" || die "gateway $1 did not start"
     ;;
 stop-postgres) pg_ctl_ -m fast -w stop >/dev/null ;;
 start-postgres) postgres_up ;;
@@ -245,7 +269,7 @@ restart-postgres)
     postgres_up
     ;;
 *)
-    echo "usage: $0 up [--nodes N] [--gateways M] | down | stop-node I | start-node I | stop-gateway J | start-gateway J | stop-postgres | start-postgres | restart-postgres" >&2
+    echo "usage: $0 up [--nodes N] [--gateways M] | down | stop-node I | term-node I | start-node I | stop-gateway J | start-gateway J | stop-postgres | start-postgres | restart-postgres" >&2
     exit 2
     ;;
 esac

@@ -75,7 +75,7 @@ export E2B_API_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))" E2B_SAN
 unset E2B_DEBUG E2B_DOMAIN
 
 log "cluster suite (e2b $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"))'))"
-(cd "$HERE" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1
+(cd "$HERE" && "$VENV/bin/python" -m pytest -q -p no:cacheprovider test_cluster.py "$@") || status=1
 
 # The bulk of the single-server suite, through the gateway. Left out: what
 # reads one server's own files, config, metrics or restarts it
@@ -87,3 +87,43 @@ log "server suite through gateway 1"
     "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     test_sandbox.py test_list.py test_concurrent.py test_e2b_fidelity.py test_bad_input.py \
     --deselect test_bad_input.py::test_prometheus_metrics_count_what_happened) || status=1
+
+# Domain mode over HTTPS: the nodes restarted (SIGTERM, as a service
+# manager stops them; they adopt their VMs again) for the domain
+# tine.localhost:<gateway 2>, gateway 2 restarted with [tls] and tine's
+# local CA. The SDK gets only E2B_DOMAIN and the CA.
+G2=$((TINE_CLUSTER_GATEWAY_PORT + 2))
+export TINE_CLUSTER_DOMAIN="tine.localhost:$G2" TINE_CLUSTER_TLS_GATEWAYS=2
+log "domain mode over HTTPS: E2B_DOMAIN=$TINE_CLUSTER_DOMAIN only (gateway 2 with [tls])"
+for i in 1 2 3; do
+    "$CLUSTER" term-node "$i"
+    "$CLUSTER" start-node "$i"
+done
+"$CLUSTER" stop-gateway 2
+"$CLUSTER" start-gateway 2
+ca="$TINE_CLUSTER_DIR/gateway-data/tls/ca.crt"
+(cd "$HERE/domain" && env -u E2B_API_URL -u E2B_SANDBOX_URL E2B_DOMAIN="$TINE_CLUSTER_DOMAIN" \
+    SSL_CERT_FILE="$ca" "$VENV/bin/python" -m pytest -q -p no:cacheprovider) || status=1
+
+# A node stopped with no sandboxes left leaves no process behind: its
+# sandboxes are killed through its own API (as a gateway asks), then its
+# server gets SIGTERM; the image daemon must leave by itself.
+log "node 3 emptied and stopped: no process of it may stay"
+n3="http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 3))"
+secret="$(cat "$TINE_CLUSTER_DIR/secret")"
+for team in default other limited; do
+    hdr=(-H "x-tine-cluster-secret: $secret" -H "x-tine-team: $team")
+    for id in $(curl -sf "${hdr[@]}" "$n3/v2/sandboxes?state=running,paused" |
+        "$VENV/bin/python" -c 'import json,sys; print(" ".join(x["sandboxID"] for x in json.load(sys.stdin)))'); do
+        curl -sf -X DELETE "${hdr[@]}" "$n3/sandboxes/$id" >/dev/null || status=1
+    done
+done
+"$CLUSTER" term-node 3
+for _ in $(seq 1 60); do
+    pgrep -f "$TINE_CLUSTER_DIR/node-3" >/dev/null || break
+    sleep 1
+done
+if left="$(pgrep -af "$TINE_CLUSTER_DIR/node-3")"; then
+    echo "error: 60 s after node 3 stopped with no sandboxes, its processes remain: $left" >&2
+    status=1
+fi

@@ -116,6 +116,33 @@ def test_fork_children_land_on_the_source_node(spread):
             api("DELETE", f"/sandboxes/{c}")
 
 
+def test_a_snapshot_held_by_one_node_gets_its_sandboxes_there_through_either_gateway(spread):
+    src = spread[5]
+    src.commands.run("echo from the snapshot > /tmp/snap")
+    snap = src.create_snapshot()
+    n = node_of(src.sandbox_id)
+    made = []
+    try:
+        # At once, through the gateway that took the snapshot and the other.
+        for i in range(4):
+            r = api(
+                "POST",
+                "/v2/sandboxes",
+                gateway=GATEWAYS[i % 2],
+                json={"templateID": snap.snapshot_id, "timeout": 300, "metadata": {"run": RUN}},
+            )
+            assert r.status_code == 201, r.text
+            made.append(r.json()["sandboxID"])
+        for c in made:
+            assert node_of(c) == n
+        sb = Sandbox.connect(made[-1])
+        assert sb.commands.run("cat /tmp/snap").stdout.strip() == "from the snapshot"
+    finally:
+        for c in made:
+            api("DELETE", f"/sandboxes/{c}")
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def test_bad_input_gets_clear_errors():
     # A user's key straight to a node: refused, with the way to go.
     r = httpx.get(NODES[0] + "/v2/sandboxes", headers={"X-API-KEY": KEY})

@@ -233,6 +233,23 @@ impl Catalog {
         Ok(())
     }
 
+    /// Add `templates` to what node `node` holds, ahead of its next
+    /// heartbeat (which lists them too): a snapshot taken through a gateway
+    /// can be created from at once, through any gateway.
+    pub async fn add_templates(&self, node: &str, templates: &[String]) -> Result<()> {
+        let db = self.pool.get().await?;
+        let json =
+            serde_json::to_value(templates).map_err(|e| CatalogError::Query(e.to_string()))?;
+        db.execute(
+            "UPDATE tine_nodes SET status = jsonb_set(status, '{templates}',
+                 COALESCE(status->'templates', '[]'::jsonb) || $2::jsonb)
+             WHERE id = $1",
+            &[&node, &json],
+        )
+        .await?;
+        Ok(())
+    }
+
     /// Every node that ever registered, with its reservations.
     pub async fn nodes(&self) -> Result<Vec<Node>> {
         let db = self.pool.get().await?;

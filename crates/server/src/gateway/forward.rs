@@ -4,6 +4,7 @@
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, Request, StatusCode};
+use hyper_util::rt::TokioIo;
 
 /// The gateway's pooled HTTP client to nodes.
 pub type NodeClient =
@@ -51,15 +52,22 @@ impl ForwardError {
 
 /// `req` sent to the node at `address` (`http://host:port`) as it is, with
 /// `extra` headers set and `drop` headers removed; the Host header is kept
-/// (the node's proxy reads `<port>-<id>.<domain>` from it).
+/// (the node's proxy reads `<port>-<id>.<domain>` from it). An upgrade
+/// (WebSocket) keeps its `Connection`/`Upgrade` headers, and once the node
+/// answers 101 both connections are spliced together.
 pub async fn forward(
     client: &NodeClient,
     node: &str,
     address: &str,
-    req: Request<Body>,
+    mut req: Request<Body>,
     extra: &[(&'static str, HeaderValue)],
     drop: &[&str],
 ) -> Result<Response, ForwardError> {
+    let client_side = req
+        .headers()
+        .contains_key(http::header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    let kept = |h: &str| client_side.is_some() && (h == "connection" || h == "upgrade");
     let (mut parts, body) = req.into_parts();
     let path = parts
         .uri
@@ -70,7 +78,7 @@ pub async fn forward(
         .parse()
         .map_err(|e| ForwardError::Unreachable(node.into(), format!("bad node address: {e}")))?;
     parts.version = http::Version::HTTP_11;
-    for h in HOP_BY_HOP.iter().chain(drop) {
+    for h in HOP_BY_HOP.iter().filter(|h| !kept(h)).chain(drop) {
         parts.headers.remove(*h);
     }
     for (name, value) in extra {
@@ -86,9 +94,23 @@ pub async fn forward(
                 ForwardError::Failed(node.into(), e.to_string())
             }
         })?;
+    let mut resp = resp;
+    let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_side)) = (switched, client_side) {
+        let node_side = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            if let (Ok(c), Ok(n)) = (client_side.await, node_side.await) {
+                let (mut c, mut n) = (TokioIo::new(c), TokioIo::new(n));
+                let _ = tokio::io::copy_bidirectional(&mut c, &mut n).await;
+            }
+        });
+    }
     let (mut parts, body) = resp.into_parts();
-    for h in HOP_BY_HOP {
-        parts.headers.remove(h);
+    for h in HOP_BY_HOP
+        .iter()
+        .filter(|h| !(switched && (**h == "connection" || **h == "upgrade")))
+    {
+        parts.headers.remove(*h);
     }
     Ok(Response::from_parts(parts, Body::new(body)))
 }

@@ -50,6 +50,13 @@ pub struct GatewayConfig {
     /// Cluster-wide team limits (`[teams.<name>]`; `max_sandboxes` is
     /// enforced here across nodes, the rest by each node).
     pub teams: BTreeMap<String, TeamLimits>,
+    /// HTTPS for the domain and its wildcard (`[tls]`, as `tine serve`'s);
+    /// needs `domain`.
+    pub tls: crate::tls::TlsConfig,
+    /// Where the gateway keeps tine's local CA when `[tls]` gives no
+    /// certificate (`<data_dir>/tls/ca.crt`): gateways sharing it serve
+    /// certificates of one CA.
+    pub data_dir: PathBuf,
 }
 
 impl Default for GatewayConfig {
@@ -62,6 +69,8 @@ impl Default for GatewayConfig {
             node_grace_secs: 15,
             max_body_bytes: 64 << 20,
             teams: BTreeMap::new(),
+            tls: Default::default(),
+            data_dir: PathBuf::from("/var/lib/tine-gateway"),
         }
     }
 }
@@ -73,6 +82,10 @@ impl GatewayConfig {
         let c: GatewayConfig =
             toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         anyhow::ensure!(!c.postgres_url.is_empty(), "postgres_url is required");
+        anyhow::ensure!(
+            !c.tls.enabled || c.domain.is_some(),
+            "[tls] needs domain: the certificate is for the domain and its wildcard"
+        );
         Ok(c)
     }
 
@@ -130,8 +143,29 @@ pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
         cfg,
     });
     tokio::spawn(g.clone().refresh_nodes());
-    tracing::info!(addr = %listener.local_addr()?, "tine gateway listening");
-    let app = axum::Router::new().fallback(handle).with_state(g);
+    let app = axum::Router::new().fallback(handle).with_state(g.clone());
+    let stop = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    };
+    let addr = listener.local_addr()?;
+    if g.cfg.tls.enabled {
+        let t = crate::tls::setup(&g.cfg.tls, &g.cfg.data_dir, &g.domain)
+            .context("setting up TLS for the domain")?;
+        match &t.ca {
+            Some(ca) => {
+                tracing::info!(%addr, ca = %ca.display(), "tine gateway listening (HTTPS, tine's local CA)")
+            }
+            None => tracing::info!(%addr, "tine gateway listening (HTTPS)"),
+        }
+        crate::tls::serve(listener, t.acceptor, app, stop).await;
+        return Ok(());
+    }
+    tracing::info!(%addr, "tine gateway listening");
     // Small writes of streamed answers (process output) go out at once.
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {
@@ -140,14 +174,7 @@ pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
         }
     });
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            use tokio::signal::unix::{signal, SignalKind};
-            let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        })
+        .with_graceful_shutdown(stop)
         .await?;
     Ok(())
 }

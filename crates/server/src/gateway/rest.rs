@@ -311,6 +311,19 @@ async fn by_id(
             }
             Ok(Response::from_parts(parts, Body::from(bytes)))
         }
+        (&Method::POST, "snapshots") if status.is_success() => {
+            // Placement sends creates from it to this node at once.
+            let (parts, body) = resp.into_parts();
+            let bytes = axum::body::to_bytes(body, 1 << 20)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let names = snapshot_names(&bytes);
+            if let Err(e) = g.catalog.add_templates(&n.id, &names).await {
+                tracing::warn!(snapshot = ?names, "catalog: {e}");
+            }
+            g.read_nodes().await;
+            Ok(Response::from_parts(parts, Body::from(bytes)))
+        }
         (
             &Method::POST | &Method::PUT,
             "pause" | "connect" | "resume" | "timeout" | "refreshes" | "network",
@@ -320,6 +333,18 @@ async fn by_id(
         }
         _ => Ok(resp),
     }
+}
+
+/// A snapshot's id and names, from its create answer
+/// (`{"snapshotID": ..., "names": [...]}`).
+fn snapshot_names(bytes: &[u8]) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_slice(bytes).unwrap_or_default();
+    let id = v.get("snapshotID").and_then(|i| i.as_str());
+    let names = v.get("names").and_then(|n| n.as_array());
+    id.into_iter()
+        .chain(names.into_iter().flatten().filter_map(|n| n.as_str()))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The sandbox ids in a fork's answer (`[{"sandbox": {...}} | {"error": ...}]`).
@@ -525,6 +550,13 @@ mod tests {
         assert_eq!(r.metadata.get("k").map(String::as_str), Some("v"));
         assert!(r.detail.get("envdAccessToken").is_none() && r.detail.get("domain").is_none());
         assert!(row_of("t", serde_json::json!({"sandboxID": "i1"})).is_none());
+    }
+
+    #[test]
+    fn a_snapshots_answer_gives_its_id_and_names() {
+        let b = br#"{"snapshotID":"snap1","names":["team/x:latest","x"]}"#;
+        assert_eq!(snapshot_names(b), ["snap1", "team/x:latest", "x"]);
+        assert!(snapshot_names(b"not json").is_empty());
     }
 
     #[test]
