@@ -9,6 +9,8 @@
 #   6. the server against the real E2B SDKs         tests/e2e/server/run.sh
 #   7. cluster mode (PostgreSQL, nodes, gateways)   tests/e2e/cluster/run.sh
 #   8. deploy/ manifests and units                  tests/deploy/validate.sh
+#      the container image, and a node in podman    deploy/image/build.sh,
+#      behind gateways (real VMs, E2B SDK)          tests/deploy/podman-node.sh
 #
 # Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
@@ -43,5 +45,15 @@ fi
 if [[ -x tests/deploy/validate.sh ]]; then
     log "deploy/: Kubernetes manifests (kubernetes-validate), systemd units, configs"
     tests/deploy/validate.sh
+fi
+if [[ -x deploy/image/build.sh && -x tests/deploy/podman-node.sh ]]; then
+    # build.sh installs podman, runc and mmdebstrap where they are missing.
+    log "deploy/: the container image (deploy/image/build.sh: mmdebstrap base + tine)"
+    cargo build --release --locked -p tine-cli 2>&1
+    start=$(now)
+    image="$(TINE_BIN="$PWD/target/release/tine" deploy/image/build.sh)"
+    info "$image ready in $(elapsed "$start")"
+    log "deploy/: a node in a privileged podman container behind gateways"
+    TINE_BIN="$PWD/target/release/tine" TINE_IMAGE="$image" tests/deploy/podman-node.sh
 fi
 log "all tests passed"

@@ -7,6 +7,7 @@
 - The Kubernetes manifests agree with each other: every ConfigMap, Secret
   and key a pod names exists, selectors match pod labels, the cluster secret
   is mounted with a mode tine accepts, kustomization.yaml lists every file.
+- The node and gateway pods name the image deploy/image/build.sh tags.
 - The init containers' render scripts are run here on temporary
   directories, and what they write is checked as tine would read it.
 - The systemd units have what the deployment relies on.
@@ -308,6 +309,21 @@ check(
 )
 svc = by_kind["Service"]["tine-gateway"]["spec"]["ports"][0]
 check(svc["port"] == 80, "gateway Service: port 80 to the pods' http (3000)")
+
+# The image deploy/image/build.sh tags (its TINE_IMAGE_REPO default plus
+# :latest), in every container of the node and gateway pods; a :latest
+# image that exists only on the host must not be pulled.
+m = re.search(r'^REPO="\$\{TINE_IMAGE_REPO:-([^}]+)\}"', (ROOT / "deploy/image/build.sh").read_text(), re.M)
+built = f"{m.group(1)}:latest" if m else None
+check(built is not None, f"deploy/image/build.sh: its image name is {built}")
+for wname in ("DaemonSet/tine-node", "Deployment/tine-gateway"):
+    kind, name = wname.split("/")
+    pod = by_kind[kind][name]["spec"]["template"]["spec"]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        check(
+            c.get("image") == built and c.get("imagePullPolicy") == "IfNotPresent",
+            f"{wname}/{c['name']}: image {c.get('image')} is build.sh's, imagePullPolicy IfNotPresent",
+        )
 
 print("Kubernetes ConfigMaps (TOML templates):")
 cms = by_kind.get("ConfigMap", {})

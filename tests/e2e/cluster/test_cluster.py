@@ -143,6 +143,22 @@ def test_a_snapshot_held_by_one_node_gets_its_sandboxes_there_through_either_gat
         Sandbox.delete_snapshot(snap.snapshot_id)
 
 
+def test_a_change_a_node_makes_on_its_own_reaches_every_gateways_list_before_its_next_full_list():
+    # The node kills it when its 3 s run out; nothing goes through a
+    # gateway. cluster.sh's nodes publish their full list every 5 minutes.
+    s = create()
+    s.set_timeout(3)
+    seen_by = {}
+    deadline = time.time() + 15
+    while time.time() < deadline and len(seen_by) < 2:
+        for g in GATEWAYS:
+            ids = {x["sandboxID"] for x in api("GET", "/v2/sandboxes", gateway=g, params={"metadata": f"run={RUN}"}).json()}
+            if s.sandbox_id not in ids:
+                seen_by.setdefault(g, time.time())
+        time.sleep(0.5)
+    assert set(seen_by) == set(GATEWAYS), "the timed-out sandbox is still listed"
+
+
 def test_bad_input_gets_clear_errors():
     # A user's key straight to a node: refused, with the way to go.
     r = httpx.get(NODES[0] + "/v2/sandboxes", headers={"X-API-KEY": KEY})

@@ -1,7 +1,9 @@
 //! A node in a cluster: heartbeats with its capacity every few seconds and
-//! publishes its full list of sandboxes, so the catalog heals itself after
-//! any lost write (a gateway also writes what it changed through the node
-//! at once). PostgreSQL being down costs nothing but staleness: the loop
+//! publishes its full list of sandboxes when one of them changes (made,
+//! paused, killed, timed out, its end time moved; changes in a burst go as
+//! one list) and every `publish_secs` anyway, so the catalog heals itself
+//! after any lost write (a gateway also writes what it changed through the
+//! node at once). PostgreSQL being down costs nothing but staleness: the loop
 //! logs and tries again.
 
 use std::sync::Arc;
@@ -12,6 +14,9 @@ use super::ClusterConfig;
 use crate::db::ListFilter;
 use crate::model::SandboxState;
 use crate::sandboxes::Manager;
+
+/// How long a node gathers sandbox changes before it publishes them.
+const CHANGES_GATHERED: Duration = Duration::from_millis(200);
 
 /// A node's link to its cluster.
 pub struct NodeLink {
@@ -63,7 +68,7 @@ impl NodeLink {
             address: address.trim_end_matches('/').to_string(),
             catalog,
             heartbeat: Duration::from_secs(cfg.heartbeat_secs.unwrap_or(2).max(1)),
-            publish: Duration::from_secs(cfg.publish_secs.unwrap_or(10).max(1)),
+            publish: Duration::from_secs(cfg.publish_secs.unwrap_or(60).max(1)),
             data_dir: data_dir.to_path_buf(),
         })
     }
@@ -129,8 +134,9 @@ impl NodeLink {
     pub async fn run(self: Arc<Self>, manager: Arc<Manager>) {
         let mut last_full: Option<std::time::Instant> = None;
         let mut failing = false;
+        let mut changed = false;
         loop {
-            let full = last_full.is_none_or(|t| t.elapsed() >= self.publish);
+            let full = changed || last_full.is_none_or(|t| t.elapsed() >= self.publish);
             match self.beat(&manager, full).await {
                 Ok(()) => {
                     if failing {
@@ -149,7 +155,13 @@ impl NodeLink {
                     last_full = None;
                 }
             }
-            tokio::time::sleep(self.heartbeat).await;
+            changed = tokio::select! {
+                _ = tokio::time::sleep(self.heartbeat) => false,
+                _ = manager.db().changed().notified() => {
+                    tokio::time::sleep(CHANGES_GATHERED).await;
+                    true
+                }
+            };
         }
     }
 }

@@ -47,6 +47,10 @@ pub type Result<T> = std::result::Result<T, DbError>;
 
 pub struct Db {
     conn: Mutex<Connection>,
+    /// Woken when a sandbox's state or times change or a snapshot is
+    /// taken: a cluster node publishes its list and what it holds then,
+    /// not only on its timer.
+    changed: tokio::sync::Notify,
 }
 
 /// Schema migrations, applied in order; `user_version` counts those done.
@@ -178,6 +182,7 @@ impl Db {
             .map_err(open_err)?;
         let db = Self {
             conn: Mutex::new(conn),
+            changed: tokio::sync::Notify::new(),
         };
         db.migrate()?;
         Ok(db)
@@ -193,6 +198,12 @@ impl Db {
             tx.commit()?;
         }
         Ok(())
+    }
+
+    /// Notified after a sandbox's state or times change or a snapshot is
+    /// taken (one stored permit when nobody waits: a burst wakes once).
+    pub fn changed(&self) -> &tokio::sync::Notify {
+        &self.changed
     }
 
     fn conn(&self) -> MutexGuard<'_, Connection> {

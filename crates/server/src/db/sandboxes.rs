@@ -301,6 +301,7 @@ impl Db {
         )?;
         also(&tx)?;
         tx.commit()?;
+        self.changed().notify_one();
         Ok(true)
     }
 
@@ -309,6 +310,7 @@ impl Db {
             "UPDATE sandboxes SET started_at_ms = ?2, end_at_ms = ?3 WHERE id = ?1",
             params![id, started_at_ms, end_at_ms],
         )?;
+        self.changed().notify_one();
         Ok(())
     }
 
@@ -338,6 +340,7 @@ impl Db {
             "UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1",
             params![id, end_at_ms],
         )?;
+        self.changed().notify_one();
         Ok(())
     }
 

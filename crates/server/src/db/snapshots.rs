@@ -110,7 +110,10 @@ fn from_row(r: &Row<'_>) -> rusqlite::Result<std::result::Result<SnapshotRow, Db
 
 impl Db {
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<()> {
-        insert_snapshot_on(&self.conn(), s)
+        insert_snapshot_on(&self.conn(), s)?;
+        // A node's heartbeat names the snapshots it holds.
+        self.changed().notify_one();
+        Ok(())
     }
 
     /// A snapshot that has not been deleted.

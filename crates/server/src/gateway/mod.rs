@@ -258,6 +258,29 @@ impl Gateway {
         self.nodes.lock().await.0.clone()
     }
 
+    /// The nodes, read again (for up to a second) when none holds
+    /// `template`: a snapshot taken a moment ago, through another gateway,
+    /// reaches the catalog with its node's next heartbeat.
+    async fn nodes_holding(&self, template: &str) -> Vec<Node> {
+        let held = |nodes: &[Node]| {
+            nodes
+                .iter()
+                .any(|n| n.status.templates.iter().any(|t| t == template))
+        };
+        let mut nodes = self.nodes().await;
+        for _ in 0..4 {
+            if held(&nodes) {
+                break;
+            }
+            self.read_nodes().await;
+            nodes = self.nodes().await;
+            if !held(&nodes) {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+        nodes
+    }
+
     async fn read_nodes(&self) {
         match self.catalog.nodes().await {
             Ok(n) => *self.nodes.lock().await = (n, Some(Instant::now())),

@@ -75,7 +75,7 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     // One try and, when a node refused before making anything, one more
     // on another node.
     for _ in 0..2 {
-        let nodes = g.nodes().await;
+        let nodes = g.nodes_holding(&template).await;
         let Some(mut n) = place::choose(
             &nodes,
             &template,
