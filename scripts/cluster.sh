@@ -28,7 +28,9 @@
 # TINE_CLUSTER_DOMAIN (the domain sandboxes are addressed under, the same
 # for nodes and gateways; default localhost:<first gateway's port>),
 # TINE_CLUSTER_TLS_GATEWAYS (gateway numbers served over HTTPS for that
-# domain, e.g. "2"; their CA: $TINE_CLUSTER_DIR/gateway-data/tls/ca.crt).
+# domain, e.g. "2"; their CA: $TINE_CLUSTER_DIR/gateway-data/tls/ca.crt),
+# TINE_CLUSTER_REGISTRY_PORT (5055: the registry captures travel through,
+# Debian's docker-registry on loopback, its data in $TINE_CLUSTER_DIR/registry).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -40,6 +42,8 @@ PG_PORT="${TINE_CLUSTER_PG_PORT:-5433}"
 NODE_PORT="${TINE_CLUSTER_NODE_PORT:-3100}"
 GATEWAY_PORT="${TINE_CLUSTER_GATEWAY_PORT:-3200}"
 PG_URL="postgresql://postgres@127.0.0.1:$PG_PORT/tine"
+REGISTRY_PORT="${TINE_CLUSTER_REGISTRY_PORT:-5055}"
+REGISTRY="127.0.0.1:$REGISTRY_PORT"
 DOMAIN="${TINE_CLUSTER_DOMAIN:-localhost:$((GATEWAY_PORT + 1))}"
 TLS_GATEWAYS=" ${TINE_CLUSTER_TLS_GATEWAYS:-} "
 # PostgreSQL's own files, where its user can reach them (the data dir is
@@ -63,6 +67,36 @@ tine_bin() {
         log "building the tine CLI"
         (cd "$ROOT" && cargo build --release --locked -p tine-cli >&2)
         TINE_BIN="$ROOT/target/release/tine"
+    fi
+}
+
+# registry_up: Debian's docker-registry on loopback (installed if missing),
+# the repository captures travel through.
+registry_up() {
+    if ! command -v docker-registry >/dev/null; then
+        apt_update_once
+        log "apt-get install docker-registry"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-registry >&2 ||
+            die "apt-get install docker-registry failed"
+    fi
+    local dir="$CLUSTER_DIR/registry"
+    mkdir -p "$dir/data"
+    cat >"$dir/config.yml" <<EOF
+version: 0.1
+log: {level: warn}
+storage: {filesystem: {rootdirectory: $dir/data}, delete: {enabled: true}}
+http: {addr: '$REGISTRY'}
+EOF
+    if ! curl -sf -o /dev/null "http://$REGISTRY/v2/"; then
+        log "registry on $REGISTRY (log $dir/registry.log)"
+        setsid docker-registry serve "$dir/config.yml" >>"$dir/registry.log" 2>&1 </dev/null &
+        echo $! >"$dir/registry.pid"
+        local i
+        for i in $(seq 1 100); do
+            curl -sf -o /dev/null "http://$REGISTRY/v2/" && return 0
+            sleep 0.1
+        done
+        die "the registry did not start: $(tail -3 "$dir/registry.log")"
     fi
 }
 
@@ -146,6 +180,7 @@ node_id = "node-$i"
 advertise_url = "http://127.0.0.1:$port"
 secret_file = "$CLUSTER_DIR/secret"
 heartbeat_secs = 1
+registry = "$REGISTRY/tine/captures"
 # Changes are published when they happen; the full list every 5 minutes
 # heals what a lost write missed.
 publish_secs = 300
@@ -207,6 +242,7 @@ up() {
     fi
     tine_bin
     postgres_up
+    registry_up
     secret
     printf '%s\n' "$NODES" >"$CLUSTER_DIR/nodes"
     printf '%s\n' "$GATEWAYS" >"$CLUSTER_DIR/gateways"
@@ -239,6 +275,7 @@ down() {
     local f
     for f in "$CLUSTER_DIR"/gateway-*.pid; do kill_pidfile "$f"; done
     for f in "$CLUSTER_DIR"/node-*/server.pid; do kill_pidfile "$f"; done
+    kill_pidfile "$CLUSTER_DIR/registry/registry.pid"
     # The nodes' VMs and image daemons, which outlive a stopped server.
     pkill -KILL -f "qemu-system.*$CLUSTER_DIR/node-" 2>/dev/null || true
     pkill -TERM -f "nbd-daemon --data-dir $CLUSTER_DIR/node-" 2>/dev/null || true

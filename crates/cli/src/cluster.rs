@@ -51,6 +51,12 @@ pub enum ClusterCommand {
         #[arg(long, env = "TINE_POSTGRES_URL")]
         postgres_url: String,
     },
+    /// List the captures pushed to the cluster's registry: snapshot id,
+    /// team, the node that pushed it, MiB it sent, its names.
+    Captures {
+        #[arg(long, env = "TINE_POSTGRES_URL")]
+        postgres_url: String,
+    },
 }
 
 pub async fn run(cmd: ClusterCommand) -> anyhow::Result<i32> {
@@ -77,6 +83,23 @@ pub async fn run(cmd: ClusterCommand) -> anyhow::Result<i32> {
                 "no key {id} (or it is revoked already)"
             );
             eprintln!("revoked key {id}");
+        }
+        ClusterCommand::Captures { postgres_url } => {
+            let catalog = Catalog::connect(&postgres_url).await?;
+            println!(
+                "{:<28} {:<16} {:<16} {:>8}  NAMES",
+                "SNAPSHOT", "TEAM", "NODE", "SENT MiB"
+            );
+            for c in tine_server::cluster::captures::list(&catalog).await? {
+                println!(
+                    "{:<28} {:<16} {:<16} {:>8.1}  {}",
+                    c.id,
+                    c.team,
+                    c.node,
+                    c.pushed_bytes as f64 / (1 << 20) as f64,
+                    c.names.join(",")
+                );
+            }
         }
         ClusterCommand::Nodes { postgres_url } => {
             let catalog = Catalog::connect(&postgres_url).await?;

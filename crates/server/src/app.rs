@@ -108,6 +108,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
             .then(|| std::time::Duration::from_secs(config.build_layer_ttl_secs)),
     )?);
     let cluster = config.cluster.enabled().then(|| config.cluster.clone());
+    let registries = config.registries.clone();
     let config_listen = config.listen;
     let manager = Arc::new(sandboxes::Manager::new(
         config, db, driver, templates, network,
@@ -131,6 +132,19 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         }
         None => None,
     };
+    let captures = match (&link, cluster.as_ref().and_then(|c| c.registry.as_deref())) {
+        (Some(link), Some(repo)) => {
+            tracing::info!(registry = repo, "captures travel through the registry");
+            Some(Arc::new(crate::cluster::captures::Captures::new(
+                &link.id,
+                repo,
+                registries,
+                link.catalog().clone(),
+                paths.clone(),
+            )))
+        }
+        _ => None,
+    };
     tokio::spawn(manager.clone().sweep_loop());
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
@@ -144,6 +158,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         builds,
         idempotency: Default::default(),
         cluster_secret: link.as_ref().map(|l| l.secret.clone()),
+        captures,
     });
     tracing::info!(addr = %listener.local_addr()?, "tine server listening");
     let shutdown_manager = state.manager.clone();

@@ -23,4 +23,7 @@ pub struct AppState {
     /// In cluster mode, the secret gateways send: API calls come only
     /// from them ([`crate::cluster::gateway_team`]).
     pub cluster_secret: Option<String>,
+    /// In cluster mode with `[cluster] registry`: snapshots pushed to and
+    /// pulled from the registry.
+    pub captures: Option<Arc<crate::cluster::captures::Captures>>,
 }

@@ -35,6 +35,7 @@ pub mod reclaim;
 pub mod shim;
 pub mod snapshot;
 mod sparse;
+pub mod travel;
 mod vm;
 
 pub use config::{Accel, Artifacts, Machine, Paths, RootDisk};

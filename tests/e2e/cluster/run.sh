@@ -35,7 +35,10 @@ CLUSTER="$ROOT/scripts/cluster.sh"
 
 status=0
 finish() {
+    # Ended by a failed command (set -e), not by the tests' verdict.
+    local rc=$?
     set +e
+    [[ $rc -ne 0 ]] && status=1
     "$CLUSTER" down
     sleep 0.5
     local left
@@ -61,6 +64,8 @@ trap 'status=130; exit' INT TERM
 
 # A cluster left by an interrupted run goes first (its sandboxes too).
 "$CLUSTER" down >/dev/null 2>&1 || true
+# The registry starts empty (a run damages a chunk in it on purpose).
+rm -rf "$TINE_CLUSTER_DIR/registry"
 "$CLUSTER" up --nodes 3 --gateways 2
 
 export TINE_POSTGRES_URL="postgresql://postgres@127.0.0.1:$TINE_CLUSTER_PG_PORT/tine"
@@ -69,6 +74,7 @@ E2B_API_KEY="$(key default)"
 TINE_E2E_OTHER_KEY="$(key other)"
 TINE_E2E_LIMITED_KEY="$(key limited)"
 export E2B_API_KEY TINE_E2E_OTHER_KEY TINE_E2E_LIMITED_KEY
+export TINE_E2E_REGISTRY="127.0.0.1:${TINE_CLUSTER_REGISTRY_PORT:-5055}" TINE_POSTGRES_URL
 export TINE_E2E_GATEWAYS="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 2))"
 export TINE_E2E_NODES="http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 2)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 3))"
 export E2B_API_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))" E2B_SANDBOX_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))"

@@ -298,3 +298,87 @@ def test_postgres_restarted_known_sandboxes_answer_and_creates_recover(spread):
         time.sleep(1)
     assert r.status_code == 201, r.text
     api("DELETE", f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def captures():
+    """`tine cluster captures`: the snapshot ids pushed to the registry."""
+    p = subprocess.run([os.environ["TINE_BIN"], "cluster", "captures"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in p.stdout.splitlines()[1:] if line.strip()}
+
+
+def wait_pushed(snapshot_id):
+    deadline = time.time() + 180
+    while snapshot_id not in captures():
+        assert time.time() < deadline, f"{snapshot_id} was not pushed to the registry"
+        time.sleep(1)
+
+
+def test_a_snapshot_restores_on_another_node_through_the_registry(spread):
+    src = spread[6]
+    src.commands.run(
+        "echo travelled > /tmp/travel; head -c 8388608 /dev/urandom > /dev/shm/blob; "
+        "md5sum /dev/shm/blob | cut -d' ' -f1 > /tmp/blob.md5; (sleep 100000 &)"
+    )
+    snap = src.create_snapshot()
+    n = node_of(src.sandbox_id)
+    wait_pushed(snap.snapshot_id)
+    cluster("stop-node", n.split("-")[1])
+    made = []
+    try:
+        # Placed on its holder (down: refused before anything was made),
+        # then on another node, which pulls it from the registry.
+        for g in GATEWAYS:
+            r = api("POST", "/v2/sandboxes", gateway=g, json={"templateID": snap.snapshot_id, "timeout": 300})
+            assert r.status_code == 201, r.text
+            made.append(r.json()["sandboxID"])
+            assert node_of(made[-1]) != n
+            sb = Sandbox.connect(made[-1])
+            assert sb.commands.run("cat /tmp/travel").stdout.strip() == "travelled"
+            md5 = sb.commands.run("md5sum /dev/shm/blob | cut -d' ' -f1").stdout.strip()
+            assert md5 == sb.commands.run("cat /tmp/blob.md5").stdout.strip()
+            assert sb.commands.run("pgrep -x sleep").exit_code == 0
+        # Another team cannot pull it.
+        r = api("POST", "/v2/sandboxes", key=OTHER_KEY, json={"templateID": snap.snapshot_id})
+        assert r.status_code == 404, r.text
+    finally:
+        for c in made:
+            api("DELETE", f"/sandboxes/{c}")
+        cluster("start-node", n.split("-")[1])
+    # Deleted everywhere (its node and those that pulled it), and no node
+    # pulls it again.
+    time.sleep(2)  # the nodes' heartbeats name what they hold
+    r = api("DELETE", f"/templates/{snap.snapshot_id}")
+    assert r.status_code == 204, r.text
+    assert snap.snapshot_id not in captures()
+    r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id})
+    assert r.status_code == 404, r.text
+
+
+def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
+    src = spread[7]
+    src.commands.run("head -c 4194304 /dev/urandom > /dev/shm/only-here")
+    snap = src.create_snapshot()
+    n = node_of(src.sandbox_id)
+    wait_pushed(snap.snapshot_id)
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    manifest = httpx.get(
+        f"http://{registry}/v2/tine/captures/manifests/{snap.snapshot_id}.ram",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    ).json()
+    # The chunk of the RAM that holds the most data: one no other capture has.
+    digest = max(manifest["layers"], key=lambda l: l["size"])["digest"]
+    h = digest.split(":")[1]
+    blob = os.path.join(os.environ["TINE_CLUSTER_DIR"], "registry", "data", "docker", "registry", "v2", "blobs", "sha256", h[:2], h, "data")
+    with open(blob, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0damaged\0")
+    cluster("stop-node", n.split("-")[1])
+    try:
+        r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id, "metadata": {"run": RUN}})
+        assert r.status_code == 502, r.text
+        msg = r.json()["message"]
+        assert snap.snapshot_id in msg and "damaged" in msg and "ram" in msg, msg
+        listed = api("GET", "/v2/sandboxes", params={"metadata": f"run={RUN}"}).json()
+        assert all(x["templateID"] != snap.snapshot_id for x in listed)
+    finally:
+        cluster("start-node", n.split("-")[1])

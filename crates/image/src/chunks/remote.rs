@@ -105,11 +105,23 @@ pub async fn find(
     creds: Option<&Credentials>,
 ) -> Result<Option<(ImageRef, Index)>> {
     let artifact = artifact_ref(source, manifest_digest)?;
-    let client = client(&artifact, opts);
+    Ok(find_at(&artifact, opts, creds)
+        .await?
+        .map(|index| (artifact, index)))
+}
+
+/// The index of the chunked artifact at `artifact` (a tag), if the
+/// registry has one.
+pub async fn find_at(
+    artifact: &ImageRef,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+) -> Result<Option<Index>> {
+    let client = client(artifact, opts);
     let pulled: std::result::Result<(bytes::Bytes, String), _> = client
         .pull_manifest_raw(
             artifact.oci(),
-            &auth(source, opts, creds),
+            &auth(artifact, opts, creds),
             &["application/vnd.oci.image.manifest.v1+json"],
         )
         .await;
@@ -127,7 +139,7 @@ pub async fn find(
     }
     let digest = config["digest"].as_str().unwrap_or_default().to_string();
     chunk_hex(&digest)?;
-    let bytes = fetch_blob(&client, &artifact, &digest, MAX_INDEX_BYTES).await?;
+    let bytes = fetch_blob(&client, artifact, &digest, MAX_INDEX_BYTES).await?;
     if sha256(&bytes) != digest {
         return Err(ImageError::Digest {
             reference: artifact.to_string(),
@@ -135,7 +147,42 @@ pub async fn find(
             detail: "the chunk index does not match its digest".into(),
         });
     }
-    Ok(Some((artifact, Index::from_json(&bytes)?)))
+    Ok(Some(Index::from_json(&bytes)?))
+}
+
+/// Fetch every chunk of `index` that `dir` lacks from the artifact at
+/// `reference`, each checked against its digest before it is kept.
+/// Returns the bytes fetched.
+pub async fn fetch_all(
+    reference: &ImageRef,
+    index: &Index,
+    dir: &std::path::Path,
+    opts: &RegistryOptions,
+    creds: Option<&Credentials>,
+) -> Result<u64> {
+    use super::cache::Fetch;
+    std::fs::create_dir_all(dir).map_err(crate::io(format!("creating {}", dir.display())))?;
+    let remote = RegistryChunks::new(reference.clone(), opts, creds);
+    let mut fetched = 0;
+    for (i, c) in index.chunks.iter().enumerate() {
+        let Some(c) = c else { continue };
+        let path = dir.join(chunk_hex(&c.digest)?);
+        if path.exists() {
+            continue;
+        }
+        let data = remote.fetch(c).await?;
+        if sha256(&data) != c.digest {
+            return Err(ImageError::Chunk {
+                image: reference.to_string(),
+                index: i,
+                digest: c.digest.clone(),
+                detail: "damaged in the registry: its bytes do not match their digest".into(),
+            });
+        }
+        super::write_atomic(&path, &data)?;
+        fetched += data.len() as u64;
+    }
+    Ok(fetched)
 }
 
 /// Chunks fetched from an artifact in a registry.

@@ -119,8 +119,9 @@ pub struct ClusterKey {
     pub team: String,
 }
 
+#[derive(Clone)]
 pub struct Catalog {
-    pool: Pool,
+    pub(super) pool: Pool,
 }
 
 const SCHEMA: &str = "
@@ -154,6 +155,14 @@ CREATE TABLE IF NOT EXISTS tine_idempotency (
     node_id TEXT NOT NULL,
     expires_ms BIGINT NOT NULL,
     PRIMARY KEY (team, key)
+);
+CREATE TABLE IF NOT EXISTS tine_captures (
+    id TEXT PRIMARY KEY,
+    team TEXT NOT NULL,
+    names JSONB NOT NULL,
+    node_id TEXT NOT NULL,
+    record JSONB NOT NULL,
+    pushed_ms BIGINT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,

@@ -10,6 +10,7 @@
 //! the catalog is a published view that heals itself from the nodes' full
 //! lists.
 
+pub mod captures;
 pub mod catalog;
 pub mod node;
 
@@ -40,8 +41,14 @@ pub struct ClusterConfig {
     pub secret_file: Option<PathBuf>,
     /// Seconds between heartbeats (default 2).
     pub heartbeat_secs: Option<u64>,
-    /// Seconds between full lists of its sandboxes (default 10).
+    /// Seconds between full lists of its sandboxes (default 60; a list
+    /// also goes whenever one of them changes).
     pub publish_secs: Option<u64>,
+    /// Where captures travel between nodes: a repository in an OCI
+    /// registry (`host:port/path`, reached as `[registries]` says).
+    /// Persistent snapshots are pushed there and pulled by any node that
+    /// is asked for one it lacks. Unset: captures stay on their node.
+    pub registry: Option<String>,
 }
 
 impl ClusterConfig {

@@ -115,6 +115,11 @@ impl NodeLink {
             .collect()
     }
 
+    /// The catalog this node publishes to.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
     /// One heartbeat and, when due, a full list.
     async fn beat(&self, manager: &Manager, full: bool) -> Result<(), CatalogError> {
         self.catalog

@@ -153,6 +153,15 @@ CREATE INDEX sandboxes_by_team ON sandboxes (team, state);
     r#"
 ALTER TABLE sandboxes ADD COLUMN intent TEXT;
 "#,
+    // Captures made on another host of a cluster and pulled from its
+    // registry: their sandbox is not here, so their team is kept here.
+    r#"
+CREATE TABLE imported_snapshots (
+    id          TEXT PRIMARY KEY,
+    team        TEXT NOT NULL,
+    imported_ms INTEGER NOT NULL
+);
+"#,
 ];
 
 impl Db {

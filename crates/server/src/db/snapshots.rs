@@ -137,8 +137,39 @@ impl Db {
                 None => Ok(None),
             },
             SnapshotKind::Layer => Ok(None),
-            _ => self.sandbox_team(&row.sandbox_id),
+            _ => match self.sandbox_team(&row.sandbox_id)? {
+                Some(team) => Ok(Some(team)),
+                None => self.imported_team(&row.id),
+            },
         }
+    }
+
+    /// The team of a capture pulled from another host.
+    fn imported_team(&self, id: &str) -> Result<Option<String>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT team FROM imported_snapshots WHERE id = ?1",
+                [id],
+                |r| r.get(0),
+            )
+            .optional()?)
+    }
+
+    /// Record capture `s` of team `team`, pulled from another host, in one
+    /// transaction with its team.
+    pub fn import_snapshot(&self, s: &SnapshotRow, team: &str) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        insert_snapshot_on(&tx, s)?;
+        tx.execute(
+            "INSERT OR REPLACE INTO imported_snapshots (id, team, imported_ms) VALUES (?1, ?2, ?3)",
+            params![s.id, team, super::now_ms()],
+        )?;
+        tx.commit()?;
+        drop(conn);
+        self.changed().notify_one();
+        Ok(())
     }
 
     /// Captures (user snapshots and pauses) of team `team`'s sandboxes

@@ -432,17 +432,56 @@ async fn elsewhere(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Respon
     if req.method() == Method::GET && path == "/snapshots" {
         return snapshots(g, key, &up, query_of(&req)).await;
     }
-    let held = path
+    let id = path
         .strip_prefix("/templates/")
         .and_then(|rest| rest.split('/').next())
-        .and_then(|id| {
-            up.iter()
-                .find(|n| n.status.templates.iter().any(|t| t == id))
-                .copied()
-        });
-    Ok(g.to_node(held.unwrap_or(first), &key.team, req)
+        .unwrap_or_default()
+        .to_string();
+    let holders: Vec<&Node> = up
+        .iter()
+        .filter(|n| !id.is_empty() && n.status.templates.contains(&id))
+        .copied()
+        .collect();
+    if req.method() == Method::DELETE && holders.len() > 1 {
+        return delete_everywhere(g, key, &id, &holders, req).await;
+    }
+    let resp = g
+        .to_node(holders.first().copied().unwrap_or(first), &key.team, req)
         .await
-        .unwrap_or_else(ForwardError::into_response))
+        .unwrap_or_else(ForwardError::into_response);
+    Ok(resp)
+}
+
+/// `DELETE /templates/{id}` of a snapshot held by several nodes (its own
+/// and those that pulled it from the registry): deleted on each; the
+/// first answer that is not a success, else the first, goes back.
+async fn delete_everywhere(
+    g: &Gateway,
+    key: &ClusterKey,
+    id: &str,
+    holders: &[&Node],
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (parts, _) = req.into_parts();
+    let mut answers = Vec::new();
+    for n in holders {
+        let again = http::Request::from_parts(parts.clone(), Body::empty());
+        answers.push(
+            g.to_node(n, &key.team, again)
+                .await
+                .unwrap_or_else(ForwardError::into_response),
+        );
+    }
+    if answers.iter().all(|r| r.status().is_success()) {
+        if let Err(e) = crate::cluster::captures::forget(&g.catalog, id).await {
+            tracing::warn!(snapshot = id, "forgetting the capture: {e}");
+        }
+    }
+    let i = answers
+        .iter()
+        .position(|r| !r.status().is_success())
+        .unwrap_or(0);
+    Ok(answers.swap_remove(i))
 }
 
 /// `GET /snapshots` across nodes: each node's whole list, merged, then
@@ -509,6 +548,9 @@ async fn snapshots(
             }
         }
     }
+    // A snapshot pulled by other nodes is listed once.
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|v| seen.insert(v["snapshotID"].to_string()));
     let page: Vec<serde_json::Value> = all.iter().skip(skip).take(limit).cloned().collect();
     let mut headers = http::HeaderMap::new();
     if skip + page.len() < all.len() {

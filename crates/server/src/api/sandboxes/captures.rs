@@ -74,7 +74,7 @@ struct SnapshotBody {
 }
 
 pub async fn create_snapshot(
-    Owned { id, .. }: Owned,
+    Owned { id, key }: Owned,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
@@ -86,6 +86,9 @@ pub async fn create_snapshot(
         ));
     }
     let row = s.manager.snapshot(&id, b.name).await?;
+    if let Some(c) = &s.captures {
+        c.push_later(row.clone(), key.team.clone());
+    }
     Ok((
         StatusCode::CREATED,
         Json(serde_json::json!({ "snapshotID": row.id, "names": row.names })),
@@ -105,6 +108,9 @@ pub async fn delete_snapshot(
     match s.manager.delete_snapshot(&id) {
         Ok(()) => {
             s.builds.forget(&id)?;
+            if let Some(c) = &s.captures {
+                c.forget(&id).await;
+            }
         }
         // Registered (`POST /v3/templates`) but never built: only builds.
         Err(crate::sandboxes::SandboxError::NotFound(what)) => {

@@ -1,0 +1,165 @@
+//! Captures that travel between hosts: a snapshot made self-contained
+//! ([`export`]) and installed on another host ([`import`]).
+//!
+//! On its own host a snapshot leans on others: its RAM may be a layer over
+//! its parent's, its disk a qcow2 layer over a chain of other snapshots'
+//! disks, named by absolute paths. An exported capture leans only on the
+//! guest artifacts (kernel, initramfs, base rootfs), which every host
+//! builds from the same recipe at the same paths:
+//!
+//! ```text
+//! state        QEMU's device state, as in the snapshot
+//! ram          the whole RAM (the parent chain merged in), sparse
+//! disk.qcow2   the disk, flattened onto the base rootfs (qemu-img copies
+//!              in every cluster the chain changed)
+//! ```
+//!
+//! with a [`SnapshotMeta`] that names no parent and no disks below. Captures
+//! of sandboxes whose root disk is an OCI image (read through the image
+//! daemon) do not travel yet.
+
+use std::path::Path;
+
+use crate::config::{Paths, RootDisk};
+use crate::disk::{self, BackingFormat};
+use crate::error::{Error, IoContext, Result};
+use crate::snapshot::{Snapshot, SnapshotMeta};
+
+/// The files of an exported capture.
+pub const FILES: [&str; 3] = ["state", "ram", "disk.qcow2"];
+
+fn refuse(path: &Path, detail: impl Into<String>) -> Error {
+    Error::Snapshot {
+        path: path.to_path_buf(),
+        detail: detail.into(),
+    }
+}
+
+/// Write snapshot `id` as a self-contained capture into the empty
+/// directory `out` and return its meta. The snapshot is only read.
+pub async fn export(paths: &Paths, id: &str, out: &Path) -> Result<SnapshotMeta> {
+    let snap = Snapshot::open(paths, id)?;
+    let RootDisk::File(rootfs) = snap.meta.artifacts.rootfs.clone() else {
+        return Err(refuse(
+            &snap.dir,
+            "captures of sandboxes on an OCI image do not travel between hosts yet",
+        ));
+    };
+    std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
+    // qemu-img (as root) reads the chain the disk's header names: it must
+    // be the one tine made.
+    let allowed = crate::vm::allowed_disks(
+        paths,
+        snap.meta.disk_over.as_deref(),
+        &snap.meta.artifacts.rootfs,
+    );
+    crate::jail::chain::below_within(&snap.disk_path(), &allowed)
+        .ctx(|| format!("checking the disk of snapshot {id}"))?;
+    let disk_out = out.join("disk.qcow2");
+    std::fs::copy(snap.disk_path(), &disk_out)
+        .ctx(|| format!("copying {}", snap.disk_path().display()))?;
+    disk::rebase(&disk_out, &rootfs, BackingFormat::Raw).await?;
+
+    let (src, dir) = (snap.clone(), out.to_path_buf());
+    let crc = crate::blocking(move || {
+        std::fs::copy(src.state_path(), dir.join("state"))
+            .ctx(|| format!("copying {}", src.state_path().display()))?;
+        let ram = dir.join("ram");
+        crate::snapshot::copy_sparse(&src.ram, &ram)
+            .ctx(|| format!("copying {}", src.ram.display()))?;
+        if !src.layers.is_empty() {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&ram)
+                .ctx(|| format!("opening {}", ram.display()))?;
+            src.ram_chain()
+                .write_into(&file)
+                .ctx(|| format!("writing the RAM layers into {}", ram.display()))?;
+        }
+        crate::checksum::sparse_crc(&ram).ctx(|| format!("reading {}", ram.display()))
+    })
+    .await?;
+    let mut meta = SnapshotMeta {
+        parent: None,
+        disk_over: Some(Vec::new()),
+        ..snap.meta.clone()
+    };
+    meta.checksums.insert("ram".into(), crc);
+    Ok(meta)
+}
+
+/// Install the capture whose files are in `from` (as [`export`] wrote
+/// them) as snapshot `id`: its checksums are checked, its disk is pointed
+/// at this host's base rootfs, and it exists once its `meta.json` does.
+/// The files are moved out of `from`.
+pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta) -> Result<()> {
+    let RootDisk::File(rootfs) = meta.artifacts.rootfs.clone() else {
+        return Err(refuse(from, "the capture is not over a base rootfs file"));
+    };
+    for (what, p) in [
+        ("kernel", &meta.artifacts.kernel),
+        ("initramfs", &meta.artifacts.initramfs),
+        ("base rootfs", &rootfs),
+    ] {
+        if !p.exists() {
+            return Err(refuse(
+                from,
+                format!(
+                    "it needs the guest {what} {} that this host lacks (hosts of a cluster build the same artifacts: scripts/setup-host.sh)",
+                    p.display()
+                ),
+            ));
+        }
+    }
+    let dir = paths.snapshot_dir(id);
+    if dir.join("meta.json").exists() {
+        return Ok(());
+    }
+    let (src, want) = (from.to_path_buf(), meta.checksums.clone());
+    crate::blocking(move || {
+        for (name, sum) in [
+            ("state", crate::checksum::file_crc(&src.join("state"))),
+            ("ram", crate::checksum::sparse_crc(&src.join("ram"))),
+        ] {
+            let sum = sum.ctx(|| format!("reading {}", src.join(name).display()))?;
+            if want.get(name).is_some_and(|w| *w != sum) {
+                return Err(refuse(
+                    &src,
+                    format!("its {name} does not match its checksum"),
+                ));
+            }
+        }
+        Ok(())
+    })
+    .await?;
+    // Only the header's name of the base changes: the contents are the same.
+    let disk = from.join("disk.qcow2");
+    let status = tokio::process::Command::new("qemu-img")
+        .args(["rebase", "-u", "-F", "raw", "-b"])
+        .arg(&rootfs)
+        .arg(&disk)
+        .status()
+        .await
+        .ctx(|| "running qemu-img rebase".into())?;
+    if !status.success() {
+        return Err(refuse(
+            &disk,
+            format!("qemu-img rebase -u failed ({status})"),
+        ));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
+    for f in FILES {
+        std::fs::rename(from.join(f), dir.join(f))
+            .ctx(|| format!("moving {} into {}", f, dir.display()))?;
+    }
+    meta.id = id.to_string();
+    meta.parent = None;
+    meta.disk_over = Some(Vec::new());
+    crate::snapshot::publish(
+        &dir,
+        &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
+    )?;
+    // It opens as any snapshot of this host does.
+    Snapshot::open(paths, id).map(|_| ())
+}
