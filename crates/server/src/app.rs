@@ -145,6 +145,9 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         }
         _ => None,
     };
+    if let Some(c) = &captures {
+        tokio::spawn(c.clone().run(manager.db_arc()));
+    }
     tokio::spawn(manager.clone().sweep_loop());
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());

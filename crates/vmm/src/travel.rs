@@ -38,6 +38,8 @@ fn refuse(path: &Path, detail: impl Into<String>) -> Error {
 /// Write snapshot `id` as a self-contained capture into the empty
 /// directory `out` and return its meta. The snapshot is only read.
 pub async fn export(paths: &Paths, id: &str, out: &Path) -> Result<SnapshotMeta> {
+    // Not while compaction rewrites the snapshot's files.
+    let _one_at_a_time = crate::compact::REWRITES.lock().await;
     let snap = Snapshot::open(paths, id)?;
     let RootDisk::File(rootfs) = snap.meta.artifacts.rootfs.clone() else {
         return Err(refuse(

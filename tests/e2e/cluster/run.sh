@@ -67,6 +67,8 @@ trap 'status=130; exit' INT TERM
 # The registry starts empty (a run damages a chunk in it on purpose).
 rm -rf "$TINE_CLUSTER_DIR/registry"
 "$CLUSTER" up --nodes 3 --gateways 2
+# The catalog's captures name what the emptied registry held.
+psql -h 127.0.0.1 -p "$TINE_CLUSTER_PG_PORT" -U postgres -d tine -tAqc "DELETE FROM tine_captures" >/dev/null
 
 export TINE_POSTGRES_URL="postgresql://postgres@127.0.0.1:$TINE_CLUSTER_PG_PORT/tine"
 key() { "$TINE_BIN" cluster create-key --postgres-url "$TINE_POSTGRES_URL" --name e2e-cluster --team "$1" 2>/dev/null; }

@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 import pytest
-from e2b import Sandbox, SandboxQuery
+from e2b import Sandbox, SandboxQuery, Template
 
 GATEWAYS = os.environ["TINE_E2E_GATEWAYS"].split(",")
 NODES = os.environ["TINE_E2E_NODES"].split(",")
@@ -301,15 +301,17 @@ def test_postgres_restarted_known_sandboxes_answer_and_creates_recover(spread):
 
 
 def captures():
-    """`tine cluster captures`: the snapshot ids pushed to the registry."""
+    """`tine cluster captures`: the pushed captures' ids and names."""
     p = subprocess.run([os.environ["TINE_BIN"], "cluster", "captures"], capture_output=True, text=True, check=True)
-    return {line.split()[0] for line in p.stdout.splitlines()[1:] if line.strip()}
+    rows = [line.split() for line in p.stdout.splitlines()[1:] if line.strip()]
+    return {r[0]: (r[4].split(",") if len(r) > 4 else []) for r in rows}
 
 
-def wait_pushed(snapshot_id):
+def wait_pushed(name):
+    """Until a capture with id or name `name` is in the registry."""
     deadline = time.time() + 180
-    while snapshot_id not in captures():
-        assert time.time() < deadline, f"{snapshot_id} was not pushed to the registry"
+    while not any(name == i or name in names for i, names in captures().items()):
+        assert time.time() < deadline, f"{name} was not pushed to the registry"
         time.sleep(1)
 
 
@@ -382,3 +384,32 @@ def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
         assert all(x["templateID"] != snap.snapshot_id for x in listed)
     finally:
         cluster("start-node", n.split("-")[1])
+
+
+def test_a_template_built_on_one_node_starts_on_the_others_through_the_registry():
+    name = f"cl-tpl-{RUN}"
+    Template.build(
+        Template().from_template("base").run_cmd("echo built once > /tmp/built"),
+        f"{name}:v1",
+        cpu_count=1,
+        memory_mb=256,
+    )
+    first = create(template=name)
+    builder = node_of(first.sandbox_id)
+    first.kill()
+    wait_pushed(f"{name}:v1")
+    cluster("stop-node", builder.split("-")[1])
+    made = []
+    try:
+        for template in (name, f"{name}:v1"):
+            s = create(template=template)
+            made.append(s)
+            assert node_of(s.sandbox_id) != builder
+            assert s.commands.run("cat /tmp/built").stdout.strip() == "built once"
+        # Another team does not get it.
+        r = api("POST", "/v2/sandboxes", key=OTHER_KEY, json={"templateID": name})
+        assert r.status_code == 404, r.text
+    finally:
+        for s in made:
+            s.kill()
+        cluster("start-node", builder.split("-")[1])

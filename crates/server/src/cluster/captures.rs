@@ -1,6 +1,7 @@
 //! Captures through the registry: a node of a cluster with `[cluster]
-//! registry` pushes each persistent snapshot (`create_snapshot`) there in
-//! the background, and any node asked for a snapshot it lacks pulls it.
+//! registry` pushes each persistent snapshot (`create_snapshot`) and each
+//! template it builds there in the background ([`Captures::run`]), and any
+//! node asked for one it lacks pulls it ([`Captures::ensure_local`]).
 //!
 //! A capture travels self-contained ([`tine_vmm::travel`]: device state,
 //! whole RAM, disk flattened onto the base rootfs), each file as a chunked
@@ -43,6 +44,11 @@ fn failed(id: &str) -> impl Fn(String) -> CaptureError + '_ {
 /// What the catalog keeps of a pushed capture.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
+    /// `snapshot` or `template`.
+    pub kind: String,
+    /// A template's `(name, tag)`s.
+    #[serde(default)]
+    pub tags: Vec<(String, String)>,
     pub sandbox_id: String,
     pub template_id: String,
     pub cpu_count: u32,
@@ -106,25 +112,67 @@ impl Captures {
         ImageRef::parse(&format!("{}:{id}.{tag}", self.repo)).map_err(|e| failed(id)(e.to_string()))
     }
 
-    /// Push snapshot `row` of `team` in the background; the outcome is
-    /// logged (and listed by `tine cluster captures` once done).
-    pub fn push_later(self: &Arc<Self>, row: SnapshotRow, team: String) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            let t = std::time::Instant::now();
-            match me.push(&row, &team).await {
-                Ok(bytes) => tracing::info!(
-                    snapshot = %row.id,
-                    mib = bytes >> 20,
-                    secs = t.elapsed().as_secs_f64(),
-                    "capture pushed to the registry"
-                ),
-                Err(e) => tracing::warn!(snapshot = %row.id, "pushing the capture: {e}"),
+    /// Push every snapshot and template of this node that the catalog
+    /// does not have yet, whenever one is made, forever. A push that fails
+    /// is tried again at the next change or after a minute.
+    pub async fn run(self: Arc<Self>, db: Arc<Db>) {
+        let mut changes = db.subscribe();
+        let mut done: std::collections::HashSet<String> = match self.pushed_here().await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("reading the pushed captures: {e}");
+                Default::default()
             }
-        });
+        };
+        // A capture whose push failed waits before the next try.
+        let mut failed_at: std::collections::HashMap<String, std::time::Instant> =
+            Default::default();
+        loop {
+            failed_at.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(300));
+            let rows = db.travelling_snapshots().unwrap_or_else(|e| {
+                tracing::warn!("listing the snapshots to push: {e}");
+                Vec::new()
+            });
+            let new: Vec<SnapshotRow> = rows
+                .into_iter()
+                .filter(|r| !done.contains(&r.id) && !failed_at.contains_key(&r.id))
+                .collect();
+            for row in new {
+                let team = db.snapshot_team(&row).ok().flatten();
+                let tags = db.tags_of(&row.id).unwrap_or_default();
+                let t = std::time::Instant::now();
+                match self.push(&row, team.as_deref(), &tags).await {
+                    Ok(bytes) => {
+                        tracing::info!(
+                            snapshot = %row.id,
+                            mib = bytes >> 20,
+                            secs = t.elapsed().as_secs_f64(),
+                            "capture pushed to the registry"
+                        );
+                        done.insert(row.id);
+                    }
+                    Err(e) => {
+                        tracing::warn!(snapshot = %row.id, "pushing the capture (again in 5 min): {e}");
+                        failed_at.insert(row.id, std::time::Instant::now());
+                    }
+                }
+            }
+            tokio::select! {
+                _ = changes.changed() => {
+                    // A build tags its template just after it is made.
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                }
+                _ = tokio::time::sleep(std::time::Duration::from_secs(60)) => {}
+            }
+        }
     }
 
-    async fn push(&self, row: &SnapshotRow, team: &str) -> Result<u64, CaptureError> {
+    async fn push(
+        &self,
+        row: &SnapshotRow,
+        team: Option<&str>,
+        tags: &[(String, String)],
+    ) -> Result<u64, CaptureError> {
         let err = failed(&row.id);
         let stage = self.work.join(format!("push-{}", row.id));
         let _ = std::fs::remove_dir_all(&stage);
@@ -155,6 +203,8 @@ impl Captures {
                 files.insert(f.to_string(), target.to_string());
             }
             let record = Record {
+                kind: row.kind.as_str().to_string(),
+                tags: tags.to_vec(),
                 sandbox_id: row.sandbox_id.clone(),
                 template_id: row.template_id.clone(),
                 cpu_count: row.cpu_count,
@@ -165,7 +215,15 @@ impl Captures {
                 files,
                 pushed_bytes,
             };
-            self.put(&row.id, team, &row.names, &record).await?;
+            // Found by id, by name and by `name:tag`.
+            let names: Vec<String> = row
+                .names
+                .iter()
+                .cloned()
+                .chain(tags.iter().map(|(t, tag)| format!("{t}:{tag}")))
+                .collect();
+            self.put(&row.id, team.unwrap_or_default(), &names, &record)
+                .await?;
             Ok::<_, CaptureError>(pushed_bytes)
         }
         .await;
@@ -186,7 +244,7 @@ impl Captures {
         if here(template) {
             return Ok(false);
         }
-        let Some((id, record)) = self.find(team, template).await? else {
+        let Some((id, owner, record)) = self.find(team, template).await? else {
             return Ok(false);
         };
         let _one = self.pulls.lock().await;
@@ -220,19 +278,30 @@ impl Captures {
             tine_vmm::travel::import(&self.paths, &id, &files_dir, record.meta.clone())
                 .await
                 .map_err(|e| err(e.to_string()))?;
+            let kind = match record.kind.as_str() {
+                "template" => SnapshotKind::Template,
+                _ => SnapshotKind::Snapshot,
+            };
+            let names = self.names(&id).await?;
+            let names = match kind {
+                // A template's first name is its own; `name:tag`s find it.
+                SnapshotKind::Template => names.into_iter().take(1).collect(),
+                _ => names,
+            };
             let row = SnapshotRow {
                 id: id.clone(),
-                kind: SnapshotKind::Snapshot,
+                kind,
                 sandbox_id: record.sandbox_id.clone(),
                 parent_id: None,
-                names: self.names(&id).await.unwrap_or_default(),
+                names,
                 template_id: record.template_id.clone(),
                 cpu_count: record.cpu_count,
                 memory_mb: record.memory_mb,
                 source_token: record.source_token.clone(),
                 created_ms: record.created_ms,
             };
-            db.import_snapshot(&row, team)
+            let owner = Some(owner.as_str()).filter(|t| !t.is_empty());
+            db.import_snapshot(&row, owner, &record.tags)
                 .map_err(|e| err(e.to_string()))?;
             Ok::<_, CaptureError>(fetched)
         }
@@ -279,26 +348,42 @@ impl Captures {
         Ok(())
     }
 
+    /// The capture `template` names (an id, a name, `name:tag`) that
+    /// `team` may use (its own, or shared: team ''), newest first: its id,
+    /// its team and its record.
     async fn find(
         &self,
         team: &str,
         template: &str,
-    ) -> Result<Option<(String, Record)>, CaptureError> {
+    ) -> Result<Option<(String, String, Record)>, CaptureError> {
         let db = self.catalog.pool.get().await.map_err(CatalogError::from)?;
         let row = db
             .query_opt(
-                "SELECT id, record FROM tine_captures
-                 WHERE team = $1 AND (id = $2 OR names ? $2) LIMIT 1",
+                "SELECT id, team, record FROM tine_captures
+                 WHERE (team = $1 OR team = '') AND (id = $2 OR names ? $2)
+                 ORDER BY pushed_ms DESC LIMIT 1",
                 &[&team, &template],
             )
             .await
             .map_err(CatalogError::from)?;
         let Some(row) = row else { return Ok(None) };
         let id: String = row.get(0);
-        let record: serde_json::Value = row.get(1);
+        let record: serde_json::Value = row.get(2);
         let record = serde_json::from_value(record)
             .map_err(|e| failed(&id)(format!("its catalog record: {e}")))?;
-        Ok(Some((id, record)))
+        Ok(Some((id, row.get(1), record)))
+    }
+
+    /// The captures this node pushed.
+    async fn pushed_here(&self) -> Result<std::collections::HashSet<String>, CatalogError> {
+        let db = self.catalog.pool.get().await?;
+        let rows = db
+            .query(
+                "SELECT id FROM tine_captures WHERE node_id = $1",
+                &[&self.node],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
     async fn names(&self, id: &str) -> Result<Vec<String>, CaptureError> {

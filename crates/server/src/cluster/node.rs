@@ -140,6 +140,7 @@ impl NodeLink {
         let mut last_full: Option<std::time::Instant> = None;
         let mut failing = false;
         let mut changed = false;
+        let mut changes = manager.db().subscribe();
         loop {
             let full = changed || last_full.is_none_or(|t| t.elapsed() >= self.publish);
             match self.beat(&manager, full).await {
@@ -162,7 +163,7 @@ impl NodeLink {
             }
             changed = tokio::select! {
                 _ = tokio::time::sleep(self.heartbeat) => false,
-                _ = manager.db().changed().notified() => {
+                _ = changes.changed() => {
                     tokio::time::sleep(CHANGES_GATHERED).await;
                     true
                 }

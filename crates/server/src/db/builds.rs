@@ -96,7 +96,7 @@ impl Db {
     /// that names one (`None`: a shared template, such as `base`, or no
     /// such template).
     pub fn template_team(&self, name: &str) -> Result<Option<String>> {
-        Ok(self
+        let built: Option<String> = self
             .conn()
             .query_row(
                 "SELECT team FROM builds WHERE template = ?1 AND team IS NOT NULL \
@@ -104,7 +104,24 @@ impl Db {
                 [name],
                 |r| r.get(0),
             )
-            .optional()?)
+            .optional()?;
+        if built.is_some() {
+            return Ok(built);
+        }
+        // Built on another host of a cluster and pulled from its registry.
+        let pulled: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT s.id FROM snapshots s JOIN imported_snapshots i ON i.id = s.id \
+                 WHERE s.kind = 'template' AND json_extract(s.names, '$[0]') = ?1 LIMIT 1",
+                [name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match pulled {
+            Some(id) => self.imported_team(&id),
+            None => Ok(None),
+        }
     }
 
     pub fn insert_build(&self, b: &BuildRow) -> Result<()> {

@@ -50,7 +50,7 @@ pub struct Db {
     /// Woken when a sandbox's state or times change or a snapshot is
     /// taken: a cluster node publishes its list and what it holds then,
     /// not only on its timer.
-    changed: tokio::sync::Notify,
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 /// Schema migrations, applied in order; `user_version` counts those done.
@@ -191,7 +191,7 @@ impl Db {
             .map_err(open_err)?;
         let db = Self {
             conn: Mutex::new(conn),
-            changed: tokio::sync::Notify::new(),
+            changed: tokio::sync::watch::Sender::new(0),
         };
         db.migrate()?;
         Ok(db)
@@ -209,10 +209,14 @@ impl Db {
         Ok(())
     }
 
-    /// Notified after a sandbox's state or times change or a snapshot is
-    /// taken (one stored permit when nobody waits: a burst wakes once).
-    pub fn changed(&self) -> &tokio::sync::Notify {
-        &self.changed
+    /// Changes after a sandbox's state or times change or a snapshot is
+    /// taken: every subscriber sees them; a burst is seen once.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    fn note_change(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     fn conn(&self) -> MutexGuard<'_, Connection> {

@@ -301,7 +301,7 @@ impl Db {
         )?;
         also(&tx)?;
         tx.commit()?;
-        self.changed().notify_one();
+        self.note_change();
         Ok(true)
     }
 
@@ -310,7 +310,7 @@ impl Db {
             "UPDATE sandboxes SET started_at_ms = ?2, end_at_ms = ?3 WHERE id = ?1",
             params![id, started_at_ms, end_at_ms],
         )?;
-        self.changed().notify_one();
+        self.note_change();
         Ok(())
     }
 
@@ -340,7 +340,7 @@ impl Db {
             "UPDATE sandboxes SET end_at_ms = ?2 WHERE id = ?1",
             params![id, end_at_ms],
         )?;
-        self.changed().notify_one();
+        self.note_change();
         Ok(())
     }
 

@@ -112,7 +112,7 @@ impl Db {
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<()> {
         insert_snapshot_on(&self.conn(), s)?;
         // A node's heartbeat names the snapshots it holds.
-        self.changed().notify_one();
+        self.note_change();
         Ok(())
     }
 
@@ -133,7 +133,10 @@ impl Db {
     pub fn snapshot_team(&self, row: &SnapshotRow) -> Result<Option<String>> {
         match row.kind {
             SnapshotKind::Template => match row.names.first() {
-                Some(name) => self.template_team(name),
+                Some(name) => match self.template_team(name)? {
+                    Some(team) => Ok(Some(team)),
+                    None => self.imported_team(&row.id),
+                },
                 None => Ok(None),
             },
             SnapshotKind::Layer => Ok(None),
@@ -144,31 +147,47 @@ impl Db {
         }
     }
 
-    /// The team of a capture pulled from another host.
-    fn imported_team(&self, id: &str) -> Result<Option<String>> {
-        Ok(self
+    /// The team of a capture pulled from another host (`None`: shared, or
+    /// not pulled).
+    pub(super) fn imported_team(&self, id: &str) -> Result<Option<String>> {
+        let team: Option<String> = self
             .conn()
             .query_row(
                 "SELECT team FROM imported_snapshots WHERE id = ?1",
                 [id],
                 |r| r.get(0),
             )
-            .optional()?)
+            .optional()?;
+        Ok(team.filter(|t| !t.is_empty()))
     }
 
-    /// Record capture `s` of team `team`, pulled from another host, in one
-    /// transaction with its team.
-    pub fn import_snapshot(&self, s: &SnapshotRow, team: &str) -> Result<()> {
+    /// Record capture `s` of `team` (`None`: shared), pulled from another
+    /// host, in one transaction with its team and, for a template, its
+    /// `(template, tag)`s.
+    pub fn import_snapshot(
+        &self,
+        s: &SnapshotRow,
+        team: Option<&str>,
+        tags: &[(String, String)],
+    ) -> Result<()> {
         let mut conn = self.conn();
         let tx = conn.transaction()?;
         insert_snapshot_on(&tx, s)?;
         tx.execute(
             "INSERT OR REPLACE INTO imported_snapshots (id, team, imported_ms) VALUES (?1, ?2, ?3)",
-            params![s.id, team, super::now_ms()],
+            params![s.id, team.unwrap_or_default(), super::now_ms()],
         )?;
+        for (template, tag) in tags {
+            tx.execute(
+                "INSERT INTO template_tags (template, tag, snapshot_id, build_id, created_ms) \
+                 VALUES (?1, ?2, ?3, '', ?4) \
+                 ON CONFLICT (template, tag) DO UPDATE SET snapshot_id = ?3, created_ms = ?4",
+                params![template, tag, s.id, super::now_ms()],
+            )?;
+        }
         tx.commit()?;
         drop(conn);
-        self.changed().notify_one();
+        self.note_change();
         Ok(())
     }
 
@@ -242,6 +261,34 @@ impl Db {
     }
 
     /// Templates, one row per template and shape.
+    /// This host's own user snapshots and built templates (not `base`'s,
+    /// which every host builds, nor those pulled from another host): what
+    /// a cluster node pushes to its registry.
+    pub fn travelling_snapshots(&self) -> Result<Vec<SnapshotRow>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE kind IN ('snapshot', 'template') \
+             AND deleted_ms IS NULL AND json_extract(names, '$[0]') IS NOT 'base' \
+             AND id NOT IN (SELECT id FROM imported_snapshots) ORDER BY created_ms, id"
+        ))?;
+        let rows = stmt.query_map([], from_row)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
+    }
+
+    /// The `(template, tag)`s that point at capture `id`.
+    pub fn tags_of(&self, id: &str) -> Result<Vec<(String, String)>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT template, tag FROM template_tags WHERE snapshot_id = ?1 ORDER BY template, tag",
+        )?;
+        let rows = stmt.query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     pub fn list_templates(&self) -> Result<Vec<SnapshotRow>> {
         let conn = self.conn();
         let mut stmt = conn.prepare(&format!(

@@ -272,6 +272,10 @@ impl Manager {
         &self.db
     }
 
+    pub fn db_arc(&self) -> Arc<Db> {
+        self.db.clone()
+    }
+
     pub fn live(&self, id: &str) -> Option<Arc<Live>> {
         self.live
             .read()

@@ -74,7 +74,7 @@ struct SnapshotBody {
 }
 
 pub async fn create_snapshot(
-    Owned { id, key }: Owned,
+    Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
@@ -86,9 +86,6 @@ pub async fn create_snapshot(
         ));
     }
     let row = s.manager.snapshot(&id, b.name).await?;
-    if let Some(c) = &s.captures {
-        c.push_later(row.clone(), key.team.clone());
-    }
     Ok((
         StatusCode::CREATED,
         Json(serde_json::json!({ "snapshotID": row.id, "names": row.names })),
