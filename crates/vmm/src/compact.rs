@@ -49,15 +49,8 @@ pub async fn compact(paths: &Paths, id: &str) -> Result<Option<String>> {
                 .ctx(|| format!("writing {}", out.display()))
         })
         .await?;
-        // qemu-img (as root) reads the chain the disk's header names: it
-        // must be the one tine made.
-        let allowed = crate::vm::allowed_disks(
-            paths,
-            snap.meta.disk_over.as_deref(),
-            &snap.meta.artifacts.rootfs,
-        );
-        crate::jail::chain::below_within(&snap.disk_path(), &allowed)
-            .ctx(|| format!("checking the disk of snapshot {id}"))?;
+        // qemu-img (as root) reads the chain the disk's header names.
+        snap.check_disk_chain(paths)?;
         std::fs::copy(snap.disk_path(), &disk_tmp)
             .ctx(|| format!("copying {}", snap.disk_path().display()))?;
         disk::rebase(&disk_tmp, &root.disk_path(), BackingFormat::Qcow2).await?;

@@ -121,6 +121,19 @@ impl Snapshot {
             .ctx(|| format!("writing RAM layers into QEMU {pid}"))
     }
 
+    /// Check that the backing chain its disk's qcow2 header names is the
+    /// one tine made (before qemu-img reads that chain as root).
+    pub(crate) fn check_disk_chain(&self, paths: &Paths) -> Result<()> {
+        let allowed = crate::vm::allowed_disks(
+            paths,
+            self.meta.disk_over.as_deref(),
+            &self.meta.artifacts.rootfs,
+        );
+        crate::jail::chain::below_within(&self.disk_path(), &allowed)
+            .ctx(|| format!("checking the disk of snapshot {}", self.meta.id))
+            .map(|_| ())
+    }
+
     /// The root and layers of this snapshot's RAM, opened for reading.
     pub fn ram_chain(&self) -> Arc<Chain> {
         self.chain.clone().expect("Snapshot::open opens the chain")

@@ -48,15 +48,8 @@ pub async fn export(paths: &Paths, id: &str, out: &Path) -> Result<SnapshotMeta>
         ));
     };
     std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
-    // qemu-img (as root) reads the chain the disk's header names: it must
-    // be the one tine made.
-    let allowed = crate::vm::allowed_disks(
-        paths,
-        snap.meta.disk_over.as_deref(),
-        &snap.meta.artifacts.rootfs,
-    );
-    crate::jail::chain::below_within(&snap.disk_path(), &allowed)
-        .ctx(|| format!("checking the disk of snapshot {id}"))?;
+    // qemu-img (as root) reads the chain the disk's header names.
+    snap.check_disk_chain(paths)?;
     let disk_out = out.join("disk.qcow2");
     std::fs::copy(snap.disk_path(), &disk_out)
         .ctx(|| format!("copying {}", snap.disk_path().display()))?;
