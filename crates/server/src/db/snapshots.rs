@@ -205,17 +205,10 @@ impl Db {
 
     /// User snapshots, oldest first, optionally of one sandbox.
     pub fn list_snapshots(&self, sandbox_id: Option<&str>) -> Result<Vec<SnapshotRow>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE kind = 'snapshot' AND deleted_ms IS NULL \
-             AND (?1 IS NULL OR sandbox_id = ?1) ORDER BY created_ms, id"
-        ))?;
-        let rows = stmt.query_map([sandbox_id], from_row)?;
-        let mut out = Vec::new();
-        for r in rows {
-            out.push(r??);
-        }
-        Ok(out)
+        self.select_snapshots(
+            "kind = 'snapshot' AND deleted_ms IS NULL AND (?1 IS NULL OR sandbox_id = ?1)",
+            [sandbox_id],
+        )
     }
 
     /// Hide a user snapshot (by id) or a template (by id or name); the
@@ -260,18 +253,30 @@ impl Db {
             .transpose()
     }
 
-    /// Templates, one row per template and shape.
     /// This host's own user snapshots and built templates (not `base`'s,
     /// which every host builds, nor those pulled from another host): what
     /// a cluster node pushes to its registry.
     pub fn travelling_snapshots(&self) -> Result<Vec<SnapshotRow>> {
+        self.select_snapshots(
+            "kind IN ('snapshot', 'template') AND deleted_ms IS NULL \
+             AND json_extract(names, '$[0]') IS NOT 'base' \
+             AND id NOT IN (SELECT id FROM imported_snapshots)",
+            [],
+        )
+    }
+
+    /// The snapshot rows `filter` (an SQL condition over `params`)
+    /// selects, oldest first.
+    fn select_snapshots(
+        &self,
+        filter: &str,
+        params: impl rusqlite::Params,
+    ) -> Result<Vec<SnapshotRow>> {
         let conn = self.conn();
         let mut stmt = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE kind IN ('snapshot', 'template') \
-             AND deleted_ms IS NULL AND json_extract(names, '$[0]') IS NOT 'base' \
-             AND id NOT IN (SELECT id FROM imported_snapshots) ORDER BY created_ms, id"
+            "SELECT {COLUMNS} FROM snapshots WHERE {filter} ORDER BY created_ms, id"
         ))?;
-        let rows = stmt.query_map([], from_row)?;
+        let rows = stmt.query_map(params, from_row)?;
         let mut out = Vec::new();
         for r in rows {
             out.push(r??);
@@ -289,17 +294,9 @@ impl Db {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Templates, one row per template and shape.
     pub fn list_templates(&self) -> Result<Vec<SnapshotRow>> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE kind = 'template' AND deleted_ms IS NULL ORDER BY created_ms, id"
-        ))?;
-        let rows = stmt.query_map([], from_row)?;
-        let mut out = Vec::new();
-        for r in rows {
-            out.push(r??);
-        }
-        Ok(out)
+        self.select_snapshots("kind = 'template' AND deleted_ms IS NULL", [])
     }
 
     /// A build reused layer `id` now (it expires counting from its last use).
