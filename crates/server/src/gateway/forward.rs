@@ -31,6 +31,11 @@ const HOP_BY_HOP: [&str; 7] = [
     "upgrade",
 ];
 
+/// The hop-by-hop headers an upgrade keeps on both sides.
+fn names_upgrade(h: &str) -> bool {
+    h == "connection" || h == "upgrade"
+}
+
 /// Why a node gave no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
@@ -67,7 +72,6 @@ pub async fn forward(
         .headers()
         .contains_key(http::header::UPGRADE)
         .then(|| hyper::upgrade::on(&mut req));
-    let kept = |h: &str| client_side.is_some() && (h == "connection" || h == "upgrade");
     let (mut parts, body) = req.into_parts();
     let path = parts
         .uri
@@ -78,13 +82,18 @@ pub async fn forward(
         .parse()
         .map_err(|e| ForwardError::Unreachable(node.into(), format!("bad node address: {e}")))?;
     parts.version = http::Version::HTTP_11;
-    for h in HOP_BY_HOP.iter().filter(|h| !kept(h)).chain(drop) {
+    let upgrading = client_side.is_some();
+    for h in HOP_BY_HOP
+        .iter()
+        .filter(|h| !(upgrading && names_upgrade(h)))
+        .chain(drop)
+    {
         parts.headers.remove(*h);
     }
     for (name, value) in extra {
         parts.headers.insert(*name, value.clone());
     }
-    let resp = client
+    let mut resp = client
         .request(Request::from_parts(parts, body))
         .await
         .map_err(|e| {
@@ -94,7 +103,6 @@ pub async fn forward(
                 ForwardError::Failed(node.into(), e.to_string())
             }
         })?;
-    let mut resp = resp;
     let switched = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(client_side)) = (switched, client_side) {
         let node_side = hyper::upgrade::on(&mut resp);
@@ -108,7 +116,7 @@ pub async fn forward(
     let (mut parts, body) = resp.into_parts();
     for h in HOP_BY_HOP
         .iter()
-        .filter(|h| !(switched && (**h == "connection" || **h == "upgrade")))
+        .filter(|h| !(switched && names_upgrade(h)))
     {
         parts.headers.remove(*h);
     }

@@ -251,15 +251,14 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
     let template_id = req
         .template_id
         .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into());
-    let known_here = s.manager.templates().exists(&template_id)
-        || s.manager
-            .db()
-            .get_snapshot(&template_id)
-            .ok()
-            .flatten()
-            .is_some();
-    if let (Some(c), false) = (&s.captures, known_here) {
-        // A snapshot taken on another node: pulled from the registry.
+    // Only with captures, and only for what this node lacks: a snapshot
+    // or template made on another node, pulled from the registry
+    // (`ensure_local` leaves a snapshot id known here alone).
+    if let Some(c) = s
+        .captures
+        .as_ref()
+        .filter(|_| !s.manager.templates().exists(&template_id))
+    {
         c.ensure_local(s.manager.db(), team, &template_id)
             .await
             .map_err(|e| ApiError::new(http::StatusCode::BAD_GATEWAY, e.to_string()))?;
