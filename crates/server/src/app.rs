@@ -29,6 +29,12 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         paths.jail.enabled = false;
     }
     check_isolation(&config, &paths)?;
+    // A cluster's nodes may share a host in tests and small setups, and a
+    // sandbox moved from one node to another keeps its id: each node's
+    // namespaces carry its name. Before any VM is made or recovered.
+    if config.cluster.enabled() {
+        tine_vmm::netns::set_scope(&config.cluster.node_id_for(config.listen));
+    }
     // Before any VM exists: it sets where veth addresses come from.
     let network =
         Arc::new(crate::network::Network::new(&config.network).map_err(anyhow::Error::msg)?);
@@ -141,6 +147,10 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                 registries,
                 link.catalog().clone(),
                 paths.clone(),
+                cluster
+                    .as_ref()
+                    .and_then(|c| c.durable_pause)
+                    .unwrap_or(true),
             )))
         }
         _ => None,

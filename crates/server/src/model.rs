@@ -81,8 +81,9 @@ pub struct Lifecycle {
     pub paused_disk_only: bool,
 }
 
-/// One sandbox row.
-#[derive(Debug, Clone, PartialEq)]
+/// One sandbox row (serialized as it travels with a durable pause's
+/// capture between nodes of a cluster).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub id: String,
     pub template_id: String,

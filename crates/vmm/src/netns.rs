@@ -56,6 +56,24 @@ pub const VETH_HOST_PREFIX: &str = "tnv";
 pub const DEFAULT_POOL: Net4 = Net4::new(Ipv4Addr::new(10, 233, 0, 0), 16);
 
 static POOL: OnceLock<Net4> = OnceLock::new();
+static SCOPE: OnceLock<String> = OnceLock::new();
+
+/// Name this process's namespaces `tine-<scope>-<vm id>` rather than
+/// `tine-<vm id>`: for servers on one host that may run a VM of the same
+/// id (nodes of a cluster on one machine, where a sandbox moves from one to
+/// another). Only the first call counts, and only before the first
+/// namespace is made or opened.
+pub fn set_scope(scope: &str) {
+    let _ = SCOPE.set(scope.to_string());
+}
+
+/// The name of VM `vm_id`'s namespace.
+pub fn name_of(vm_id: &str) -> String {
+    match SCOPE.get() {
+        Some(scope) => format!("{NAME_PREFIX}{scope}-{vm_id}"),
+        None => format!("{NAME_PREFIX}{vm_id}"),
+    }
+}
 
 /// Take veth addresses from `pool` (a /31 per VM) instead of
 /// [`DEFAULT_POOL`]; only the first call counts, and only before the first
@@ -160,11 +178,11 @@ async fn ip(name: &str, args: &[&str], stdin: Option<&str>) -> Result<()> {
 }
 
 impl Netns {
-    /// Create namespace `tine-<vm_id>` with `lo` up, a tap device that has
+    /// Create namespace [`name_of`]`(vm_id)` with `lo` up, a tap device that has
     /// the gateway address, and a veth pair to the host; closed until
     /// [`Netns::set_egress`].
     pub async fn create(vm_id: &str) -> Result<Self> {
-        let name = format!("{NAME_PREFIX}{vm_id}");
+        let name = name_of(vm_id);
         firewall::host_setup(pool()).await?;
         ip(&name, &["netns", "add", &name], None).await?;
         let made = async {

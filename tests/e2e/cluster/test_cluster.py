@@ -356,6 +356,66 @@ def test_a_snapshot_restores_on_another_node_through_the_registry(spread):
     assert r.status_code == 404, r.text
 
 
+def test_a_paused_sandbox_resumes_on_another_node_when_its_own_is_down():
+    """Durable pause: the pause capture is pushed; with its node SIGKILLed
+    and kept down, `connect` resumes it elsewhere with memory, files,
+    processes, network policy, id and token intact. Its node, back, drops
+    its copy; the sandbox stays where it went."""
+    sb = create(allow_internet_access=False)
+    sid = sb.sandbox_id
+    try:
+        sb.commands.run(
+            "echo kept > /tmp/kept; head -c 8388608 /dev/urandom > /dev/shm/blob; "
+            "md5sum /dev/shm/blob | cut -d' ' -f1 > /tmp/blob.md5; (sleep 100000 &)"
+        )
+        before = api("GET", f"/sandboxes/{sid}").json()
+        token = api("POST", f"/sandboxes/{sid}/connect", json={"timeout": 600}).json()["envdAccessToken"]
+        n = before["nodeID"]
+        assert sb.pause() is True
+        wait_pushed_pause(sid)
+        cluster("stop-node", n.split("-")[1])
+        try:
+            r = api("POST", f"/sandboxes/{sid}/connect", gateway=GATEWAYS[1], json={"timeout": 600})
+            assert r.status_code == 201, r.text
+            assert r.json()["sandboxID"] == sid and r.json()["envdAccessToken"] == token
+            after = api("GET", f"/sandboxes/{sid}").json()
+            assert after["nodeID"] != n and after["state"] == "running"
+            assert after["network"] == before["network"], (before, after)
+            assert after["metadata"] == before["metadata"]
+            again = Sandbox.connect(sid)
+            assert again.commands.run("cat /tmp/kept").stdout.strip() == "kept"
+            md5 = again.commands.run("md5sum /dev/shm/blob | cut -d' ' -f1").stdout.strip()
+            assert md5 == again.commands.run("cat /tmp/blob.md5").stdout.strip()
+            assert again.commands.run("pgrep -x sleep").exit_code == 0
+        finally:
+            cluster("start-node", n.split("-")[1])
+        # Back up, its old node drops its copy at its first list; the
+        # sandbox stays on the node that resumed it, and pauses and
+        # resumes there as any.
+        old = os.path.join(os.environ["TINE_CLUSTER_DIR"], f"node-{n.split('-')[1]}", "snapshots")
+        deadline = time.time() + 30
+        while any(d.startswith(f"p-{sid}-") for d in os.listdir(old)):
+            assert time.time() < deadline, "the old node kept the moved sandbox's capture"
+            time.sleep(1)
+        where = node_of(sid)
+        assert where == after["nodeID"]
+        assert again.pause() is True
+        r = api("POST", f"/sandboxes/{sid}/connect", json={"timeout": 600})
+        assert r.status_code == 201, r.text
+        assert node_of(sid) == where
+        assert again.commands.run("cat /tmp/kept").stdout.strip() == "kept"
+    finally:
+        api("DELETE", f"/sandboxes/{sid}")
+
+
+def wait_pushed_pause(sandbox_id):
+    """Until the pause capture of `sandbox_id` is in the registry."""
+    deadline = time.time() + 180
+    while not any(i.startswith(f"p-{sandbox_id}-") for i in captures()):
+        assert time.time() < deadline, f"the pause of {sandbox_id} was not pushed"
+        time.sleep(1)
+
+
 def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
     src = spread[7]
     src.commands.run("head -c 4194304 /dev/urandom > /dev/shm/only-here")

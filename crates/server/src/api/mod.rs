@@ -201,6 +201,13 @@ impl FromRequestParts<Arc<AppState>> for Owned {
             axum::extract::Path::<String>::from_request_parts(parts, state)
                 .await
                 .map_err(|e| ApiError::bad_request(e.body_text()))?;
+        Owned::check(state, key, id)
+    }
+}
+
+impl Owned {
+    /// Sandbox `id` if it belongs to `key`'s team.
+    pub fn check(state: &AppState, key: ApiKey, id: String) -> Result<Self, ApiError> {
         match state.manager.db().sandbox_team(&id) {
             Ok(Some(team)) if team == key.team => Ok(Owned { id, key }),
             Ok(_) => Err(crate::sandboxes::SandboxError::NotFound(id).into()),

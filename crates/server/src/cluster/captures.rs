@@ -1,7 +1,13 @@
 //! Captures through the registry: a node of a cluster with `[cluster]
-//! registry` pushes each persistent snapshot (`create_snapshot`) and each
-//! template it builds there in the background ([`Captures::run`]), and any
-//! node asked for one it lacks pulls it ([`Captures::ensure_local`]).
+//! registry` pushes each persistent snapshot (`create_snapshot`), each
+//! template it builds and (durable pause, on by default) the capture of
+//! each sandbox paused with its memory there in the background
+//! ([`Captures::run`]); any node asked for a template or snapshot it lacks
+//! pulls it ([`Captures::ensure_local`]), and a node a gateway sends the
+//! `connect` of a paused sandbox whose own node is down or full adopts it
+//! from its capture ([`Captures::adopt`]): same id, tokens, metadata and
+//! network policy; the catalog records the move and the old node drops
+//! its copy when it is back.
 //!
 //! A capture travels self-contained ([`tine_vmm::travel`]: device state,
 //! whole RAM, disk flattened onto the base rootfs), each file as a chunked
@@ -60,6 +66,9 @@ pub struct Record {
     pub files: BTreeMap<String, String>,
     /// Bytes of chunks the push sent (the rest the registry had).
     pub pushed_bytes: u64,
+    /// A pause capture's sandbox, as it was paused.
+    #[serde(default)]
+    pub sandbox: Option<crate::model::SandboxRecord>,
 }
 
 /// A pushed capture as `tine cluster captures` lists it.
@@ -83,6 +92,8 @@ pub struct Captures {
     work: PathBuf,
     /// One pull at a time: two creates from one capture pull it once.
     pulls: tokio::sync::Mutex<()>,
+    /// Push the captures of paused sandboxes too.
+    durable_pause: bool,
 }
 
 impl Captures {
@@ -92,6 +103,7 @@ impl Captures {
         opts: RegistryOptions,
         catalog: Catalog,
         paths: tine_vmm::Paths,
+        durable_pause: bool,
     ) -> Self {
         let work = paths.data_dir.join("captures");
         // Left by a run that stopped mid-way.
@@ -104,6 +116,7 @@ impl Captures {
             paths,
             work,
             pulls: tokio::sync::Mutex::new(()),
+            durable_pause,
         }
     }
 
@@ -112,27 +125,45 @@ impl Captures {
         ImageRef::parse(&format!("{}:{id}.{tag}", self.repo)).map_err(|e| failed(id)(e.to_string()))
     }
 
-    /// Push every snapshot and template of this node that the catalog
-    /// does not have yet, whenever one is made, forever. A push that fails
-    /// is tried again at the next change or after a minute.
+    /// Push every snapshot and template of this node (and the capture of
+    /// each paused sandbox) that the catalog does not have yet, whenever
+    /// one is made, forever; forget the pause captures whose sandbox was
+    /// resumed or killed since. A push that fails is tried again after 5
+    /// minutes.
     pub async fn run(self: Arc<Self>, db: Arc<Db>) {
         let mut changes = db.subscribe();
-        let mut done: std::collections::HashSet<String> = match self.pushed_here().await {
-            Ok(ids) => ids,
-            Err(e) => {
-                tracing::warn!("reading the pushed captures: {e}");
-                Default::default()
-            }
-        };
+        let pushed = self.pushed_here().await.unwrap_or_else(|e| {
+            tracing::warn!("reading the pushed captures: {e}");
+            Vec::new()
+        });
+        let mut done: std::collections::HashSet<String> =
+            pushed.iter().map(|(id, _)| id.clone()).collect();
+        // Pause captures pushed: capture -> its sandbox.
+        let mut pauses: std::collections::HashMap<String, String> = pushed
+            .into_iter()
+            .filter_map(|(id, sandbox)| Some((id, sandbox?)))
+            .collect();
         // A capture whose push failed waits before the next try.
         let mut failed_at: std::collections::HashMap<String, std::time::Instant> =
             Default::default();
         loop {
             failed_at.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(300));
-            let rows = db.travelling_snapshots().unwrap_or_else(|e| {
-                tracing::warn!("listing the snapshots to push: {e}");
-                Vec::new()
-            });
+            let stale: Vec<String> = pauses
+                .iter()
+                .filter(|(c, sb)| !db.pause_is_current(sb, c).unwrap_or(true))
+                .map(|(c, _)| c.clone())
+                .collect();
+            for c in stale {
+                // Resumed or killed here: its capture is history.
+                self.forget(&c).await;
+                pauses.remove(&c);
+            }
+            let rows = db
+                .travelling_snapshots(self.durable_pause)
+                .unwrap_or_else(|e| {
+                    tracing::warn!("listing the snapshots to push: {e}");
+                    Vec::new()
+                });
             let new: Vec<SnapshotRow> = rows
                 .into_iter()
                 .filter(|r| !done.contains(&r.id) && !failed_at.contains_key(&r.id))
@@ -141,7 +172,7 @@ impl Captures {
                 let team = db.snapshot_team(&row).ok().flatten();
                 let tags = db.tags_of(&row.id).unwrap_or_default();
                 let t = std::time::Instant::now();
-                match self.push(&row, team.as_deref(), &tags).await {
+                match self.push(&db, &row, team.as_deref(), &tags).await {
                     Ok(bytes) => {
                         tracing::info!(
                             snapshot = %row.id,
@@ -149,6 +180,9 @@ impl Captures {
                             secs = t.elapsed().as_secs_f64(),
                             "capture pushed to the registry"
                         );
+                        if row.kind == SnapshotKind::Pause {
+                            pauses.insert(row.id.clone(), row.sandbox_id.clone());
+                        }
                         done.insert(row.id);
                     }
                     Err(e) => {
@@ -169,11 +203,19 @@ impl Captures {
 
     async fn push(
         &self,
+        db: &Db,
         row: &SnapshotRow,
         team: Option<&str>,
         tags: &[(String, String)],
     ) -> Result<u64, CaptureError> {
         let err = failed(&row.id);
+        let sandbox = match row.kind {
+            SnapshotKind::Pause => Some(
+                self.paused_sandbox(db, row)
+                    .ok_or_else(|| err("its sandbox is no longer paused on it".into()))?,
+            ),
+            _ => None,
+        };
         let stage = self.work.join(format!("push-{}", row.id));
         let _ = std::fs::remove_dir_all(&stage);
         let result = async {
@@ -214,6 +256,7 @@ impl Captures {
                 meta,
                 files,
                 pushed_bytes,
+                sandbox,
             };
             // Found by id, by name and by `name:tag`.
             let names: Vec<String> = row
@@ -253,31 +296,8 @@ impl Captures {
         }
         let err = failed(&id);
         let t = std::time::Instant::now();
-        let stage = self.work.join(format!("pull-{id}"));
-        let _ = std::fs::remove_dir_all(&stage);
         let result = async {
-            let files_dir = stage.join("files");
-            let chunk_dir = stage.join("chunks");
-            std::fs::create_dir_all(&files_dir).map_err(|e| err(e.to_string()))?;
-            let mut fetched = 0;
-            for (f, artifact) in &record.files {
-                let r = ImageRef::parse(artifact).map_err(|e| err(e.to_string()))?;
-                let index = remote::find_at(&r, &self.opts, None)
-                    .await
-                    .map_err(|e| err(format!("{f}: {e}")))?
-                    .ok_or_else(|| err(format!("{f}: {artifact} is not in the registry")))?;
-                fetched += remote::fetch_all(&r, &index, &chunk_dir, &self.opts, None)
-                    .await
-                    .map_err(|e| err(format!("{f}: {e}")))?;
-                let (dir, out) = (chunk_dir.clone(), files_dir.join(f));
-                tokio::task::spawn_blocking(move || chunks::assemble(&index, &dir, &out))
-                    .await
-                    .map_err(|e| err(e.to_string()))?
-                    .map_err(|e| err(format!("{f}: {e}")))?;
-            }
-            tine_vmm::travel::import(&self.paths, &id, &files_dir, record.meta.clone())
-                .await
-                .map_err(|e| err(e.to_string()))?;
+            let fetched = self.pull(&id, &record).await?;
             let kind = match record.kind.as_str() {
                 "template" => SnapshotKind::Template,
                 _ => SnapshotKind::Snapshot,
@@ -306,7 +326,6 @@ impl Captures {
             Ok::<_, CaptureError>(fetched)
         }
         .await;
-        let _ = std::fs::remove_dir_all(&stage);
         let fetched = result?;
         tracing::info!(
             snapshot = %id,
@@ -315,6 +334,106 @@ impl Captures {
             "capture pulled from the registry"
         );
         Ok(true)
+    }
+
+    /// Fetch capture `id`'s files, check them and install them as
+    /// snapshot `id` of this node (no row yet); the bytes fetched.
+    async fn pull(&self, id: &str, record: &Record) -> Result<u64, CaptureError> {
+        let err = failed(id);
+        let stage = self.work.join(format!("pull-{id}"));
+        let _ = std::fs::remove_dir_all(&stage);
+        let result = async {
+            let files_dir = stage.join("files");
+            let chunk_dir = stage.join("chunks");
+            std::fs::create_dir_all(&files_dir).map_err(|e| err(e.to_string()))?;
+            let mut fetched = 0;
+            for (f, artifact) in &record.files {
+                let r = ImageRef::parse(artifact).map_err(|e| err(e.to_string()))?;
+                let index = remote::find_at(&r, &self.opts, None)
+                    .await
+                    .map_err(|e| err(format!("{f}: {e}")))?
+                    .ok_or_else(|| err(format!("{f}: {artifact} is not in the registry")))?;
+                fetched += remote::fetch_all(&r, &index, &chunk_dir, &self.opts, None)
+                    .await
+                    .map_err(|e| err(format!("{f}: {e}")))?;
+                let (dir, out) = (chunk_dir.clone(), files_dir.join(f));
+                tokio::task::spawn_blocking(move || chunks::assemble(&index, &dir, &out))
+                    .await
+                    .map_err(|e| err(e.to_string()))?
+                    .map_err(|e| err(format!("{f}: {e}")))?;
+            }
+            tine_vmm::travel::import(&self.paths, id, &files_dir, record.meta.clone())
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            Ok::<_, CaptureError>(fetched)
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&stage);
+        result
+    }
+
+    /// Make paused sandbox `sandbox_id` of `team`, which this node does
+    /// not have, this node's from the capture its own node pushed when it
+    /// paused: pulled, installed, and the sandbox recorded here as paused
+    /// on it (its `connect` then resumes it as any). The catalog records
+    /// the move. `Ok(false)`: no capture of it was pushed.
+    pub async fn adopt(&self, db: &Db, team: &str, sandbox_id: &str) -> Result<bool, CaptureError> {
+        if db.get_sandbox(sandbox_id).ok().flatten().is_some() {
+            return Ok(false);
+        }
+        let Some((id, from, record)) = self.find_pause(team, sandbox_id).await? else {
+            return Ok(false);
+        };
+        let err = failed(&id);
+        let sandbox = record
+            .sandbox
+            .clone()
+            .filter(|s| s.id == sandbox_id && s.team == team)
+            .ok_or_else(|| err("its record names another sandbox".into()))?;
+        let _one = self.pulls.lock().await;
+        if db.get_sandbox(sandbox_id).ok().flatten().is_some() {
+            return Ok(true);
+        }
+        let t = std::time::Instant::now();
+        let fetched = self.pull(&id, &record).await?;
+        let row = SnapshotRow {
+            id: id.clone(),
+            kind: SnapshotKind::Pause,
+            sandbox_id: sandbox_id.to_string(),
+            parent_id: None,
+            names: Vec::new(),
+            template_id: record.template_id.clone(),
+            cpu_count: record.cpu_count,
+            memory_mb: record.memory_mb,
+            source_token: record.source_token.clone(),
+            created_ms: record.created_ms,
+        };
+        let detail = format!("from node {from}: its pause capture {id} pulled from the registry");
+        db.adopt_sandbox(&sandbox, &row, &detail)
+            .map_err(|e| err(e.to_string()))?;
+        // From here on the old node's lists no longer speak for it; its
+        // next resume here pushes a new capture when it pauses again.
+        self.catalog
+            .record_move(sandbox_id, &from, &self.node)
+            .await?;
+        self.forget(&id).await;
+        tracing::info!(
+            sandbox = sandbox_id,
+            capture = %id,
+            from = %from,
+            mib = fetched >> 20,
+            secs = t.elapsed().as_secs_f64(),
+            "paused sandbox adopted from its pushed capture"
+        );
+        Ok(true)
+    }
+
+    /// The sandbox `row` (a pause capture) is paused on, if it still is.
+    fn paused_sandbox(&self, db: &Db, row: &SnapshotRow) -> Option<crate::model::SandboxRecord> {
+        if !db.pause_is_current(&row.sandbox_id, &row.id).ok()? {
+            return None;
+        }
+        db.get_sandbox(&row.sandbox_id).ok().flatten()
     }
 
     /// Forget capture `id` (its snapshot was deleted here): no node pulls
@@ -374,16 +493,42 @@ impl Captures {
         Ok(Some((id, row.get(1), record)))
     }
 
-    /// The captures this node pushed.
-    async fn pushed_here(&self) -> Result<std::collections::HashSet<String>, CatalogError> {
+    /// The newest pause capture of sandbox `sandbox_id` of `team`: its
+    /// id, the node that pushed it and its record.
+    async fn find_pause(
+        &self,
+        team: &str,
+        sandbox_id: &str,
+    ) -> Result<Option<(String, String, Record)>, CaptureError> {
+        let db = self.catalog.pool.get().await.map_err(CatalogError::from)?;
+        let row = db
+            .query_opt(
+                "SELECT id, node_id, record FROM tine_captures
+                 WHERE team = $1 AND record->>'kind' = 'pause' AND record->>'sandbox_id' = $2
+                 ORDER BY pushed_ms DESC LIMIT 1",
+                &[&team, &sandbox_id],
+            )
+            .await
+            .map_err(CatalogError::from)?;
+        let Some(row) = row else { return Ok(None) };
+        let id: String = row.get(0);
+        let record = serde_json::from_value(row.get(2))
+            .map_err(|e| failed(&id)(format!("its catalog record: {e}")))?;
+        Ok(Some((id, row.get(1), record)))
+    }
+
+    /// The captures this node pushed, with the sandbox of each pause
+    /// capture.
+    async fn pushed_here(&self) -> Result<Vec<(String, Option<String>)>, CatalogError> {
         let db = self.catalog.pool.get().await?;
         let rows = db
             .query(
-                "SELECT id FROM tine_captures WHERE node_id = $1",
+                "SELECT id, CASE WHEN record->>'kind' = 'pause' THEN record->>'sandbox_id' END
+                   FROM tine_captures WHERE node_id = $1",
                 &[&self.node],
             )
             .await?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
     async fn names(&self, id: &str) -> Result<Vec<String>, CaptureError> {

@@ -164,6 +164,12 @@ CREATE TABLE IF NOT EXISTS tine_captures (
     record JSONB NOT NULL,
     pushed_ms BIGINT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tine_moves (
+    sandbox_id TEXT PRIMARY KEY,
+    from_node TEXT NOT NULL,
+    to_node TEXT NOT NULL,
+    moved_ms BIGINT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
@@ -348,6 +354,48 @@ impl Catalog {
         )
         .await?;
         Ok(())
+    }
+
+    /// Paused sandbox `id` moved from node `from` to node `to` (which
+    /// resumed it from its pushed capture): `from`'s lists no longer
+    /// speak for it, and `from` drops it ([`Catalog::moved_away`]).
+    pub async fn record_move(&self, id: &str, from: &str, to: &str) -> Result<()> {
+        let db = self.pool.get().await?;
+        db.execute(
+            &format!(
+                "INSERT INTO tine_moves (sandbox_id, from_node, to_node, moved_ms)
+                 VALUES ($1, $2, $3, {NOW_MS})
+                 ON CONFLICT (sandbox_id) DO UPDATE SET from_node = $2, to_node = $3,
+                    moved_ms = excluded.moved_ms"
+            ),
+            &[&id, &from, &to],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The sandboxes that moved away from node `node`: `(id, to node)`.
+    pub async fn moved_away(&self, node: &str) -> Result<Vec<(String, String)>> {
+        let db = self.pool.get().await?;
+        let rows = db
+            .query(
+                "SELECT sandbox_id, to_node FROM tine_moves WHERE from_node = $1",
+                &[&node],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Whether sandbox `id` is paused, as its node last said.
+    pub async fn is_paused(&self, id: &str) -> Result<bool> {
+        let db = self.pool.get().await?;
+        let row = db
+            .query_opt(
+                "SELECT 1 FROM tine_sandboxes WHERE id = $1 AND state = 'paused'",
+                &[&id],
+            )
+            .await?;
+        Ok(row.is_some())
     }
 
     /// The node and team of a sandbox that is not known to be gone.
@@ -613,7 +661,9 @@ async fn upsert(
              ON CONFLICT (id) DO UPDATE SET
                 node_id = $2, team = $3, state = $4, template_id = $5, started_ms = $6,
                 metadata = $7, detail = $8, observed_ms = excluded.observed_ms
-             WHERE tine_sandboxes.observed_ms <= excluded.observed_ms"
+             WHERE tine_sandboxes.observed_ms <= excluded.observed_ms
+               AND NOT EXISTS (SELECT 1 FROM tine_moves
+                                WHERE sandbox_id = $1 AND from_node = $2)"
         ),
         &[
             &r.id,

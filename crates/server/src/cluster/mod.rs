@@ -22,6 +22,9 @@ use serde::Deserialize;
 pub const SECRET_HEADER: &str = "x-tine-cluster-secret";
 /// The header in which a gateway names the caller's team to a node.
 pub const TEAM_HEADER: &str = "x-tine-team";
+/// On a gateway's `connect`: the sandbox's own node is down or full;
+/// adopt it from its pushed pause capture if this node lacks it.
+pub const ADOPT_HEADER: &str = "x-tine-adopt";
 
 /// `[cluster]` of a node's config; cluster mode is on when `postgres_url`
 /// is set.
@@ -47,13 +50,29 @@ pub struct ClusterConfig {
     /// Where captures travel between nodes: a repository in an OCI
     /// registry (`host:port/path`, reached as `[registries]` says).
     /// Persistent snapshots are pushed there and pulled by any node that
-    /// is asked for one it lacks. Unset: captures stay on their node.
+    /// is asked for one it lacks, templates built here likewise. Unset:
+    /// captures stay on their node.
     pub registry: Option<String>,
+    /// With `registry`: push the capture of each sandbox paused with its
+    /// memory too, so that its `connect` resumes it on another node when
+    /// this one is down or full (default true).
+    pub durable_pause: Option<bool>,
 }
 
 impl ClusterConfig {
     pub fn enabled(&self) -> bool {
         self.postgres_url.is_some()
+    }
+
+    /// This node's name: `node_id`, or the host name and `listen`'s port.
+    pub fn node_id_for(&self, listen: std::net::SocketAddr) -> String {
+        self.node_id.clone().unwrap_or_else(|| {
+            let host = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "node".into());
+            format!("{host}-{}", listen.port())
+        })
     }
 }
 

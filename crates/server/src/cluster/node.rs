@@ -51,13 +51,7 @@ impl NodeLink {
         let secret = super::read_secret(cfg.secret_file.as_deref().ok_or(JoinError::NoSecret)?)?;
         let url = cfg.postgres_url.as_deref().unwrap_or_default();
         let catalog = Catalog::connect(url).await?;
-        let id = cfg.node_id.clone().unwrap_or_else(|| {
-            let host = nix::unistd::gethostname()
-                .ok()
-                .and_then(|h| h.into_string().ok())
-                .unwrap_or_else(|| "node".into());
-            format!("{host}-{}", listen.port())
-        });
+        let id = cfg.node_id_for(listen);
         let address = cfg
             .advertise_url
             .clone()
@@ -126,11 +120,31 @@ impl NodeLink {
             .heartbeat(&self.id, &self.status(manager))
             .await?;
         if full {
+            self.drop_moved(manager).await?;
             // The list is read after PostgreSQL's "now": a gateway's write
             // after that instant wins over it.
             let at = self.catalog.now_ms().await?;
             let rows = Self::sandboxes(manager);
             self.catalog.publish(&self.id, at, &rows).await?;
+        }
+        Ok(())
+    }
+
+    /// Drop the paused sandboxes another node resumed from their pushed
+    /// captures while this one was down or full: they live there now.
+    async fn drop_moved(&self, manager: &Manager) -> Result<(), CatalogError> {
+        for (id, to) in self.catalog.moved_away(&self.id).await? {
+            let paused_here = manager
+                .get(&id)
+                .is_ok_and(|r| r.state == SandboxState::Paused);
+            if !paused_here {
+                continue;
+            }
+            let why = format!("resumed on node {to} from its pushed capture");
+            match manager.kill(&id, &why).await {
+                Ok(()) => tracing::info!(sandbox = %id, "dropped: {why}"),
+                Err(e) => tracing::warn!(sandbox = %id, "dropping a sandbox that moved: {e}"),
+            }
         }
         Ok(())
     }

@@ -104,31 +104,41 @@ impl Db {
     }
 
     pub fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
-        self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20)"),
-            params![
-                s.id,
-                s.template_id,
-                s.alias,
-                s.client_id,
-                s.state.as_str(),
-                serde_json::to_string(&s.metadata).expect("a string map serializes"),
-                serde_json::to_string(&s.env_vars).expect("a string map serializes"),
-                s.cpu_count,
-                s.memory_mb,
-                s.disk_size_mb,
-                s.envd_version,
-                s.envd_access_token,
-                s.started_at_ms,
-                s.end_at_ms,
-                s.auto_pause,
-                s.error,
-                serde_json::to_string(&s.network).expect("a policy serializes"),
-                s.traffic_token,
-                serde_json::to_string(&s.lifecycle).expect("a lifecycle serializes"),
-                s.team,
-            ],
+        insert_sandbox_on(&self.conn(), s)
+    }
+
+    /// Sandbox `s`, paused on `capture` (pulled from another node of a
+    /// cluster, whose sandbox it was), becomes this node's: the capture's
+    /// row, its import and the paused sandbox in one transaction.
+    pub fn adopt_sandbox(
+        &self,
+        s: &SandboxRecord,
+        capture: &super::SnapshotRow,
+        detail: &str,
+    ) -> Result<()> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        super::snapshots::insert_snapshot_on(&tx, capture)?;
+        tx.execute(
+            "INSERT OR REPLACE INTO imported_snapshots (id, team, imported_ms) VALUES (?1, ?2, ?3)",
+            params![capture.id, s.team, super::now_ms()],
         )?;
+        let paused = SandboxRecord {
+            state: SandboxState::Paused,
+            ..s.clone()
+        };
+        insert_sandbox_on(&tx, &paused)?;
+        tx.execute(
+            "UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1",
+            params![s.id, capture.id],
+        )?;
+        tx.execute(
+            "INSERT INTO events (sandbox_id, at_ms, kind, detail) VALUES (?1, ?2, 'adopted', ?3)",
+            params![s.id, super::now_ms(), detail],
+        )?;
+        tx.commit()?;
+        drop(conn);
+        self.note_change();
         Ok(())
     }
 
@@ -405,4 +415,34 @@ impl Db {
         }
         Ok(out)
     }
+}
+
+/// One sandbox row, on a connection or in a transaction.
+fn insert_sandbox_on(conn: &rusqlite::Connection, s: &SandboxRecord) -> Result<()> {
+    conn.execute(
+        &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20)"),
+        params![
+            s.id,
+            s.template_id,
+            s.alias,
+            s.client_id,
+            s.state.as_str(),
+            serde_json::to_string(&s.metadata).expect("a string map serializes"),
+            serde_json::to_string(&s.env_vars).expect("a string map serializes"),
+            s.cpu_count,
+            s.memory_mb,
+            s.disk_size_mb,
+            s.envd_version,
+            s.envd_access_token,
+            s.started_at_ms,
+            s.end_at_ms,
+            s.auto_pause,
+            s.error,
+            serde_json::to_string(&s.network).expect("a policy serializes"),
+            s.traffic_token,
+            serde_json::to_string(&s.lifecycle).expect("a lifecycle serializes"),
+            s.team,
+        ],
+    )?;
+    Ok(())
 }

@@ -254,15 +254,32 @@ impl Db {
     }
 
     /// This host's own user snapshots and built templates (not `base`'s,
-    /// which every host builds, nor those pulled from another host): what
-    /// a cluster node pushes to its registry.
-    pub fn travelling_snapshots(&self) -> Result<Vec<SnapshotRow>> {
+    /// which every host builds, nor those pulled from another host), and
+    /// with `pauses` the captures its paused sandboxes wait on: what a
+    /// cluster node pushes to its registry.
+    pub fn travelling_snapshots(&self, pauses: bool) -> Result<Vec<SnapshotRow>> {
         self.select_snapshots(
-            "kind IN ('snapshot', 'template') AND deleted_ms IS NULL \
-             AND json_extract(names, '$[0]') IS NOT 'base' \
+            "((kind IN ('snapshot', 'template') AND deleted_ms IS NULL \
+               AND json_extract(names, '$[0]') IS NOT 'base') \
+              OR (?1 AND kind = 'pause' AND id IN \
+                  (SELECT snapshot_id FROM sandboxes WHERE state = 'paused'))) \
              AND id NOT IN (SELECT id FROM imported_snapshots)",
-            [],
+            [pauses],
         )
+    }
+
+    /// Whether pause capture `id` is still what its sandbox is paused on
+    /// (not resumed since, nor killed).
+    pub fn pause_is_current(&self, sandbox_id: &str, id: &str) -> Result<bool> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT 1 FROM sandboxes WHERE id = ?1 AND snapshot_id = ?2 AND state = 'paused'",
+                [sandbox_id, id],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some())
     }
 
     /// The snapshot rows `filter` (an SQL condition over `params`)

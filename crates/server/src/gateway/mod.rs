@@ -355,7 +355,12 @@ impl Gateway {
         };
         match forward::forward(&self.client, &n.id, &n.status.address, req, &[], &[]).await {
             Ok(r) => r,
-            Err(e) => e.into_response(),
+            Err(e) => {
+                // Its node is down: the next request reads the catalog
+                // again (the sandbox may have been resumed elsewhere).
+                self.forget(id);
+                e.into_response()
+            }
         }
     }
 

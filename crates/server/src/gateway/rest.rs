@@ -264,15 +264,38 @@ async fn by_id(
     if team != key.team {
         return Err(not_found());
     }
-    let n = g.node(&node).await.ok_or_else(|| {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    if method == Method::POST && (path.ends_with("/connect") || path.ends_with("/resume")) {
+        return resume(g, key, &id, &node, req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = crate::api::body_bytes(body, g.cfg.max_body_bytes).await?;
+    let again = || http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+    let mut n = g.node(&node).await.ok_or_else(|| {
         unavailable(format!(
             "sandbox {id} is on node {node}, which is not registered"
         ))
     })?;
-    let method = req.method().clone();
-    let path = req.uri().path().to_string();
-    let resp = match g.to_node(&n, &key.team, req).await {
+    let resp = match g.to_node(&n, &key.team, again()).await {
         Ok(r) => r,
+        Err(e @ ForwardError::Unreachable(..)) => {
+            // The route may be stale (another gateway resumed the sandbox
+            // on another node): once more where the catalog says it is.
+            g.forget(&id);
+            let moved = match g.locate(&id).await? {
+                Some((now, _)) if now != node => g.node(&now).await,
+                _ => None,
+            };
+            let Some(m) = moved else {
+                return Ok(e.into_response());
+            };
+            n = m;
+            match g.to_node(&n, &key.team, again()).await {
+                Ok(r) => r,
+                Err(e) => return Ok(e.into_response()),
+            }
+        }
         Err(e) => return Ok(e.into_response()),
     };
     let status = resp.status();
@@ -324,15 +347,102 @@ async fn by_id(
             g.read_nodes().await;
             Ok(Response::from_parts(parts, Body::from(bytes)))
         }
-        (
-            &Method::POST | &Method::PUT,
-            "pause" | "connect" | "resume" | "timeout" | "refreshes" | "network",
-        ) if status.is_success() => {
+        (&Method::POST | &Method::PUT, "pause" | "timeout" | "refreshes" | "network")
+            if status.is_success() =>
+        {
             refresh(g, &n, &key.team, &id, None).await;
             Ok(resp)
         }
         _ => Ok(resp),
     }
+}
+
+/// Whether a node answered that it has no room (for the resume of a
+/// paused sandbox: another node may adopt it).
+fn full(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::INSUFFICIENT_STORAGE
+    )
+}
+
+/// `connect` / `resume` of sandbox `id`: at its own node `node`; when that
+/// node is down or has no room, at another node that adopts the sandbox
+/// from the pause capture its node pushed (durable pause) and resumes it
+/// there. Without such a capture the first failure is the answer.
+async fn resume(
+    g: &Gateway,
+    key: &ClusterKey,
+    id: &str,
+    node: &str,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (parts, body) = req.into_parts();
+    let bytes = crate::api::body_bytes(body, g.cfg.max_body_bytes).await?;
+    let again = || http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+    // Where the catalog says it is now: another gateway may have resumed
+    // it on another node.
+    g.forget(id);
+    let node = match g.locate(id).await? {
+        Some((now, _)) => now,
+        None => node.to_string(),
+    };
+    let node = node.as_str();
+    let first = match g.node(node).await {
+        Some(n) => match g.to_node(&n, &key.team, again()).await {
+            Ok(resp) if !full(resp.status()) => {
+                if resp.status().is_success() {
+                    refresh(g, &n, &key.team, id, None).await;
+                }
+                return Ok(resp);
+            }
+            Ok(resp) => resp,
+            Err(e @ ForwardError::Failed(..)) => return Ok(e.into_response()),
+            Err(e) => e.into_response(),
+        },
+        None => unavailable(format!(
+            "sandbox {id} is on node {node}, which is not registered"
+        ))
+        .into_response(),
+    };
+    // Only a sandbox the catalog knows as paused: one that runs on a node
+    // that is down lives on with its VMs, and comes back with it.
+    match g.catalog.is_paused(id).await {
+        Ok(true) => {}
+        Ok(false) => return Ok(first),
+        Err(e) => {
+            tracing::warn!(sandbox = %id, "catalog: {e}");
+            return Ok(first);
+        }
+    }
+    tracing::info!(sandbox = %id, node, status = %first.status(), "resuming on another node");
+    let mut tried = vec![node.to_string()];
+    for _ in 0..2 {
+        let nodes = g.nodes().await;
+        let Some(n) =
+            place::choose(&nodes, "", g.grace_ms(), &tried, crate::ids::random_index).cloned()
+        else {
+            break;
+        };
+        tried.push(n.id.clone());
+        let mut req = again();
+        req.headers_mut()
+            .insert(crate::cluster::ADOPT_HEADER, HeaderValue::from_static("1"));
+        match g.to_node(&n, &key.team, req).await {
+            Ok(resp) if resp.status().is_success() => {
+                g.remember(id, &n.id, &key.team);
+                refresh(g, &n, &key.team, id, None).await;
+                return Ok(resp);
+            }
+            // No capture of it was pushed: the first failure stands.
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND => break,
+            Ok(resp) if refused(resp.status()) => continue,
+            Ok(resp) => return Ok(resp),
+            Err(e @ ForwardError::Failed(..)) => return Ok(e.into_response()),
+            Err(e) => tracing::warn!(sandbox = %id, "resume elsewhere: {e}"),
+        }
+    }
+    Ok(first)
 }
 
 /// A snapshot's id and names, from its create answer

@@ -36,8 +36,9 @@ impl QemuDriver {
     /// The guest ports of VM `id`, through its namespace, without taking
     /// the VM over (for clients that talk straight to a guest).
     pub fn guest_of(&self, id: &str) -> Result<Guest> {
-        let name = format!("{}{id}", crate::netns::NAME_PREFIX);
-        Ok(std::sync::Arc::new(crate::netns::Netns::open(&name)?))
+        Ok(std::sync::Arc::new(crate::netns::Netns::open(
+            &crate::netns::name_of(id),
+        )?))
     }
 }
 

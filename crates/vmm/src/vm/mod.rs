@@ -1189,7 +1189,7 @@ pub(crate) async fn cleanup(paths: &Paths, id: &str) {
             p.kill().await;
         }
     }
-    let _ = crate::netns::delete_by_name(&format!("{}{id}", crate::netns::NAME_PREFIX)).await;
+    let _ = crate::netns::delete_by_name(&crate::netns::name_of(id)).await;
     crate::jail::release(&paths.jail, &paths.data_dir, id);
     let _ = remove_dir(&dir);
     let _ = remove_dir(&paths.vm_ram_dir(id));

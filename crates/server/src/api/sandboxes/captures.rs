@@ -48,11 +48,28 @@ struct ConnectBody {
 }
 
 /// `connect` / `resume`: 200 when it was running, 201 when it was resumed.
+///
+/// On a cluster node, a gateway that could not resume a paused sandbox on
+/// its own node (down, or full) sends the connect here with
+/// [`crate::cluster::ADOPT_HEADER`]: the sandbox is adopted from the
+/// capture its node pushed, then resumed as any.
 pub async fn connect(
-    Owned { id, .. }: Owned,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: http::HeaderMap,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
+    if let Some(c) = s
+        .captures
+        .as_ref()
+        .filter(|_| headers.contains_key(crate::cluster::ADOPT_HEADER))
+    {
+        c.adopt(s.manager.db(), &key.team, &id)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()))?;
+    }
+    let Owned { id, .. } = Owned::check(&s, key, id)?;
     let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let (rec, resumed) = s
         .manager
