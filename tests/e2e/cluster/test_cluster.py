@@ -416,6 +416,56 @@ def wait_pushed_pause(sandbox_id):
         time.sleep(1)
 
 
+def restart_node(idx, extra_config=""):
+    """SIGTERM node `idx` and start it again (its VMs live on and are
+    adopted), with `extra_config` added to its config."""
+    cluster("term-node", idx)
+    env = dict(os.environ)
+    env["TINE_CLUSTER_NODE_CONFIG"] = os.environ.get("TINE_CLUSTER_NODE_CONFIG", "") + "\n" + extra_config
+    subprocess.run(["bash", CLUSTER, "start-node", idx], check=True, timeout=300, env=env)
+
+
+def test_a_fork_larger_than_its_nodes_room_starts_the_rest_on_other_nodes(spread):
+    src = spread[8]
+    n = node_of(src.sandbox_id)
+    idx = n.split("-")[1]
+    src.commands.run(
+        "echo forked > /tmp/f; head -c 4194304 /dev/urandom > /dev/shm/blob; "
+        "md5sum /dev/shm/blob | cut -d' ' -f1 > /tmp/blob.md5"
+    )
+    # Its node admits at most 12 sandboxes: fewer than 16 children fit.
+    restart_node(idx, "max_sandboxes = 12")
+    children = []
+    try:
+        time.sleep(2)  # a heartbeat with its new capacity
+        r = api("POST", f"/sandboxes/{src.sandbox_id}/fork", json={"count": 16, "timeout": 300})
+        assert r.status_code == 201, r.text
+        entries = r.json()
+        assert len(entries) == 16, entries
+        assert all("sandbox" in e for e in entries), [e for e in entries if "sandbox" not in e]
+        children = [e["sandbox"]["sandboxID"] for e in entries]
+        assert len(set(children)) == 16
+        where = {c: node_of(c) for c in children}
+        assert n in where.values() and len(set(where.values())) >= 2, where
+        seeds = set()
+        for c in children:
+            sb = Sandbox.connect(c)
+            out = sb.commands.run(
+                "cat /tmp/f; md5sum /dev/shm/blob | cut -d' ' -f1; cat /tmp/blob.md5; "
+                "python3 -c 'import os; print(os.urandom(16).hex())'"
+            ).stdout.split()
+            assert out[0] == "forked" and out[1] == out[2], (c, where[c], out)
+            seeds.add(out[3])
+        assert len(seeds) == 16, "children share their random state"
+        assert src.commands.run("cat /tmp/f").stdout.strip() == "forked"
+        # The capture went to the registry for the children only.
+        assert not any(i.startswith("f-") for i in captures())
+    finally:
+        for c in children:
+            api("DELETE", f"/sandboxes/{c}")
+        restart_node(idx)
+
+
 def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
     src = spread[7]
     src.commands.run("head -c 4194304 /dev/urandom > /dev/shm/only-here")

@@ -214,6 +214,12 @@ impl Captures {
                 self.paused_sandbox(db, row)
                     .ok_or_else(|| err("its sandbox is no longer paused on it".into()))?,
             ),
+            SnapshotKind::Fork => Some(
+                db.get_sandbox(&row.sandbox_id)
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| err("its sandbox is gone".into()))?,
+            ),
             _ => None,
         };
         let stage = self.work.join(format!("push-{}", row.id));
@@ -272,6 +278,69 @@ impl Captures {
         .await;
         let _ = std::fs::remove_dir_all(&stage);
         result
+    }
+
+    /// Push fork capture `row` now (its children start on other nodes
+    /// too); the bytes sent.
+    pub async fn push_fork(&self, db: &Db, row: &SnapshotRow) -> Result<u64, CaptureError> {
+        let team = db.snapshot_team(row).ok().flatten();
+        let t = std::time::Instant::now();
+        let bytes = self.push(db, row, team.as_deref(), &[]).await?;
+        tracing::info!(
+            snapshot = %row.id,
+            mib = bytes >> 20,
+            secs = t.elapsed().as_secs_f64(),
+            "fork capture pushed to the registry"
+        );
+        Ok(bytes)
+    }
+
+    /// The source sandbox of fork capture `capture` of `team`, pulled from
+    /// the registry unless this node has it: children start from it here
+    /// ([`crate::sandboxes::Manager::fork_from`]).
+    pub async fn fork_source(
+        &self,
+        db: &Db,
+        team: &str,
+        capture: &str,
+    ) -> Result<crate::model::SandboxRecord, CaptureError> {
+        let Some((id, owner, record)) = self.find(team, capture).await? else {
+            return Err(failed(capture)(
+                "no such fork capture in the catalog".into(),
+            ));
+        };
+        let err = failed(&id);
+        let source = record
+            .sandbox
+            .clone()
+            .filter(|s| record.kind == "fork" && s.team == team)
+            .ok_or_else(|| err("not a fork capture of this team".into()))?;
+        let _one = self.pulls.lock().await;
+        if db.get_snapshot(&id).ok().flatten().is_none() {
+            let t = std::time::Instant::now();
+            let fetched = self.pull(&id, &record).await?;
+            let row = SnapshotRow {
+                id: id.clone(),
+                kind: SnapshotKind::Fork,
+                sandbox_id: source.id.clone(),
+                parent_id: None,
+                names: Vec::new(),
+                template_id: record.template_id.clone(),
+                cpu_count: record.cpu_count,
+                memory_mb: record.memory_mb,
+                source_token: record.source_token.clone(),
+                created_ms: record.created_ms,
+            };
+            db.import_snapshot(&row, Some(owner.as_str()), &[])
+                .map_err(|e| err(e.to_string()))?;
+            tracing::info!(
+                snapshot = %id,
+                mib = fetched >> 20,
+                secs = t.elapsed().as_secs_f64(),
+                "fork capture pulled from the registry"
+            );
+        }
+        Ok(source)
     }
 
     /// Make snapshot `template` (an id or a name) of `team` local if this

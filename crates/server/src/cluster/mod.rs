@@ -13,6 +13,7 @@
 pub mod captures;
 pub mod catalog;
 pub mod node;
+pub mod spread;
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +26,12 @@ pub const TEAM_HEADER: &str = "x-tine-team";
 /// On a gateway's `connect`: the sandbox's own node is down or full;
 /// adopt it from its pushed pause capture if this node lacks it.
 pub const ADOPT_HEADER: &str = "x-tine-adopt";
+/// On a gateway's fork: start what fits here, push the capture for the
+/// rest ([`spread::fork_here`]).
+pub const SPREAD_HEADER: &str = "x-tine-spread";
+/// On a gateway's fork: start the children from this fork capture, which
+/// another node pushed ([`spread::fork_elsewhere`]).
+pub const FORK_FROM_HEADER: &str = "x-tine-fork-from";
 
 /// `[cluster]` of a node's config; cluster mode is on when `postgres_url`
 /// is set.

@@ -9,6 +9,7 @@
 //! sandboxes keep answering while PostgreSQL restarts; creates wait for it
 //! (503).
 
+mod fork;
 mod forward;
 pub mod place;
 mod rest;

@@ -39,7 +39,7 @@ fn sandbox_of(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
-fn unavailable(message: impl Into<String>) -> ApiError {
+pub(super) fn unavailable(message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
 }
 
@@ -277,6 +277,9 @@ async fn by_id(
             "sandbox {id} is on node {node}, which is not registered"
         ))
     })?;
+    if method == Method::POST && path.ends_with("/fork") {
+        return super::fork::fork(g, key, &id, &n, parts, bytes).await;
+    }
     let resp = match g.to_node(&n, &key.team, again()).await {
         Ok(r) => r,
         Err(e @ ForwardError::Unreachable(..)) => {
@@ -322,17 +325,6 @@ async fn by_id(
             let mut parts = parts;
             parts.headers.remove(http::header::CONTENT_LENGTH);
             Ok(Response::from_parts(parts, Body::from(v.to_string())))
-        }
-        (&Method::POST, "fork") if status.is_success() => {
-            let (parts, body) = resp.into_parts();
-            let bytes = axum::body::to_bytes(body, 16 << 20)
-                .await
-                .map_err(|e| unavailable(e.to_string()))?;
-            for child in children(&bytes) {
-                g.remember(&child, &n.id, &key.team);
-                refresh(g, &n, &key.team, &child, None).await;
-            }
-            Ok(Response::from_parts(parts, Body::from(bytes)))
         }
         (&Method::POST, "snapshots") if status.is_success() => {
             // Placement sends creates from it to this node at once.
@@ -445,6 +437,20 @@ async fn resume(
     Ok(first)
 }
 
+/// Fork children a node started (entries of its fork answer): routed to
+/// it and written to the catalog.
+pub(super) async fn note_children(
+    g: &Gateway,
+    n: &Node,
+    team: &str,
+    entries: &[serde_json::Value],
+) {
+    for child in children(entries) {
+        g.remember(&child, &n.id, team);
+        refresh(g, n, team, &child, None).await;
+    }
+}
+
 /// A snapshot's id and names, from its create answer
 /// (`{"snapshotID": ..., "names": [...]}`).
 fn snapshot_names(bytes: &[u8]) -> Vec<String> {
@@ -458,24 +464,12 @@ fn snapshot_names(bytes: &[u8]) -> Vec<String> {
 }
 
 /// The sandbox ids in a fork's answer (`[{"sandbox": {...}} | {"error": ...}]`).
-fn children(bytes: &[u8]) -> Vec<String> {
-    fn ids(v: &serde_json::Value, out: &mut Vec<String>) {
-        match v {
-            serde_json::Value::Array(a) => a.iter().for_each(|x| ids(x, out)),
-            serde_json::Value::Object(o) => {
-                if let Some(id) = o.get("sandboxID").and_then(|x| x.as_str()) {
-                    out.push(id.to_string());
-                }
-                o.values().for_each(|x| ids(x, out));
-            }
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
-        ids(&v, &mut out);
-    }
-    out
+fn children(entries: &[serde_json::Value]) -> Vec<String> {
+    entries
+        .iter()
+        .filter_map(|e| e.get("sandbox")?.get("sandboxID")?.as_str())
+        .map(str::to_string)
+        .collect()
 }
 
 async fn list(
@@ -713,8 +707,11 @@ mod tests {
 
     #[test]
     fn fork_answers_name_their_children() {
-        let a = br#"[{"sandbox":{"sandboxID":"a"}},{"error":{"code":429}},{"sandbox":{"sandboxID":"b"}}]"#;
-        assert_eq!(children(a), vec!["a", "b"]);
-        assert!(children(b"not json").is_empty());
+        let a: Vec<serde_json::Value> = serde_json::from_str(
+            r#"[{"sandbox":{"sandboxID":"a"}},{"error":{"code":429}},{"sandbox":{"sandboxID":"b"}}]"#,
+        )
+        .unwrap();
+        assert_eq!(children(&a), vec!["a", "b"]);
+        assert!(children(&[]).is_empty());
     }
 }

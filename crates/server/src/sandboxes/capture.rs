@@ -456,6 +456,76 @@ impl Manager {
         if share_fork_ram(self.config.fork_shared_ram_from, count, snapshot.info()) {
             snapshot = self.materialize(id, &row.id).await?;
         }
+        let results = self
+            .launch_children(&source_rec, &row, snapshot, count, timeout_secs, &ticket)
+            .await;
+        self.event(id, "forked", &format!("{count} children from {}", row.id));
+        // A fork capture nobody started from is deleted now.
+        self.gc();
+        Ok(results)
+    }
+
+    /// How many more sandboxes this host admits now (its capacity, not a
+    /// team's limits): the children of a fork that stay here when the
+    /// rest go to other nodes of a cluster.
+    pub fn room(&self) -> usize {
+        let (cap, used, _) = self.capacity();
+        cap.sandboxes.saturating_sub(used)
+    }
+
+    /// The capture of a fork whose children start elsewhere too (on other
+    /// nodes of a cluster, from the capture pushed to the registry): made
+    /// once, while the source keeps running; children start from it with
+    /// [`Manager::fork_from`].
+    pub async fn fork_capture(&self, id: &str) -> Result<SnapshotRow, SandboxError> {
+        let _op = self.lock(id).await;
+        Ok(self
+            .capture_running(id, SnapshotKind::Fork, vec![])
+            .await?
+            .0)
+    }
+
+    /// `count` fork children of sandbox `source_rec` from its fork capture
+    /// `capture` (made here by [`Manager::fork_capture`], or pulled from a
+    /// cluster's registry): each starts as a child of [`Manager::fork`]
+    /// does, reseeded, with the source's metadata, environment and network
+    /// policy.
+    pub async fn fork_from(
+        &self,
+        source_rec: &SandboxRecord,
+        capture: &str,
+        count: usize,
+        timeout_secs: Option<i64>,
+    ) -> Result<Vec<ForkResult>, SandboxError> {
+        let timeout_secs = limits::optional_timeout(&self.config, timeout_secs)?;
+        let row = self
+            .db
+            .get_snapshot(capture)?
+            .ok_or_else(|| SandboxError::NotFound(format!("fork capture {capture}")))?;
+        let ticket = self.admit(&source_rec.team, count as u64, rec_machine(source_rec))?;
+        let _ = self.fit_pool();
+        let snapshot = {
+            let _chains = self.chains.read().await;
+            self.driver.open_snapshot(capture)
+        }
+        .map_err(SandboxError::vm(&source_rec.id, "opening the fork capture"))?;
+        let results = self
+            .launch_children(source_rec, &row, snapshot, count, timeout_secs, &ticket)
+            .await;
+        self.gc();
+        Ok(results)
+    }
+
+    /// Start `count` children of `source_rec` from its fork capture `row`.
+    async fn launch_children(
+        &self,
+        source_rec: &SandboxRecord,
+        row: &SnapshotRow,
+        snapshot: SnapshotRef,
+        count: usize,
+        timeout_secs: Option<u64>,
+        ticket: &limits::Ticket<'_>,
+    ) -> Vec<ForkResult> {
         let source = Source {
             snapshot,
             snapshot_id: Some(row.id.clone()),
@@ -477,13 +547,9 @@ impl Manager {
         let machine = source.snapshot.info().machine;
         let children = (0..count).map(|_| {
             let rec = self.new_record(&source_rec.template_id, machine, &req, timeout_secs);
-            self.launch(rec, &source, timeout_secs, None, &ticket)
+            self.launch(rec, &source, timeout_secs, None, ticket)
         });
-        let results = join_all(children).await;
-        self.event(id, "forked", &format!("{count} children from {}", row.id));
-        // A fork capture nobody started from is deleted now.
-        self.gc();
-        Ok(results)
+        join_all(children).await
     }
 
     /// Give fork capture `snapshot_id` of sandbox `id` its own RAM file

@@ -143,14 +143,52 @@ struct ForkBody {
     count: Option<i64>,
 }
 
+/// `POST /sandboxes/{id}/fork`: `{count, timeout}` children, each a
+/// `{"sandbox": …}` or an `{"error": …}`. Through a cluster's gateway the
+/// children that do not fit on the source's node start on others
+/// ([`crate::cluster::spread`]): the source's node answers with an
+/// `{"elsewhere": {capture, count}}` entry for them, and the gateway sends
+/// each other node the fork with [`crate::cluster::FORK_FROM_HEADER`].
 pub async fn fork(
-    Owned { id, .. }: Owned,
+    Authed(key): Authed,
     State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: http::HeaderMap,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
+    use crate::cluster::{spread, FORK_FROM_HEADER, SPREAD_HEADER};
     let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let results = s.manager.fork(&id, b.count.unwrap_or(1), b.timeout).await?;
-    let out: Vec<serde_json::Value> = results
+    let count = b.count.unwrap_or(1);
+    let spread_err = |e: spread::SpreadError| match e {
+        spread::SpreadError::Sandbox(e) => ApiError::from(e),
+        spread::SpreadError::Capture(e) => ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()),
+    };
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let captures = s.captures.as_ref();
+    if let (Some(c), Some(capture)) = (captures, header(FORK_FROM_HEADER)) {
+        let results =
+            spread::fork_elsewhere(&s.manager, c, &key.team, &id, capture, count, b.timeout)
+                .await
+                .map_err(spread_err)?;
+        return Ok(fork_answer(&s, results, None));
+    }
+    let Owned { id, .. } = Owned::check(&s, key, id)?;
+    if let (Some(c), Some(_)) = (captures, header(SPREAD_HEADER)) {
+        let (results, elsewhere) = spread::fork_here(&s.manager, c, &id, count, b.timeout)
+            .await
+            .map_err(spread_err)?;
+        return Ok(fork_answer(&s, results, elsewhere));
+    }
+    let results = s.manager.fork(&id, count, b.timeout).await?;
+    Ok(fork_answer(&s, results, None))
+}
+
+fn fork_answer(
+    s: &AppState,
+    results: Vec<crate::sandboxes::ForkResult>,
+    elsewhere: Option<crate::cluster::spread::Elsewhere>,
+) -> Response {
+    let mut out: Vec<serde_json::Value> = results
         .into_iter()
         .map(|r| match r {
             Ok(rec) => serde_json::json!({ "sandbox": sandbox_out(rec, &s.domain) }),
@@ -160,5 +198,8 @@ pub async fn fork(
             }
         })
         .collect();
-    Ok((StatusCode::CREATED, Json(out)).into_response())
+    if let Some(e) = elsewhere {
+        out.push(serde_json::json!({ "elsewhere": e }));
+    }
+    (StatusCode::CREATED, Json(out)).into_response()
 }
