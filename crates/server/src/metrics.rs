@@ -47,6 +47,9 @@ pub struct Metrics {
     /// `max_sandboxes`) and what of it is in use.
     pub capacity: Family<KindLabel, Gauge>,
     pub host_cores: Gauge,
+    /// Captures through a cluster's registry, since the node started.
+    pub captures: Family<KindLabel, Gauge>,
+    pub capture_bytes: Family<KindLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -98,8 +101,22 @@ impl Default for Metrics {
             "Host cores the capacity is computed from",
             host_cores.clone(),
         );
+        let captures = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "cluster_captures",
+            "Captures through the cluster's registry since the node started: pushed, pulled, adopted (paused sandboxes resumed here from another node's capture)",
+            captures.clone(),
+        );
+        let capture_bytes = Family::<KindLabel, Gauge>::default();
+        registry.register(
+            "cluster_capture_bytes",
+            "Bytes of capture chunks since the node started: pushed (sent; the registry had the rest), pulled (fetched)",
+            capture_bytes.clone(),
+        );
         Self {
             registry,
+            captures,
+            capture_bytes,
             capacity,
             host_cores,
             proxy_bytes,
@@ -113,6 +130,27 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Copy a cluster node's capture counts in.
+    pub fn set_captures(&self, s: &crate::cluster::captures::Stats) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let as_i64 =
+            |v: &std::sync::atomic::AtomicU64| i64::try_from(v.load(Relaxed)).unwrap_or(i64::MAX);
+        for (kind, v) in [
+            ("pushed", &s.pushed),
+            ("pulled", &s.pulled),
+            ("adopted", &s.adopted),
+        ] {
+            self.captures
+                .get_or_create(&KindLabel { kind })
+                .set(as_i64(v));
+        }
+        for (kind, v) in [("pushed", &s.pushed_bytes), ("pulled", &s.pulled_bytes)] {
+            self.capture_bytes
+                .get_or_create(&KindLabel { kind })
+                .set(as_i64(v));
+        }
+    }
+
     /// Copy the image daemon's statistics in.
     pub fn set_image_cache(&self, s: &tine_image::chunks::cache::CacheStats) {
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);

@@ -4,7 +4,8 @@
 //! a node (`p12.py`, the real Python SDK), the spread of creates over the
 //! nodes; then the control plane at scale, in the same PostgreSQL: 1,000
 //! nodes and 100,000 sandboxes as rows, placement latency and routing
-//! lookups per second.
+//! lookups per second. P13: captures through the cluster's registry, on
+//! a cluster of its own (`p13.py`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -17,10 +18,12 @@ use super::report::Row;
 use super::{Ctx, Out};
 
 const SCRIPT: &str = include_str!("p12.py");
+const P13_SCRIPT: &str = include_str!("p13.py");
 /// Ports of the bench's cluster (apart from the tests' 5433/3100/3200).
 const PG_PORT: u16 = 5434;
 const NODE_PORT: u16 = 3300;
 const GATEWAY_PORT: u16 = 3400;
+const REGISTRY_PORT: u16 = 5057;
 const SIM_NODES: usize = 1000;
 const SIM_PER_NODE: usize = 100;
 
@@ -60,6 +63,7 @@ impl Cluster {
             .env("TINE_CLUSTER_PG_PORT", PG_PORT.to_string())
             .env("TINE_CLUSTER_NODE_PORT", NODE_PORT.to_string())
             .env("TINE_CLUSTER_GATEWAY_PORT", GATEWAY_PORT.to_string())
+            .env("TINE_CLUSTER_REGISTRY_PORT", REGISTRY_PORT.to_string())
             .env("TINE_CLUSTER_SKIP_SETUP", "1")
             .env("TINE_BIN", exe)
             .output()
@@ -81,25 +85,139 @@ fn pg_url() -> String {
 }
 
 pub async fn p12(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    with_cluster(ctx, "P12", out, measure).await
+}
+
+pub async fn p13(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
+    with_cluster(ctx, "P13", out, captures).await
+}
+
+/// `f` on a fresh cluster of 3 nodes and 1 gateway, taken down after.
+async fn with_cluster<F>(ctx: &Ctx, id: &str, out: &mut Out, f: F) -> anyhow::Result<()>
+where
+    F: AsyncFnOnce(&Ctx, &Cluster, &str, &mut Out) -> anyhow::Result<()>,
+{
     let cluster = Cluster {
         dir: ctx.floor_paths.data_dir.join("cluster"),
     };
-    ctx.step("P12: a cluster of 3 nodes and 1 gateway (scripts/cluster.sh up)".to_string());
+    ctx.step(format!(
+        "{id}: a cluster of 3 nodes and 1 gateway (scripts/cluster.sh up)"
+    ));
     let _ = cluster.cmd(&["down"]).await;
+    // A fresh registry and catalog: what a push sends is not what an
+    // earlier run left there.
+    let _ = std::fs::remove_dir_all(cluster.dir.join("registry"));
     let up = cluster
         .cmd(&["up", "--nodes", "3", "--gateways", "1"])
         .await;
     let result = match up {
-        Ok(text) => measure(ctx, &cluster, &text, out).await,
+        Ok(text) => f(ctx, &cluster, &text, out).await,
         Err(e) => Err(e),
     };
     if let Err(e) = cluster.cmd(&["down"]).await {
-        tracing::warn!("P12: cluster.sh down: {e:#}");
+        tracing::warn!("{id}: cluster.sh down: {e:#}");
     }
     result
 }
 
-async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyhow::Result<()> {
+#[derive(Deserialize)]
+struct P13Result {
+    create_first: Vec<f64>,
+    create_holder: Vec<f64>,
+    fetched_bytes: Vec<f64>,
+    capture_bytes: f64,
+    resume_moved: Vec<f64>,
+    resume_local: Vec<f64>,
+    push_ms: Vec<f64>,
+    errors: Vec<String>,
+}
+
+/// P13: captures through the registry (`p13.py`).
+async fn captures(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyhow::Result<()> {
+    let (key, secret, gateway, nodes) = endpoints(cluster, up)?;
+    let n = ctx.iterations(3);
+    let mem_mib = 32;
+    let write_mib = ctx.args.write_mib.min(256);
+    ctx.step(format!(
+        "P13: creates from a snapshot on nodes that lack it, {n} resumes moved and local, pushes after writing {write_mib} MiB"
+    ));
+    let r: P13Result = super::sdk::run_script(
+        ctx,
+        "p13.py",
+        P13_SCRIPT,
+        &[
+            ("E2B_API_URL", gateway.clone()),
+            ("E2B_SANDBOX_URL", gateway),
+            ("E2B_API_KEY", key),
+            ("TINE_BENCH_NODES", nodes),
+            ("TINE_BENCH_SECRET", secret),
+            ("TINE_BENCH_N", n.to_string()),
+            ("TINE_BENCH_MEM_MIB", mem_mib.to_string()),
+            ("TINE_BENCH_WRITE_MIB", write_mib.to_string()),
+            ("TINE_POSTGRES_URL", pg_url()),
+            (
+                "TINE_BIN",
+                std::env::current_exe()?.to_string_lossy().into_owned(),
+            ),
+        ],
+    )
+    .await?;
+    let error = r.errors.first().cloned();
+    let mib = |v: &[f64]| {
+        v.iter()
+            .map(|b| b / (1u64 << 20) as f64)
+            .collect::<Vec<_>>()
+    };
+    let mut first = Row::new(
+        "P13",
+        format!("first create from a snapshot ({mem_mib} MiB written to memory and disk) on a node that never saw it"),
+        "ms",
+    )
+    .samples(r.create_first)
+    .floor("a create from it on the node that made it", r.create_holder)
+    .param("fetched_mib", mib(&r.fetched_bytes));
+    first.target = "(measured; no target)".into();
+    if let (Some(s), Some(f)) = (first.summary, first.floor) {
+        first.ratio = Some(s.p50 / f.p50);
+    }
+    out.rows.push(first.error(error.clone()));
+    let mut fetched = Row::new("P13", "MiB that first create fetched (eager pull)", "MiB")
+        .samples(mib(&r.fetched_bytes))
+        .floor(
+            "what the capture's push sent (its chunks the registry lacked)",
+            vec![r.capture_bytes / (1u64 << 20) as f64],
+        );
+    fetched.target = "(measured; no target)".into();
+    if let (Some(s), Some(f)) = (fetched.summary, fetched.floor) {
+        fetched.ratio = Some(s.p50 / f.p50);
+    }
+    out.rows.push(fetched.error(error.clone()));
+    let mut moved = Row::new(
+        "P13",
+        "resume on another node (its pause capture adopted)",
+        "ms",
+    )
+    .samples(r.resume_moved)
+    .floor("a resume on its own node", r.resume_local);
+    moved.target = "(measured; no target)".into();
+    if let (Some(s), Some(f)) = (moved.summary, moved.floor) {
+        moved.ratio = Some(s.p50 / f.p50);
+    }
+    out.rows.push(moved.error(error.clone()));
+    let mut push = Row::new(
+        "P13",
+        format!("background push of a pause capture after writing {write_mib} MiB to disk"),
+        "ms",
+    )
+    .samples(r.push_ms);
+    push.target = "(measured; no target)".into();
+    out.rows.push(push.error(error));
+    Ok(())
+}
+
+/// The key `cluster.sh up` printed, the cluster secret, the gateway's URL
+/// and the nodes' URLs (comma-separated).
+fn endpoints(cluster: &Cluster, up: &str) -> anyhow::Result<(String, String, String, String)> {
     let key = up
         .lines()
         .find_map(|l| l.strip_prefix("export E2B_API_KEY="))
@@ -111,6 +229,11 @@ async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyho
         .map(|i| format!("http://127.0.0.1:{}", NODE_PORT + i))
         .collect::<Vec<_>>()
         .join(",");
+    Ok((key, secret.trim().to_string(), gateway, nodes))
+}
+
+async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyhow::Result<()> {
+    let (key, secret, gateway, nodes) = endpoints(cluster, up)?;
     let n = ctx.iterations(20);
     let calls = 200;
     let spread = 30;
@@ -126,7 +249,7 @@ async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyho
             ("E2B_SANDBOX_URL", gateway.clone()),
             ("E2B_API_KEY", key),
             ("TINE_BENCH_NODES", nodes),
-            ("TINE_BENCH_SECRET", secret.trim().to_string()),
+            ("TINE_BENCH_SECRET", secret),
             ("TINE_BENCH_N", n.to_string()),
             ("TINE_BENCH_CALLS", calls.to_string()),
             ("TINE_BENCH_SPREAD", spread.to_string()),

@@ -55,11 +55,12 @@ pub enum Scenario {
     P10,
     P11,
     P12,
+    P13,
     P15,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 13] = [
+    const ALL: [Scenario; 14] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -72,6 +73,7 @@ impl Scenario {
         Self::P10,
         Self::P11,
         Self::P12,
+        Self::P13,
         Self::P15,
     ];
 
@@ -89,6 +91,7 @@ impl Scenario {
             Self::P10 => "P10",
             Self::P11 => "P11",
             Self::P12 => "P12",
+            Self::P13 => "P13",
             Self::P15 => "P15",
         }
     }
@@ -107,6 +110,9 @@ impl Scenario {
             Self::P10 => "100 MiB download through the egress path vs the host",
             Self::P11 => "RL rollout: episodes that fork at step 3 (Python SDK)",
             Self::P12 => "cluster: a gateway against a node, placement at 1,000 nodes",
+            Self::P13 => {
+                "cluster: captures through the registry (first create, moved resume, push)"
+            }
             Self::P15 => "idle sandboxes: host CPU each, and how many a host holds",
         }
     }
@@ -114,7 +120,7 @@ impl Scenario {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P12 and P15).
+    /// Scenarios to run (default: all of P1–P13 and P15).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
@@ -250,6 +256,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P10 => net::p10(ctx, out).await,
         Scenario::P11 => rollout::p11(ctx, out).await,
         Scenario::P12 => cluster::p12(ctx, out).await,
+        Scenario::P13 => cluster::p13(ctx, out).await,
         Scenario::P15 => idle::p15(ctx, out).await,
     }
 }

@@ -34,6 +34,9 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     if let Some(stats) = tine_image::nbd::daemon::read_stats(&state.data_dir) {
         m.set_image_cache(&stats);
     }
+    if let Some(c) = &state.captures {
+        m.set_captures(c.stats());
+    }
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

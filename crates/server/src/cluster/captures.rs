@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -31,6 +32,7 @@ use tine_vmm::snapshot::SnapshotMeta;
 
 use super::catalog::{Catalog, CatalogError};
 use crate::db::{Db, SnapshotKind, SnapshotRow};
+use crate::model::SandboxState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -71,6 +73,30 @@ pub struct Record {
     pub sandbox: Option<crate::model::SandboxRecord>,
 }
 
+impl Record {
+    /// The snapshot row of this capture installed here as `id`.
+    fn row(
+        &self,
+        id: &str,
+        kind: SnapshotKind,
+        sandbox_id: String,
+        names: Vec<String>,
+    ) -> SnapshotRow {
+        SnapshotRow {
+            id: id.to_string(),
+            kind,
+            sandbox_id,
+            parent_id: None,
+            names,
+            template_id: self.template_id.clone(),
+            cpu_count: self.cpu_count,
+            memory_mb: self.memory_mb,
+            source_token: self.source_token.clone(),
+            created_ms: self.created_ms,
+        }
+    }
+}
+
 /// A pushed capture as `tine cluster captures` lists it.
 #[derive(Debug, Clone)]
 pub struct Listed {
@@ -94,6 +120,17 @@ pub struct Captures {
     pulls: tokio::sync::Mutex<()>,
     /// Push the captures of paused sandboxes too.
     durable_pause: bool,
+    stats: Stats,
+}
+
+/// What a node's captures moved since it started (its `/metrics`).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub pushed: AtomicU64,
+    pub pushed_bytes: AtomicU64,
+    pub pulled: AtomicU64,
+    pub pulled_bytes: AtomicU64,
+    pub adopted: AtomicU64,
 }
 
 impl Captures {
@@ -117,7 +154,12 @@ impl Captures {
             work,
             pulls: tokio::sync::Mutex::new(()),
             durable_pause,
+            stats: Stats::default(),
         }
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
     }
 
     fn artifact(&self, id: &str, file: &str) -> Result<ImageRef, CaptureError> {
@@ -273,6 +315,10 @@ impl Captures {
                 .collect();
             self.put(&row.id, team.unwrap_or_default(), &names, &record)
                 .await?;
+            self.stats.pushed.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .pushed_bytes
+                .fetch_add(pushed_bytes, Ordering::Relaxed);
             Ok::<_, CaptureError>(pushed_bytes)
         }
         .await;
@@ -319,18 +365,7 @@ impl Captures {
         if db.get_snapshot(&id).ok().flatten().is_none() {
             let t = std::time::Instant::now();
             let fetched = self.pull(&id, &record).await?;
-            let row = SnapshotRow {
-                id: id.clone(),
-                kind: SnapshotKind::Fork,
-                sandbox_id: source.id.clone(),
-                parent_id: None,
-                names: Vec::new(),
-                template_id: record.template_id.clone(),
-                cpu_count: record.cpu_count,
-                memory_mb: record.memory_mb,
-                source_token: record.source_token.clone(),
-                created_ms: record.created_ms,
-            };
+            let row = record.row(&id, SnapshotKind::Fork, source.id.clone(), Vec::new());
             db.import_snapshot(&row, Some(owner.as_str()), &[])
                 .map_err(|e| err(e.to_string()))?;
             tracing::info!(
@@ -377,18 +412,7 @@ impl Captures {
                 SnapshotKind::Template => names.into_iter().take(1).collect(),
                 _ => names,
             };
-            let row = SnapshotRow {
-                id: id.clone(),
-                kind,
-                sandbox_id: record.sandbox_id.clone(),
-                parent_id: None,
-                names,
-                template_id: record.template_id.clone(),
-                cpu_count: record.cpu_count,
-                memory_mb: record.memory_mb,
-                source_token: record.source_token.clone(),
-                created_ms: record.created_ms,
-            };
+            let row = record.row(&id, kind, record.sandbox_id.clone(), names);
             let owner = Some(owner.as_str()).filter(|t| !t.is_empty());
             db.import_snapshot(&row, owner, &record.tags)
                 .map_err(|e| err(e.to_string()))?;
@@ -434,6 +458,10 @@ impl Captures {
             tine_vmm::travel::import(&self.paths, id, &files_dir, record.meta.clone())
                 .await
                 .map_err(|e| err(e.to_string()))?;
+            self.stats.pulled.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .pulled_bytes
+                .fetch_add(fetched, Ordering::Relaxed);
             Ok::<_, CaptureError>(fetched)
         }
         .await;
@@ -447,7 +475,14 @@ impl Captures {
     /// on it (its `connect` then resumes it as any). The catalog records
     /// the move. `Ok(false)`: no capture of it was pushed.
     pub async fn adopt(&self, db: &Db, team: &str, sandbox_id: &str) -> Result<bool, CaptureError> {
-        if db.get_sandbox(sandbox_id).ok().flatten().is_some() {
+        // Here already (a killed row is one that moved away from here).
+        let here = || {
+            db.get_sandbox(sandbox_id)
+                .ok()
+                .flatten()
+                .is_some_and(|s| !matches!(s.state, SandboxState::Killed | SandboxState::Failed))
+        };
+        if here() {
             return Ok(false);
         }
         let Some((id, from, record)) = self.find_pause(team, sandbox_id).await? else {
@@ -460,23 +495,12 @@ impl Captures {
             .filter(|s| s.id == sandbox_id && s.team == team)
             .ok_or_else(|| err("its record names another sandbox".into()))?;
         let _one = self.pulls.lock().await;
-        if db.get_sandbox(sandbox_id).ok().flatten().is_some() {
+        if here() {
             return Ok(true);
         }
         let t = std::time::Instant::now();
         let fetched = self.pull(&id, &record).await?;
-        let row = SnapshotRow {
-            id: id.clone(),
-            kind: SnapshotKind::Pause,
-            sandbox_id: sandbox_id.to_string(),
-            parent_id: None,
-            names: Vec::new(),
-            template_id: record.template_id.clone(),
-            cpu_count: record.cpu_count,
-            memory_mb: record.memory_mb,
-            source_token: record.source_token.clone(),
-            created_ms: record.created_ms,
-        };
+        let row = record.row(&id, SnapshotKind::Pause, sandbox_id.to_string(), Vec::new());
         let detail = format!("from node {from}: its pause capture {id} pulled from the registry");
         db.adopt_sandbox(&sandbox, &row, &detail)
             .map_err(|e| err(e.to_string()))?;
@@ -486,6 +510,7 @@ impl Captures {
             .record_move(sandbox_id, &from, &self.node)
             .await?;
         self.forget(&id).await;
+        self.stats.adopted.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             sandbox = sandbox_id,
             capture = %id,

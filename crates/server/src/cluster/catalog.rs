@@ -170,6 +170,7 @@ CREATE TABLE IF NOT EXISTS tine_moves (
     to_node TEXT NOT NULL,
     moved_ms BIGINT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS tine_moves_from ON tine_moves (from_node);
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,

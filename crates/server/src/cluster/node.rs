@@ -119,8 +119,10 @@ impl NodeLink {
         self.catalog
             .heartbeat(&self.id, &self.status(manager))
             .await?;
+        // Every beat: a gateway may still route a moved sandbox here
+        // until this node no longer has it.
+        self.drop_moved(manager).await?;
         if full {
-            self.drop_moved(manager).await?;
             // The list is read after PostgreSQL's "now": a gateway's write
             // after that instant wins over it.
             let at = self.catalog.now_ms().await?;

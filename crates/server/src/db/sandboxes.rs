@@ -127,6 +127,12 @@ impl Db {
             state: SandboxState::Paused,
             ..s.clone()
         };
+        // It lived here before and moved away (killed here then): it comes
+        // back as it is now.
+        tx.execute(
+            "DELETE FROM sandboxes WHERE id = ?1 AND state IN ('killed', 'failed')",
+            [&s.id],
+        )?;
         insert_sandbox_on(&tx, &paused)?;
         tx.execute(
             "UPDATE sandboxes SET snapshot_id = ?2 WHERE id = ?1",
@@ -445,4 +451,123 @@ fn insert_sandbox_on(conn: &rusqlite::Connection, s: &SandboxRecord) -> Result<(
         ],
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::{SnapshotKind, SnapshotRow};
+
+    fn record(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            template_id: "base".into(),
+            alias: None,
+            client_id: "tine".into(),
+            state: SandboxState::Running,
+            metadata: BTreeMap::from([("k".to_string(), "v".to_string())]),
+            env_vars: BTreeMap::new(),
+            cpu_count: 1,
+            memory_mb: 256,
+            disk_size_mb: 0,
+            envd_version: "0.2.0".into(),
+            envd_access_token: "tok".into(),
+            started_at_ms: 1,
+            end_at_ms: 2,
+            auto_pause: false,
+            error: None,
+            network: Default::default(),
+            traffic_token: Some("traffic".into()),
+            lifecycle: Default::default(),
+            team: "default".into(),
+        }
+    }
+
+    fn pause_row(id: &str, sandbox: &str) -> SnapshotRow {
+        SnapshotRow {
+            id: id.into(),
+            kind: SnapshotKind::Pause,
+            sandbox_id: sandbox.into(),
+            parent_id: None,
+            names: vec![],
+            template_id: "base".into(),
+            cpu_count: 1,
+            memory_mb: 256,
+            source_token: "tok".into(),
+            created_ms: 3,
+        }
+    }
+
+    fn travelling(db: &Db) -> Vec<String> {
+        db.travelling_snapshots(true)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    }
+
+    #[test]
+    fn only_current_pauses_with_memory_travel_and_an_adopted_one_does_not_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("t.db")).unwrap();
+        for id in ["a", "b"] {
+            db.insert_sandbox(&record(id)).unwrap();
+        }
+        let lc = crate::model::Lifecycle::default();
+        assert!(db
+            .set_paused("a", &pause_row("p-a-1", "a"), &lc, ("paused", ""))
+            .unwrap());
+        let disk_only = crate::model::Lifecycle {
+            paused_disk_only: true,
+            ..lc
+        };
+        assert!(db
+            .set_paused("b", &pause_row("p-b-1", "b"), &disk_only, ("paused", ""))
+            .unwrap());
+        // A pause without memory stays on its node; durable pause off: none.
+        assert_eq!(travelling(&db), vec!["p-a-1"]);
+        assert!(db.travelling_snapshots(false).unwrap().is_empty());
+        assert!(db.pause_is_current("a", "p-a-1").unwrap());
+        // Resumed: its capture is history.
+        assert!(db.set_resumed("a", 10, &lc, ("resumed", "")).unwrap());
+        assert!(!db.pause_is_current("a", "p-a-1").unwrap());
+        assert!(travelling(&db).is_empty());
+
+        // Adopted from another node: paused here on the pulled capture,
+        // with its record as it was, and not pushed back.
+        let moved = record("c");
+        db.adopt_sandbox(&moved, &pause_row("p-c-1", "c"), "from node-1")
+            .unwrap();
+        let got = db.get_sandbox("c").unwrap().unwrap();
+        assert_eq!(got.state, SandboxState::Paused);
+        assert_eq!(
+            (got.envd_access_token.as_str(), got.traffic_token.as_deref()),
+            ("tok", Some("traffic"))
+        );
+        assert_eq!(got.metadata, moved.metadata);
+        assert_eq!(db.sandbox_snapshot("c").unwrap().as_deref(), Some("p-c-1"));
+        assert!(db.pause_is_current("c", "p-c-1").unwrap());
+        assert!(travelling(&db).is_empty());
+        // Adopting it twice is an error, not a second row.
+        assert!(db
+            .adopt_sandbox(&moved, &pause_row("p-c-2", "c"), "again")
+            .is_err());
+        // Moved away (dropped here), then back: adopted again.
+        assert!(db
+            .set_state(
+                "c",
+                &[SandboxState::Paused],
+                SandboxState::Killed,
+                Some("moved"),
+                ("killed", "")
+            )
+            .unwrap());
+        db.adopt_sandbox(&moved, &pause_row("p-c-3", "c"), "back")
+            .unwrap();
+        assert_eq!(
+            db.get_sandbox("c").unwrap().unwrap().state,
+            SandboxState::Paused
+        );
+        assert_eq!(db.sandbox_snapshot("c").unwrap().as_deref(), Some("p-c-3"));
+    }
 }

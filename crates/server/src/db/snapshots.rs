@@ -255,14 +255,16 @@ impl Db {
 
     /// This host's own user snapshots and built templates (not `base`'s,
     /// which every host builds, nor those pulled from another host), and
-    /// with `pauses` the captures its paused sandboxes wait on: what a
+    /// with `pauses` the captures its sandboxes paused with their memory
+    /// wait on: what a
     /// cluster node pushes to its registry.
     pub fn travelling_snapshots(&self, pauses: bool) -> Result<Vec<SnapshotRow>> {
         self.select_snapshots(
             "((kind IN ('snapshot', 'template') AND deleted_ms IS NULL \
                AND json_extract(names, '$[0]') IS NOT 'base') \
               OR (?1 AND kind = 'pause' AND id IN \
-                  (SELECT snapshot_id FROM sandboxes WHERE state = 'paused'))) \
+                  (SELECT snapshot_id FROM sandboxes WHERE state = 'paused' \
+                     AND json_extract(lifecycle, '$.pausedDiskOnly') IS NOT 1))) \
              AND id NOT IN (SELECT id FROM imported_snapshots)",
             [pauses],
         )

@@ -355,7 +355,15 @@ impl Gateway {
             return crate::proxy::not_found(id);
         };
         match forward::forward(&self.client, &n.id, &n.status.address, req, &[], &[]).await {
-            Ok(r) => r,
+            Ok(r) => {
+                if matches!(r.status(), StatusCode::NOT_FOUND | StatusCode::BAD_GATEWAY) {
+                    // Perhaps not there any more (E2B's answer for an
+                    // unknown sandbox is a 502): the next request reads
+                    // the catalog again, at the cost of one lookup.
+                    self.forget(id);
+                }
+                r
+            }
             Err(e) => {
                 // Its node is down: the next request reads the catalog
                 // again (the sandbox may have been resumed elsewhere).

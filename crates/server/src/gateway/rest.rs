@@ -280,25 +280,32 @@ async fn by_id(
     if method == Method::POST && path.ends_with("/fork") {
         return super::fork::fork(g, key, &id, &n, parts, bytes).await;
     }
-    let resp = match g.to_node(&n, &key.team, again()).await {
-        Ok(r) => r,
-        Err(e @ ForwardError::Unreachable(..)) => {
-            // The route may be stale (another gateway resumed the sandbox
-            // on another node): once more where the catalog says it is.
-            g.forget(&id);
-            let moved = match g.locate(&id).await? {
-                Some((now, _)) if now != node => g.node(&now).await,
-                _ => None,
-            };
-            let Some(m) = moved else {
-                return Ok(e.into_response());
-            };
-            n = m;
-            match g.to_node(&n, &key.team, again()).await {
-                Ok(r) => r,
-                Err(e) => return Ok(e.into_response()),
-            }
+    let first = g.to_node(&n, &key.team, again()).await;
+    // Unreachable, or no longer there: the route may be stale (another
+    // gateway resumed the sandbox on another node), so once more where
+    // the catalog says it is now.
+    let stale = match &first {
+        Ok(r) => r.status() == StatusCode::NOT_FOUND,
+        Err(e) => matches!(e, ForwardError::Unreachable(..)),
+    };
+    let moved = if stale {
+        g.forget(&id);
+        match g.locate(&id).await? {
+            Some((now, _)) if now != node => g.node(&now).await,
+            _ => None,
         }
+    } else {
+        None
+    };
+    let sent = match moved {
+        Some(m) => {
+            n = m;
+            g.to_node(&n, &key.team, again()).await
+        }
+        None => first,
+    };
+    let resp = match sent {
+        Ok(r) => r,
         Err(e) => return Ok(e.into_response()),
     };
     let status = resp.status();
