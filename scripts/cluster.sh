@@ -25,6 +25,8 @@
 # TINE_CLUSTER_PG_PORT (5433), TINE_CLUSTER_NODE_PORT (3100: node I listens
 # on 3100+I), TINE_CLUSTER_GATEWAY_PORT (3200: gateway J on 3200+J),
 # TINE_CLUSTER_NODE_CONFIG (top-level TOML keys added to every node's config),
+# TINE_CLUSTER_LAZY_PULL (true: nodes read pulled captures lazily; false:
+# they fetch them whole first),
 # TINE_CLUSTER_DOMAIN (the domain sandboxes are addressed under, the same
 # for nodes and gateways; default localhost:<first gateway's port>),
 # TINE_CLUSTER_TLS_GATEWAYS (gateway numbers served over HTTPS for that
@@ -184,6 +186,7 @@ registry = "$REGISTRY/tine/captures"
 # Changes are published when they happen; the full list every 5 minutes
 # heals what a lost write missed.
 publish_secs = 300
+lazy_pull = ${TINE_CLUSTER_LAZY_PULL:-true}
 EOF
     log "node $i: tine serve on 127.0.0.1:$port (data dir $dir, log $dir/server.log)"
     TINE_DATA_DIR="$dir" TINE_SHM_DIR="/dev/shm/tine-cluster-node-$i" \

@@ -23,6 +23,7 @@
 
 pub mod chunks;
 pub mod layers;
+pub mod lazy;
 pub mod nbd;
 pub mod reference;
 pub mod registry;
@@ -54,6 +55,15 @@ pub enum ImageError {
     },
     #[error("image {image}: chunk {index} ({digest}): {detail}")]
     Chunk {
+        image: String,
+        index: usize,
+        digest: String,
+        detail: String,
+    },
+    /// A chunk whose bytes do not match its digest (or do not
+    /// decompress): fetching it again gives the same bytes.
+    #[error("image {image}: chunk {index} ({digest}) is damaged: {detail}")]
+    Damaged {
         image: String,
         index: usize,
         digest: String,

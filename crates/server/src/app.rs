@@ -151,6 +151,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                     .as_ref()
                     .and_then(|c| c.durable_pause)
                     .unwrap_or(true),
+                cluster.as_ref().and_then(|c| c.lazy_pull).unwrap_or(true),
             )))
         }
         _ => None,

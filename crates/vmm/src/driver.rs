@@ -84,6 +84,8 @@ pub struct SnapshotInfo {
     pub layer_bytes: u64,
     /// Bytes its root RAM file holds on disk (its holes left out).
     pub root_ram_bytes: u64,
+    /// The root RAM file every VM restored from it maps.
+    pub memory_file: std::path::PathBuf,
 }
 
 /// An opened snapshot: its [`SnapshotInfo`] and whatever the driver that
@@ -160,6 +162,9 @@ pub trait VmHandle: Send + Sync {
     fn process_id(&self) -> i32;
     /// How the VM's process ended, or `None` while it runs.
     fn exit_status(&self) -> Option<String>;
+    /// The file its RAM is mapped from (a snapshot's frozen RAM, which may
+    /// be read lazily from a registry: why a VM died can be there).
+    fn memory_file(&self) -> Option<std::path::PathBuf>;
     /// Its guest's ports.
     fn guest(&self) -> Guest;
     /// Run a VM that was restored paused, until its guest is ready.

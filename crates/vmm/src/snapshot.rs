@@ -87,7 +87,7 @@ impl Snapshot {
         self.dir.join("state")
     }
     pub fn disk_path(&self) -> PathBuf {
-        self.dir.join("disk.qcow2")
+        resolved(self.dir.join("disk.qcow2"))
     }
     pub fn layer_path(&self) -> PathBuf {
         self.dir.join(LAYER_FILE)
@@ -205,7 +205,7 @@ impl Snapshot {
             });
         }
         let snap = Self {
-            ram: paths.snapshot_ram(id),
+            ram: resolved(paths.snapshot_ram(id)),
             layers: Vec::new(),
             ancestors: Vec::new(),
             dir: dir.clone(),
@@ -247,6 +247,17 @@ impl Snapshot {
                 source: e,
             }),
         }
+    }
+}
+
+/// A snapshot file, or the file it links to: a capture pulled from a
+/// registry has its RAM and disk read lazily by the image daemon
+/// (`tine_image::lazy`) and links to them, and QEMU, its jail and the
+/// disk chain checks all want the file itself.
+fn resolved(p: PathBuf) -> PathBuf {
+    match std::fs::read_link(&p) {
+        Ok(target) if target.is_absolute() => target,
+        _ => p,
     }
 }
 

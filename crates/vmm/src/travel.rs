@@ -110,12 +110,22 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
     if dir.join("meta.json").exists() {
         return Ok(());
     }
+    // A file linked to the image daemon's lazy mount is read on demand,
+    // each chunk checked against its digest as it comes: summing it here
+    // would fetch it whole.
+    let lazy =
+        |f: &str| std::fs::symlink_metadata(from.join(f)).is_ok_and(|m| m.file_type().is_symlink());
+    let (lazy_ram, lazy_disk) = (lazy("ram"), lazy("disk.qcow2"));
+    if lazy_ram {
+        meta.checksums.remove("ram");
+    }
     let (src, want) = (from.to_path_buf(), meta.checksums.clone());
     crate::blocking(move || {
-        for (name, sum) in [
-            ("state", crate::checksum::file_crc(&src.join("state"))),
-            ("ram", crate::checksum::sparse_crc(&src.join("ram"))),
-        ] {
+        let mut sums = vec![("state", crate::checksum::file_crc(&src.join("state")))];
+        if !lazy_ram {
+            sums.push(("ram", crate::checksum::sparse_crc(&src.join("ram"))));
+        }
+        for (name, sum) in sums {
             let sum = sum.ctx(|| format!("reading {}", src.join(name).display()))?;
             if want.get(name).is_some_and(|w| *w != sum) {
                 return Err(refuse(
@@ -127,20 +137,23 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
         Ok(())
     })
     .await?;
-    // Only the header's name of the base changes: the contents are the same.
     let disk = from.join("disk.qcow2");
-    let status = tokio::process::Command::new("qemu-img")
-        .args(["rebase", "-u", "-F", "raw", "-b"])
-        .arg(&rootfs)
-        .arg(&disk)
-        .status()
-        .await
-        .ctx(|| "running qemu-img rebase".into())?;
-    if !status.success() {
-        return Err(refuse(
-            &disk,
-            format!("qemu-img rebase -u failed ({status})"),
-        ));
+    if lazy_disk {
+        // Read-only: its header must already name this host's base (the
+        // exporter's, which every host builds at the same path).
+        let below = crate::jail::chain::below(&disk)
+            .ctx(|| format!("reading the header of {}", disk.display()))?;
+        if below != [crate::jail::chain::Backing::File(rootfs.clone())] {
+            return Err(refuse(
+                &disk,
+                format!(
+                    "its disk is not over this host's base rootfs {}",
+                    rootfs.display()
+                ),
+            ));
+        }
+    } else {
+        rebase_onto(&disk, &rootfs).await?;
     }
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
@@ -157,4 +170,23 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
     )?;
     // It opens as any snapshot of this host does.
     Snapshot::open(paths, id).map(|_| ())
+}
+
+/// Point `disk`'s header at `rootfs`: only the name of the base changes,
+/// the contents are the same.
+async fn rebase_onto(disk: &Path, rootfs: &Path) -> Result<()> {
+    let status = tokio::process::Command::new("qemu-img")
+        .args(["rebase", "-u", "-F", "raw", "-b"])
+        .arg(rootfs)
+        .arg(disk)
+        .status()
+        .await
+        .ctx(|| "running qemu-img rebase".into())?;
+    if !status.success() {
+        return Err(refuse(
+            disk,
+            format!("qemu-img rebase -u failed ({status})"),
+        ));
+    }
+    Ok(())
 }

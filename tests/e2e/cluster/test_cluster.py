@@ -7,6 +7,7 @@ nodes, a gateway and PostgreSQL, and put them back.
 
 import concurrent.futures
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -315,6 +316,32 @@ def wait_pushed(name):
         time.sleep(1)
 
 
+def node_url(node_id):
+    """The URL of node `node-N`."""
+    return NODES[int(node_id.split("-")[1]) - 1]
+
+
+def fetched_bytes(node):
+    """Compressed bytes node `node`'s image daemon fetched since it started."""
+    text = httpx.get(node + "/metrics").text
+    m = re.search(r'^tine_image_cache_bytes\{kind="fetched"\} (\d+)', text, re.M)
+    assert m, text[:2000]
+    return int(m.group(1))
+
+
+def capture_bytes(capture):
+    """Compressed bytes of capture `capture`'s distinct chunks in the registry."""
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    seen = {}
+    for f in ("state", "ram", "disk"):
+        manifest = httpx.get(
+            f"http://{registry}/v2/tine/captures/manifests/{capture}.{f}",
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        ).json()
+        seen.update({l["digest"]: l["size"] for l in manifest["layers"]})
+    return sum(seen.values())
+
+
 def test_a_snapshot_restores_on_another_node_through_the_registry(spread):
     src = spread[6]
     src.commands.run(
@@ -416,12 +443,14 @@ def wait_pushed_pause(sandbox_id):
         time.sleep(1)
 
 
-def restart_node(idx, extra_config=""):
+def restart_node(idx, extra_config="", lazy=True):
     """SIGTERM node `idx` and start it again (its VMs live on and are
-    adopted), with `extra_config` added to its config."""
+    adopted), with `extra_config` added to its config, reading pulled
+    captures lazily or not."""
     cluster("term-node", idx)
     env = dict(os.environ)
     env["TINE_CLUSTER_NODE_CONFIG"] = os.environ.get("TINE_CLUSTER_NODE_CONFIG", "") + "\n" + extra_config
+    env["TINE_CLUSTER_LAZY_PULL"] = "true" if lazy else "false"
     subprocess.run(["bash", CLUSTER, "start-node", idx], check=True, timeout=300, env=env)
 
 
@@ -484,8 +513,31 @@ def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
     with open(blob, "r+b") as f:
         f.seek(100)
         f.write(b"\0damaged\0")
+    others = [str(i) for i in range(1, len(NODES) + 1) if str(i) != n.split("-")[1]]
     cluster("stop-node", n.split("-")[1])
     try:
+        # Read lazily: the sandbox starts (the damaged chunk is not read
+        # yet); the first read of it ends its VM, never with wrong bytes,
+        # and the sandbox's end names the capture and the chunk.
+        r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id, "metadata": {"run": RUN}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        host = node_of(sid)
+        sb = Sandbox.connect(sid)
+        with pytest.raises(Exception):
+            out = sb.commands.run("md5sum /dev/shm/only-here", timeout=60)
+            pytest.fail(f"read the damaged memory: {out.stdout}")
+        deadline = time.time() + 60
+        while api("GET", f"/sandboxes/{sid}").status_code != 404:
+            assert time.time() < deadline, "the sandbox outlived its VM"
+            time.sleep(1)
+        log = open(os.path.join(os.environ["TINE_CLUSTER_DIR"], host, "server.log")).read()
+        ended = [l for l in log.splitlines() if sid in l and "exited unexpectedly" in l]
+        assert ended and snap.snapshot_id in ended[-1] and "damaged" in ended[-1] and "ram" in ended[-1], ended
+        # Fetched whole first (lazy pulls off): the create fails with the
+        # same names, and no sandbox is made.
+        for i in others:
+            restart_node(i, lazy=False)
         r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id, "metadata": {"run": RUN}})
         assert r.status_code == 502, r.text
         msg = r.json()["message"]
@@ -493,6 +545,8 @@ def test_a_chunk_damaged_in_the_registry_is_a_clear_error_not_a_sandbox(spread):
         listed = api("GET", "/v2/sandboxes", params={"metadata": f"run={RUN}"}).json()
         assert all(x["templateID"] != snap.snapshot_id for x in listed)
     finally:
+        for i in others:
+            restart_node(i)
         cluster("start-node", n.split("-")[1])
 
 
@@ -508,14 +562,22 @@ def test_a_template_built_on_one_node_starts_on_the_others_through_the_registry(
     builder = node_of(first.sandbox_id)
     first.kill()
     wait_pushed(f"{name}:v1")
+    capture = next(i for i, names in captures().items() if f"{name}:v1" in names)
+    stored = capture_bytes(capture)
     cluster("stop-node", builder.split("-")[1])
     made = []
     try:
+        before = {n: fetched_bytes(n) for n in NODES if n != node_url(builder)}
         for template in (name, f"{name}:v1"):
             s = create(template=template)
             made.append(s)
             assert node_of(s.sandbox_id) != builder
             assert s.commands.run("cat /tmp/built").stdout.strip() == "built once"
+        # Its RAM and disk are read lazily: a node that started it fetched
+        # only the chunks its sandbox touched.
+        for n in {node_url(node_of(s.sandbox_id)) for s in made}:
+            got = fetched_bytes(n) - before[n]
+            assert 0 < got < stored / 2, (n, got, stored)
         # Another team does not get it.
         r = api("POST", "/v2/sandboxes", key=OTHER_KEY, json={"templateID": name})
         assert r.status_code == 404, r.text

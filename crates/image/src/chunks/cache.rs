@@ -289,6 +289,12 @@ impl ChunkCache {
             digest: chunk.digest.clone(),
             detail,
         };
+        let damaged = |detail: String| ImageError::Damaged {
+            image: disk.image.clone(),
+            index: i,
+            digest: chunk.digest.clone(),
+            detail,
+        };
         let hex = chunk_hex(&chunk.digest)?.to_string();
         if let Some(data) = self.in_memory(&hex) {
             return Ok(data);
@@ -317,9 +323,13 @@ impl ChunkCache {
             let bytes = remote
                 .fetch(chunk)
                 .await
-                .map_err(|e| chunk_err(e.to_string()))?;
+                .map_err(|e| match e {
+                    // The registry's client checks the digest itself.
+                    ImageError::Digest { .. } => damaged(e.to_string()),
+                    e => chunk_err(e.to_string()),
+                })?;
             if sha256(&bytes) != chunk.digest {
-                return Err(chunk_err(format!(
+                return Err(damaged(format!(
                     "the {} bytes fetched do not match the digest (damaged in the registry?)",
                     bytes.len()
                 )));
@@ -331,7 +341,7 @@ impl ChunkCache {
             })
             .await
             .map_err(|e| chunk_err(e.to_string()))?
-            .map_err(|e| chunk_err(format!("does not decompress: {e}")))?;
+            .map_err(|e| damaged(format!("does not decompress: {e}")))?;
             let (data, bytes) = data;
             {
                 let mut s = self.lock();

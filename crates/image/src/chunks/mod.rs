@@ -200,11 +200,11 @@ pub fn assemble(index: &Index, dir: &Path, out: &Path) -> Result<()> {
         let bytes = std::fs::read(dir.join(chunk_hex(&c.digest)?))
             .map_err(io(format!("reading chunk {}", c.digest)))?;
         if sha256(&bytes) != c.digest {
-            return Err(ImageError::Chunk {
+            return Err(ImageError::Damaged {
                 image: out.display().to_string(),
                 index: i,
                 digest: c.digest.clone(),
-                detail: "damaged in the local store".into(),
+                detail: "in the local store".into(),
             });
         }
         let data = decompress(&bytes, index.chunk_size).map_err(io("decompressing a chunk"))?;

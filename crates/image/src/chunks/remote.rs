@@ -172,11 +172,11 @@ pub async fn fetch_all(
         }
         let data = remote.fetch(c).await?;
         if sha256(&data) != c.digest {
-            return Err(ImageError::Chunk {
+            return Err(ImageError::Damaged {
                 image: reference.to_string(),
                 index: i,
                 digest: c.digest.clone(),
-                detail: "damaged in the registry: its bytes do not match their digest".into(),
+                detail: "in the registry: its bytes do not match their digest".into(),
             });
         }
         super::write_atomic(&path, &data)?;
@@ -266,11 +266,11 @@ pub async fn push(
                 path.display()
             )))?;
             if sha256(&data) != c.digest {
-                return Err(ImageError::Chunk {
+                return Err(ImageError::Damaged {
                     image: target.to_string(),
                     index: done,
                     digest: c.digest.clone(),
-                    detail: "damaged in the local store".into(),
+                    detail: "in the local store".into(),
                 });
             }
             client

@@ -17,7 +17,11 @@
 //! run/nbd-settings.json  cache bound and registries (last writer wins)
 //! run/image-cache.json   the cache's statistics, every second
 //! run/nbd.log            the daemon's log
+//! run/lazy/              captures read lazily (crate::lazy, FUSE)
 //! ```
+//!
+//! Open lazily read files count as connections: the daemon stays while a
+//! QEMU maps a capture's RAM.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -309,7 +313,19 @@ pub async fn run(data_dir: &Path) -> Result<()> {
         cache.clone(),
         connections.clone(),
     ));
+    // Captures read lazily (crate::lazy): without FUSE, hosts pull them
+    // whole instead (the server checks the mount before using it).
+    let lazy = match crate::lazy::mount(data_dir, cache.clone(), tokio::runtime::Handle::current())
+    {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::warn!("captures will be pulled whole: {e}");
+            None
+        }
+    };
+    let open_lazy = || lazy.as_ref().map_or(0, |m| m.open_files());
     tracing::info!("image daemon on {}", socket.display());
+    let mut ticks = 0u64;
     let mut idle_since = std::time::Instant::now();
     let mut last_stats = None;
     loop {
@@ -321,13 +337,19 @@ pub async fn run(data_dir: &Path) -> Result<()> {
             settings = now;
         }
         exports.save_read_orders();
+        ticks += 1;
+        if ticks % 60 == 0 {
+            if let Some(m) = &lazy {
+                m.forget_unused();
+            }
+        }
         let stats = cache.stats();
         if last_stats.as_ref() != Some(&stats) {
             let json = serde_json::to_vec_pretty(&stats).unwrap_or_default();
             let _ = crate::chunks::write_atomic(&run.join("image-cache.json"), &json);
             last_stats = Some(stats);
         }
-        if connections.load(Ordering::SeqCst) > 0 {
+        if connections.load(Ordering::SeqCst) > 0 || open_lazy() > 0 {
             idle_since = std::time::Instant::now();
             continue;
         }
@@ -338,7 +360,7 @@ pub async fn run(data_dir: &Path) -> Result<()> {
         // arrives now waits and then starts a new daemon.
         let hold = open_lock(&run.join("nbd.hold"))?;
         if let Ok(_held) = Flock::lock(hold, FlockArg::LockExclusiveNonblock) {
-            if connections.load(Ordering::SeqCst) == 0 {
+            if connections.load(Ordering::SeqCst) == 0 && open_lazy() == 0 {
                 server.abort();
                 let _ = std::fs::remove_file(&socket);
                 tracing::info!("image daemon unused; leaving");

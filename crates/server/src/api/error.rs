@@ -82,6 +82,7 @@ impl From<SandboxError> for ApiError {
             | SandboxError::HostMemory(_) => StatusCode::TOO_MANY_REQUESTS,
             SandboxError::HostDisk(_) => StatusCode::INSUFFICIENT_STORAGE,
             SandboxError::GuestUnresponsive { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            SandboxError::Unreadable { .. } => StatusCode::BAD_GATEWAY,
             SandboxError::Vm { source, .. } => vm_status(source.kind()),
             SandboxError::Network { source, .. }
                 if matches!(**source, crate::network::NetworkError::Invalid(_)) =>

@@ -49,6 +49,9 @@ fn failed(id: &str) -> impl Fn(String) -> CaptureError + '_ {
     }
 }
 
+/// The files a lazy pull leaves in the registry until they are read.
+const LAZY_FILES: [&str; 2] = ["ram", "disk.qcow2"];
+
 /// What the catalog keeps of a pushed capture.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
@@ -120,6 +123,8 @@ pub struct Captures {
     pulls: tokio::sync::Mutex<()>,
     /// Push the captures of paused sandboxes too.
     durable_pause: bool,
+    /// Read pulled captures' RAM and disk lazily.
+    lazy_pull: bool,
     stats: Stats,
 }
 
@@ -141,6 +146,7 @@ impl Captures {
         catalog: Catalog,
         paths: tine_vmm::Paths,
         durable_pause: bool,
+        lazy_pull: bool,
     ) -> Self {
         let work = paths.data_dir.join("captures");
         // Left by a run that stopped mid-way.
@@ -154,6 +160,7 @@ impl Captures {
             work,
             pulls: tokio::sync::Mutex::new(()),
             durable_pause,
+            lazy_pull,
             stats: Stats::default(),
         }
     }
@@ -430,7 +437,10 @@ impl Captures {
     }
 
     /// Fetch capture `id`'s files, check them and install them as
-    /// snapshot `id` of this node (no row yet); the bytes fetched.
+    /// snapshot `id` of this node (no row yet); the bytes fetched. With
+    /// lazy pulls its RAM and disk are not fetched here but registered
+    /// with the image daemon, which fetches their chunks as the VMs
+    /// restored from it first read them ([`tine_image::lazy`]).
     async fn pull(&self, id: &str, record: &Record) -> Result<u64, CaptureError> {
         let err = failed(id);
         let stage = self.work.join(format!("pull-{id}"));
@@ -440,24 +450,51 @@ impl Captures {
             let chunk_dir = stage.join("chunks");
             std::fs::create_dir_all(&files_dir).map_err(|e| err(e.to_string()))?;
             let mut fetched = 0;
+            let mut lazy = BTreeMap::new();
+            let mut whole = Vec::new();
             for (f, artifact) in &record.files {
                 let r = ImageRef::parse(artifact).map_err(|e| err(e.to_string()))?;
                 let index = remote::find_at(&r, &self.opts, None)
                     .await
                     .map_err(|e| err(format!("{f}: {e}")))?
                     .ok_or_else(|| err(format!("{f}: {artifact} is not in the registry")))?;
+                match self.lazy_pull && LAZY_FILES.contains(&f.as_str()) {
+                    true => {
+                        lazy.insert(
+                            f.clone(),
+                            tine_image::lazy::LazyFile {
+                                reference: artifact.clone(),
+                                index,
+                            },
+                        );
+                    }
+                    false => whole.push((f.clone(), r, index)),
+                }
+            }
+            if !lazy.is_empty() && !self.serve_lazily(id, &lazy, &files_dir).await {
+                for (f, l) in std::mem::take(&mut lazy) {
+                    let r = ImageRef::parse(&l.reference).map_err(|e| err(e.to_string()))?;
+                    whole.push((f, r, l.index));
+                }
+            }
+            for (f, r, index) in whole {
                 fetched += remote::fetch_all(&r, &index, &chunk_dir, &self.opts, None)
                     .await
                     .map_err(|e| err(format!("{f}: {e}")))?;
-                let (dir, out) = (chunk_dir.clone(), files_dir.join(f));
+                let (dir, out) = (chunk_dir.clone(), files_dir.join(&f));
                 tokio::task::spawn_blocking(move || chunks::assemble(&index, &dir, &out))
                     .await
                     .map_err(|e| err(e.to_string()))?
                     .map_err(|e| err(format!("{f}: {e}")))?;
             }
-            tine_vmm::travel::import(&self.paths, id, &files_dir, record.meta.clone())
-                .await
-                .map_err(|e| err(e.to_string()))?;
+            let installed =
+                tine_vmm::travel::import(&self.paths, id, &files_dir, record.meta.clone())
+                    .await
+                    .map_err(|e| err(e.to_string()));
+            if installed.is_err() && !lazy.is_empty() {
+                tine_image::lazy::unregister(&self.paths.data_dir, id);
+            }
+            installed?;
             self.stats.pulled.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .pulled_bytes
@@ -467,6 +504,61 @@ impl Captures {
         .await;
         let _ = std::fs::remove_dir_all(&stage);
         result
+    }
+
+    /// Register `files` of capture `id` with the image daemon and link
+    /// them into `files_dir`; false (and nothing registered) when the
+    /// daemon does not serve them (no FUSE on this host).
+    async fn serve_lazily(
+        &self,
+        id: &str,
+        files: &BTreeMap<String, tine_image::lazy::LazyFile>,
+        files_dir: &std::path::Path,
+    ) -> bool {
+        let data_dir = self.paths.data_dir.clone();
+        let d = tine_image::lazy::Descriptor {
+            capture: id.to_string(),
+            snapshot_dir: self.paths.snapshot_dir(id),
+            files: files.clone(),
+            registries: self.opts.clone(),
+        };
+        let (id_, links) = (id.to_string(), files_dir.to_path_buf());
+        let served = tokio::task::spawn_blocking(move || {
+            tine_image::lazy::register(&data_dir, &d).map_err(|e| e.to_string())?;
+            for (f, l) in &d.files {
+                let at = tine_image::lazy::path_of(&data_dir, &id_, f);
+                let len = std::fs::metadata(&at)
+                    .map_err(|e| format!("{}: {e}", at.display()))?
+                    .len();
+                if len != l.index.disk_size {
+                    return Err(format!(
+                        "{} is {len} bytes, not {}",
+                        at.display(),
+                        l.index.disk_size
+                    ));
+                }
+                std::os::unix::fs::symlink(&at, links.join(f))
+                    .map_err(|e| format!("linking {}: {e}", at.display()))?;
+            }
+            Ok::<_, String>(())
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        match served {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    capture = id,
+                    "pulling the capture whole: the image daemon does not serve it lazily ({e})"
+                );
+                tine_image::lazy::unregister(&self.paths.data_dir, id);
+                for f in files.keys() {
+                    let _ = std::fs::remove_file(files_dir.join(f));
+                }
+                false
+            }
+        }
     }
 
     /// Make paused sandbox `sandbox_id` of `team`, which this node does

@@ -64,6 +64,11 @@ pub struct ClusterConfig {
     /// memory too, so that its `connect` resumes it on another node when
     /// this one is down or full (default true).
     pub durable_pause: Option<bool>,
+    /// With `registry`: a node restoring a capture it lacks reads its RAM
+    /// and disk lazily, chunk by chunk as the VM touches them, through
+    /// the image daemon's FUSE mount (default true; false, or a host
+    /// without FUSE: it fetches the whole capture first).
+    pub lazy_pull: Option<bool>,
 }
 
 impl ClusterConfig {

@@ -556,11 +556,40 @@ async fn elsewhere(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Respon
     if req.method() == Method::DELETE && holders.len() > 1 {
         return delete_everywhere(g, key, &id, &holders, req).await;
     }
+    if holders.is_empty() && req.method() == Method::GET && up.len() > 1 {
+        return ask_around(g, key, &up, req).await;
+    }
     let resp = g
         .to_node(holders.first().copied().unwrap_or(first), &key.team, req)
         .await
         .unwrap_or_else(ForwardError::into_response);
     Ok(resp)
+}
+
+/// A GET that no node is known to hold (a build's status, say): the up
+/// nodes in turn until one does not answer 404. The template node is
+/// the first healthy one by id, which changes when a node comes back,
+/// so the node a build started on may no longer be the first.
+async fn ask_around(
+    g: &Gateway,
+    key: &ClusterKey,
+    up: &[&Node],
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (parts, _) = req.into_parts();
+    let mut first = None;
+    for n in up {
+        let again = http::Request::from_parts(parts.clone(), Body::empty());
+        let r = g
+            .to_node(n, &key.team, again)
+            .await
+            .unwrap_or_else(ForwardError::into_response);
+        if r.status() != StatusCode::NOT_FOUND {
+            return Ok(r);
+        }
+        first.get_or_insert(r);
+    }
+    Ok(first.expect("up is not empty"))
 }
 
 /// `DELETE /templates/{id}` of a snapshot held by several nodes (its own

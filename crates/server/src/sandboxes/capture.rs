@@ -605,6 +605,7 @@ mod share_tests {
             disk_size_mb: 1,
             layer_bytes,
             root_ram_bytes,
+            memory_file: Default::default(),
         }
     }
 

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tine_vmm::{Machine, VmHandle};
+use tine_vmm::{Machine, SnapshotRef, VmHandle};
 
 use super::{agent, guest_env, limits, pool, Manager, SandboxError, Source};
 use crate::db::{now_ms, ListFilter, SnapshotKind};
@@ -143,6 +143,7 @@ impl Manager {
                     self.driver.open_snapshot(&row.id)
                 }
                 .map_err(SandboxError::vm(template_id, "opening the snapshot"))?;
+                readable(template_id, &snapshot)?;
                 let m = snapshot.info().machine;
                 let source = Source {
                     snapshot,
@@ -155,6 +156,7 @@ impl Manager {
             }
         }
         let (snapshot, row) = self.templates.snapshot(template_id, machine).await?;
+        readable(template_id, &snapshot)?;
         let m = snapshot.info().machine;
         let source = Source {
             snapshot,
@@ -419,5 +421,18 @@ impl Manager {
             .map_err(SandboxError::agent(id, "reading metrics"))?;
         self.samples.record(id, m.clone());
         Ok(vec![m])
+    }
+}
+
+/// Refuse a snapshot whose RAM is read lazily from a registry
+/// ([`tine_image::lazy`]) and had a chunk fail: every VM restored from it
+/// would end at the first touch of that page.
+fn readable(template_id: &str, snapshot: &SnapshotRef) -> Result<(), SandboxError> {
+    match tine_image::lazy::read_failure(&snapshot.info().memory_file) {
+        Some(detail) => Err(SandboxError::Unreadable {
+            id: template_id.to_string(),
+            detail,
+        }),
+        None => Ok(()),
     }
 }

@@ -124,6 +124,10 @@ pub enum SandboxError {
         #[source]
         source: Box<tine_agent_client::AgentError>,
     },
+    /// A capture pulled from a registry and read lazily had a chunk that
+    /// could not be fetched or did not match its digest.
+    #[error("{id}: its memory cannot be read from the registry: {detail}")]
+    Unreadable { id: String, detail: String },
     /// The database and the files disagree.
     #[error("sandbox {id}: {detail}")]
     Inconsistent { id: String, detail: String },

@@ -38,7 +38,18 @@ impl Manager {
                 .as_ref()
                 .is_some_and(|r| r.lifecycle.auto_pause_disk_only);
             let died = match live.vm.try_lock() {
-                Ok(guard) => guard.as_ref().and_then(|vm| vm.exit_status()),
+                Ok(guard) => guard.as_ref().and_then(|vm| {
+                    let status = vm.exit_status()?;
+                    // A capture read lazily ends QEMU with SIGBUS on a page it
+                    // could not fetch or check (tine_image::lazy).
+                    let lazy = vm
+                        .memory_file()
+                        .and_then(|f| tine_image::lazy::read_failure(&f));
+                    Some(match lazy {
+                        Some(why) => format!("{status}; its memory could not be read: {why}"),
+                        None => status,
+                    })
+                }),
                 Err(_) => None, // busy: someone is working on it
             };
             if expired && auto_pause {
@@ -66,6 +77,7 @@ impl Manager {
             } else if expired {
                 let _ = self.kill(&id, "timeout").await;
             } else if let Some(status) = died {
+                tracing::warn!(sandbox = %id, "VM exited unexpectedly ({status})");
                 let _ = self
                     .kill(&id, &format!("VM exited unexpectedly ({status})"))
                     .await;

@@ -69,6 +69,7 @@ fn snapshot_ref(snapshot: Snapshot) -> SnapshotRef {
             use std::os::unix::fs::MetadataExt;
             std::fs::metadata(&snapshot.ram).map_or(0, |m| m.blocks() * 512)
         },
+        memory_file: snapshot.ram.clone(),
     };
     SnapshotRef::new(info, snapshot)
 }
@@ -204,6 +205,10 @@ impl VmHandle for Vm {
 
     fn exit_status(&self) -> Option<String> {
         Vm::exit_status(self)
+    }
+
+    fn memory_file(&self) -> Option<std::path::PathBuf> {
+        Some(self.record().ram.clone())
     }
 
     fn guest(&self) -> Guest {

@@ -162,6 +162,7 @@ impl FakeDriver {
             disk_size_mb: 1,
             layer_bytes: 0,
             root_ram_bytes: 0,
+            memory_file: Default::default(),
         };
         self.state
             .lock()
@@ -342,6 +343,9 @@ impl VmHandle for FakeVm {
     fn exit_status(&self) -> Option<String> {
         let alive = self.driver.state.lock().unwrap().vms.contains(&self.id);
         (!alive).then(|| "killed behind the manager's back".to_string())
+    }
+    fn memory_file(&self) -> Option<std::path::PathBuf> {
+        None
     }
     fn guest(&self) -> Guest {
         Arc::new(FakeGuest(self.driver.agent))
