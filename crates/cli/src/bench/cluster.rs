@@ -125,6 +125,8 @@ struct P13Result {
     create_first: Vec<f64>,
     create_holder: Vec<f64>,
     fetched_bytes: Vec<f64>,
+    create_whole: Vec<f64>,
+    whole_bytes: Vec<f64>,
     capture_bytes: f64,
     resume_moved: Vec<f64>,
     resume_local: Vec<f64>,
@@ -159,6 +161,20 @@ async fn captures(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyh
                 "TINE_BIN",
                 std::env::current_exe()?.to_string_lossy().into_owned(),
             ),
+            // To restart a node with `lazy_pull = false`.
+            (
+                "TINE_BENCH_CLUSTER_SH",
+                script().to_string_lossy().into_owned(),
+            ),
+            (
+                "TINE_CLUSTER_DIR",
+                cluster.dir.to_string_lossy().into_owned(),
+            ),
+            ("TINE_CLUSTER_PG_PORT", PG_PORT.to_string()),
+            ("TINE_CLUSTER_NODE_PORT", NODE_PORT.to_string()),
+            ("TINE_CLUSTER_GATEWAY_PORT", GATEWAY_PORT.to_string()),
+            ("TINE_CLUSTER_REGISTRY_PORT", REGISTRY_PORT.to_string()),
+            ("TINE_CLUSTER_SKIP_SETUP", "1".into()),
         ],
     )
     .await?;
@@ -168,30 +184,44 @@ async fn captures(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyh
             .map(|b| b / (1u64 << 20) as f64)
             .collect::<Vec<_>>()
     };
-    let mut first = Row::new(
-        "P13",
-        format!("first create from a snapshot ({mem_mib} MiB written to memory and disk) on a node that never saw it"),
-        "ms",
-    )
-    .samples(r.create_first)
-    .floor("a create from it on the node that made it", r.create_holder)
-    .param("fetched_mib", mib(&r.fetched_bytes));
-    first.target = "(measured; no target)".into();
-    if let (Some(s), Some(f)) = (first.summary, first.floor) {
-        first.ratio = Some(s.p50 / f.p50);
-    }
-    out.rows.push(first.error(error.clone()));
-    let mut fetched = Row::new("P13", "MiB that first create fetched (eager pull)", "MiB")
-        .samples(mib(&r.fetched_bytes))
+    let capture_mib = vec![r.capture_bytes / (1u64 << 20) as f64];
+    for (how, times, fetched) in [
+        ("read lazily (the default)", r.create_first, r.fetched_bytes),
+        (
+            "fetched whole first (lazy_pull = false)",
+            r.create_whole,
+            r.whole_bytes,
+        ),
+    ] {
+        let mut first = Row::new(
+            "P13",
+            format!("first create from a snapshot ({mem_mib} MiB written to memory and disk) on a node that never saw it, {how}"),
+            "ms",
+        )
+        .samples(times)
+        .floor("a create from it on the node that made it", r.create_holder.clone())
+        .param("fetched_mib", mib(&fetched));
+        first.target = "(measured; no target)".into();
+        if let (Some(s), Some(f)) = (first.summary, first.floor) {
+            first.ratio = Some(s.p50 / f.p50);
+        }
+        out.rows.push(first.error(error.clone()));
+        let mut moved = Row::new(
+            "P13",
+            format!("MiB that first create fetched, {how}"),
+            "MiB",
+        )
+        .samples(mib(&fetched))
         .floor(
             "what the capture's push sent (its chunks the registry lacked)",
-            vec![r.capture_bytes / (1u64 << 20) as f64],
+            capture_mib.clone(),
         );
-    fetched.target = "(measured; no target)".into();
-    if let (Some(s), Some(f)) = (fetched.summary, fetched.floor) {
-        fetched.ratio = Some(s.p50 / f.p50);
+        moved.target = "(measured; no target)".into();
+        if let (Some(s), Some(f)) = (moved.summary, moved.floor) {
+            moved.ratio = Some(s.p50 / f.p50);
+        }
+        out.rows.push(moved.error(error.clone()));
     }
-    out.rows.push(fetched.error(error.clone()));
     let mut moved = Row::new(
         "P13",
         "resume on another node (its pause capture adopted)",

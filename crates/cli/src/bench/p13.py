@@ -4,9 +4,11 @@ Through the real E2B Python SDK and the nodes' API (with the cluster
 secret, as a gateway calls them), on a cluster of 3 nodes with a registry:
 
 - a snapshot of a sandbox that wrote MEM_MIB to memory and to disk: the
-  first create from it on each node that never saw it (pull + restore)
-  against creates on the node that made it, and the bytes each pull
-  fetched (the nodes' /metrics) against the capture's size;
+  first create from it on a node that never saw it, reading it lazily
+  (the default), and on another restarted with `lazy_pull = false`
+  (fetched whole first), against creates on the node that made it, and
+  the bytes each fetched (the nodes' /metrics: the image cache's fetched
+  bytes and the eager pulls') against the capture's size;
 - a paused sandbox resumed on another node (its pause capture adopted,
   as a gateway does when the sandbox's node is down) against a resume on
   its own node, N times;
@@ -16,7 +18,8 @@ secret, as a gateway calls them), on a cluster of 3 nodes with a registry:
 
 Reads E2B_API_URL (the gateway), E2B_API_KEY, TINE_BENCH_NODES,
 TINE_BENCH_SECRET, TINE_BENCH_N, TINE_BENCH_MEM_MIB, TINE_BENCH_WRITE_MIB,
-TINE_BIN and TINE_POSTGRES_URL; prints one JSON object (ms, bytes).
+TINE_BIN, TINE_POSTGRES_URL and TINE_BENCH_CLUSTER_SH (with the
+TINE_CLUSTER_* variables it needs); prints one JSON object (ms, bytes).
 Kills every sandbox it made and deletes its snapshot.
 """
 
@@ -39,6 +42,7 @@ WRITE_MIB = int(os.environ["TINE_BENCH_WRITE_MIB"])
 made = []
 out = {
     "create_first": [], "create_holder": [], "fetched_bytes": [], "capture_bytes": 0,
+    "create_whole": [], "whole_bytes": [],
     "resume_moved": [], "resume_local": [], "push_ms": [], "push_bytes": [], "errors": [],
 }
 
@@ -80,10 +84,23 @@ def wait_capture(pred, limit=600):
         time.sleep(0.05)
 
 
-def pulled_bytes(node):
+def fetched_bytes(node):
+    """What `node` fetched from registries: captures pulled whole, and the
+    chunks its image daemon fetched (lazily read captures, images)."""
     text = httpx.get(node + "/metrics", headers=NODE_HEADERS, timeout=30).text
-    m = re.search(r'^tine_cluster_capture_bytes\{kind="pulled"\} (\d+)', text, re.M)
-    return int(m.group(1)) if m else 0
+    total = 0
+    for pattern in (r'^tine_cluster_capture_bytes\{kind="pulled"\} (\d+)', r'^tine_image_cache_bytes\{kind="fetched"\} (\d+)'):
+        m = re.search(pattern, text, re.M)
+        total += int(m.group(1)) if m else 0
+    return total
+
+
+def restart(node, lazy):
+    """Restart `node`'s server reading pulled captures lazily or not."""
+    idx = str(NODES.index(node) + 1)
+    env = dict(os.environ, TINE_CLUSTER_LAZY_PULL="true" if lazy else "false")
+    for step in ("term-node", "start-node"):
+        subprocess.run(["bash", os.environ["TINE_BENCH_CLUSTER_SH"], step, idx], env=env, check=True, capture_output=True, timeout=300)
 
 
 def on_node(node, **kw):
@@ -111,12 +128,15 @@ try:
         sb, ms = timed(lambda: on_node(holder, template=snap))
         made.append(sb.sandbox_id)
         out["create_holder"].append(ms)
-    for node in [n for n in NODES if n != holder]:
-        before = pulled_bytes(node)
+    lazy, whole = [n for n in NODES if n != holder]
+    restart(whole, lazy=False)
+    for node, times, fetched in ((lazy, "create_first", "fetched_bytes"), (whole, "create_whole", "whole_bytes")):
+        before = fetched_bytes(node)
         sb, ms = timed(lambda: on_node(node, template=snap))
         made.append(sb.sandbox_id)
-        out["create_first"].append(ms)
-        out["fetched_bytes"].append(pulled_bytes(node) - before)
+        out[times].append(ms)
+        out[fetched].append(fetched_bytes(node) - before)
+    restart(whole, lazy=True)
     # The capture's size: what its push sent (a fresh registry has none of
     # its chunks but those shared with the base image's captures).
     out["capture_bytes"] = int(float(captures().get(snap, "0")) * (1 << 20))

@@ -320,14 +320,11 @@ impl ChunkCache {
                     "missing from the local store and the image was never pushed".into(),
                 ));
             };
-            let bytes = remote
-                .fetch(chunk)
-                .await
-                .map_err(|e| match e {
-                    // The registry's client checks the digest itself.
-                    ImageError::Digest { .. } => damaged(e.to_string()),
-                    e => chunk_err(e.to_string()),
-                })?;
+            let bytes = remote.fetch(chunk).await.map_err(|e| match e {
+                // The registry's client checks the digest itself.
+                ImageError::Digest { .. } => damaged(e.to_string()),
+                e => chunk_err(e.to_string()),
+            })?;
             if sha256(&bytes) != chunk.digest {
                 return Err(damaged(format!(
                     "the {} bytes fetched do not match the digest (damaged in the registry?)",
