@@ -15,10 +15,14 @@
 //! their sha256, zero chunks not stored, chunks the registry has already
 //! not sent again), and the catalog keeps what a node needs to install it
 //! (`tine_captures`: team, names, the snapshot row and meta, the
-//! artifacts). A pull fetches every chunk, checks each against its digest
-//! and the files against the snapshot's checksums before the snapshot
-//! exists on the node: a damaged chunk is an error naming the capture and
-//! the chunk, never a guest with wrong bytes.
+//! artifacts). A pull reads the capture's RAM and disk lazily through the
+//! image daemon ([`tine_image::lazy`]: each chunk fetched and checked when
+//! first read; a damaged one ends the VM that read it and refuses later
+//! restores), or with `lazy_pull = false` fetches every chunk, checks each
+//! against its digest and the files against the snapshot's checksums
+//! before the snapshot exists on the node. Either way a damaged chunk is
+//! an error naming the capture and the chunk, never a guest with wrong
+//! bytes.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
