@@ -114,6 +114,24 @@ pub fn register(data_dir: &Path, d: &Descriptor) -> Result<()> {
     Ok(())
 }
 
+/// The captures registered here (read lazily now or soon).
+pub fn registered(data_dir: &Path) -> Vec<String> {
+    described(&descriptors_dir(data_dir))
+}
+
+/// The captures with a descriptor in `dir`.
+fn described(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.strip_suffix(".json")?.to_string();
+            valid_name(&n).then_some(n)
+        })
+        .collect()
+}
+
 /// Forget capture `capture` (files already open stay readable).
 pub fn unregister(data_dir: &Path, capture: &str) {
     if valid_name(capture) {
@@ -482,15 +500,7 @@ impl Filesystem for LazyFs {
             (ROOT, FileType::Directory, "..".into()),
         ];
         if ino.0 == ROOT {
-            let names = std::fs::read_dir(&self.descriptors)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|e| {
-                    let n = e.file_name().to_str()?.strip_suffix(".json")?.to_string();
-                    valid_name(&n).then_some(n)
-                });
-            for n in names {
+            for n in described(&self.descriptors) {
                 if let Some((i, _)) = self.lookup_capture(&n) {
                     entries.push((i, FileType::Directory, n));
                 }
@@ -531,10 +541,11 @@ impl Mounted {
     }
 
     /// Forget captures whose snapshot is gone, when nothing reads them
-    /// (an hour after registration at the earliest: a restore in flight
-    /// registers before its snapshot exists).
+    /// (a minute after registration at the earliest: a restore in flight
+    /// registers before its snapshot exists). Until then the cluster
+    /// keeps their chunks in the registry.
     pub fn forget_unused(&self) {
-        let old = SystemTime::now() - Duration::from_secs(3600);
+        let old = SystemTime::now() - Duration::from_secs(60);
         for e in std::fs::read_dir(&self.descriptors)
             .into_iter()
             .flatten()

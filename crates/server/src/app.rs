@@ -158,6 +158,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     };
     if let Some(c) = &captures {
         tokio::spawn(c.clone().run(manager.db_arc()));
+        tokio::spawn(c.clone().empty_trash());
     }
     tokio::spawn(manager.clone().sweep_loop());
     tokio::spawn(manager.clone().sample_loop());

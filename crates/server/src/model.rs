@@ -132,3 +132,27 @@ mod tests {
         assert_eq!(Starting.e2b(), None);
     }
 }
+
+/// Whether one of a snapshot's names is `wanted` (`name` also matches
+/// `name:tag`).
+pub fn has_name(names: &[String], wanted: &str) -> bool {
+    names.iter().any(|n| {
+        n == wanted
+            || (!wanted.contains(':') && n.split_once(':').is_some_and(|(base, _)| base == wanted))
+    })
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::has_name;
+
+    #[test]
+    fn snapshot_names_match_with_or_without_their_tag() {
+        let names = vec!["snap:v1".to_string(), "other".to_string()];
+        assert!(has_name(&names, "snap"));
+        assert!(has_name(&names, "snap:v1"));
+        assert!(!has_name(&names, "snap:v2"));
+        assert!(has_name(&names, "other"));
+        assert!(!has_name(&names, "sna"));
+    }
+}

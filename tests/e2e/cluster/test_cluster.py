@@ -329,6 +329,26 @@ def fetched_bytes(node):
     return int(m.group(1))
 
 
+def artifact_chunks(capture):
+    """The blobs the manifests of capture `capture` name."""
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    out = []
+    for f in ("state", "ram", "disk"):
+        r = httpx.get(
+            f"http://{registry}/v2/tine/captures/manifests/{capture}.{f}",
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        )
+        if r.status_code == 200:
+            m = r.json()
+            out += [m["config"]["digest"]] + [l["digest"] for l in m["layers"]]
+    return out
+
+
+def blob_exists(digest):
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    return httpx.head(f"http://{registry}/v2/tine/captures/blobs/{digest}").status_code == 200
+
+
 def capture_bytes(capture):
     """Compressed bytes of capture `capture`'s distinct chunks in the registry."""
     registry = os.environ["TINE_E2E_REGISTRY"]
@@ -354,6 +374,9 @@ def test_a_snapshot_restores_on_another_node_through_the_registry(spread):
     cluster("stop-node", n.split("-")[1])
     made = []
     try:
+        # Listed with its only holder down (from the catalog).
+        r = api("GET", "/snapshots", params={"sandboxID": src.sandbox_id})
+        assert r.status_code == 200 and snap.snapshot_id in [x["snapshotID"] for x in r.json()], r.text
         # Placed on its holder (down: refused before anything was made),
         # then on another node, which pulls it from the registry.
         for g in GATEWAYS:
@@ -375,12 +398,32 @@ def test_a_snapshot_restores_on_another_node_through_the_registry(spread):
         cluster("start-node", n.split("-")[1])
     # Deleted everywhere (its node and those that pulled it), and no node
     # pulls it again.
+    mine = artifact_chunks(snap.snapshot_id)
     time.sleep(2)  # the nodes' heartbeats name what they hold
     r = api("DELETE", f"/templates/{snap.snapshot_id}")
     assert r.status_code == 204, r.text
     assert snap.snapshot_id not in captures()
     r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id})
     assert r.status_code == 404, r.text
+    # Its artifacts leave the registry once no node reads it lazily (the
+    # nodes that pulled it let go a minute after their sandboxes ended):
+    # its manifests, and its chunks that no other artifact names.
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    deadline = time.time() + 240
+    while artifact_chunks(snap.snapshot_id):
+        assert time.time() < deadline, "its manifests stayed in the registry"
+        time.sleep(2)
+    tags = httpx.get(f"http://{registry}/v2/tine/captures/tags/list?n=100000").json()["tags"] or []
+    others = set()
+    for c in {t.rsplit(".", 1)[0] for t in tags}:
+        others |= set(artifact_chunks(c))
+    own = [d for d in mine if d not in others]
+    assert own, "the 8 MiB of random memory are chunks of this capture only"
+    deadline = time.time() + 30
+    while any(blob_exists(d) for d in own):
+        assert time.time() < deadline, "its chunks stayed in the registry"
+        time.sleep(1)
+    assert all(blob_exists(d) for d in set(mine) & others)
 
 
 def test_a_paused_sandbox_resumes_on_another_node_when_its_own_is_down():

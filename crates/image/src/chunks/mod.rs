@@ -12,6 +12,7 @@
 //! index fetches what a read needs by digest and checks it on arrival.
 
 pub mod cache;
+pub mod prune;
 pub mod remote;
 
 use std::io::Read;

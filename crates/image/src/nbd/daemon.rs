@@ -338,7 +338,7 @@ pub async fn run(data_dir: &Path) -> Result<()> {
         }
         exports.save_read_orders();
         ticks += 1;
-        if ticks % 60 == 0 {
+        if ticks % 10 == 0 {
             if let Some(m) = &lazy {
                 m.forget_unused();
             }

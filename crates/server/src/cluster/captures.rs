@@ -115,12 +115,12 @@ pub struct Listed {
 }
 
 pub struct Captures {
-    node: String,
+    pub(super) node: String,
     /// `host:port/path` of the repository.
     repo: String,
-    opts: RegistryOptions,
-    catalog: Catalog,
-    paths: tine_vmm::Paths,
+    pub(super) opts: RegistryOptions,
+    pub(super) catalog: Catalog,
+    pub(super) paths: tine_vmm::Paths,
     /// Staging for pushes and pulls (`<data>/captures`).
     work: PathBuf,
     /// One pull at a time: two creates from one capture pull it once.
@@ -734,13 +734,50 @@ impl Captures {
 }
 
 /// Forget capture `id` in the catalog (its snapshot was deleted): no node
-/// pulls it again.
+/// pulls it again, and its artifacts go to the trash, removed from the
+/// registry once no node reads it lazily ([`super::trash`]).
 pub async fn forget(catalog: &Catalog, id: &str) -> Result<bool, CatalogError> {
     let db = catalog.pool.get().await?;
     Ok(db
-        .execute("DELETE FROM tine_captures WHERE id = $1", &[&id])
+        .execute(
+            "WITH gone AS (DELETE FROM tine_captures WHERE id = $1 RETURNING id, record)
+             INSERT INTO tine_capture_trash (id, record, forgotten_ms)
+             SELECT id, record, (extract(epoch from clock_timestamp()) * 1000)::bigint FROM gone
+             ON CONFLICT (id) DO NOTHING",
+            &[&id],
+        )
         .await?
         > 0)
+}
+
+/// Team `team`'s persistent snapshots pushed to the registry, oldest
+/// first: id, names and the sandbox each was taken of. What a gateway
+/// lists of them when the nodes that hold them are down.
+pub async fn snapshots_of(
+    catalog: &Catalog,
+    team: &str,
+) -> Result<Vec<(String, Vec<String>, String)>, CatalogError> {
+    let db = catalog.pool.get().await?;
+    let rows = db
+        .query(
+            "SELECT id, names, record->>'sandbox_id' FROM tine_captures
+             WHERE team = $1 AND record->>'kind' = 'snapshot'
+             ORDER BY pushed_ms, id",
+            &[&team],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let names: serde_json::Value = r.get(1);
+            let sandbox: Option<String> = r.get(2);
+            (
+                r.get(0),
+                serde_json::from_value(names).unwrap_or_default(),
+                sandbox.unwrap_or_default(),
+            )
+        })
+        .collect())
 }
 
 /// Every pushed capture, oldest first.

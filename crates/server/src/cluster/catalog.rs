@@ -171,6 +171,17 @@ CREATE TABLE IF NOT EXISTS tine_moves (
     moved_ms BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS tine_moves_from ON tine_moves (from_node);
+CREATE TABLE IF NOT EXISTS tine_capture_trash (
+    id TEXT PRIMARY KEY,
+    record JSONB NOT NULL,
+    forgotten_ms BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tine_lazy_readers (
+    node_id TEXT NOT NULL,
+    capture TEXT NOT NULL,
+    PRIMARY KEY (node_id, capture)
+);
+CREATE INDEX IF NOT EXISTS tine_lazy_readers_capture ON tine_lazy_readers (capture);
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,

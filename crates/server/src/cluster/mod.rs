@@ -14,6 +14,7 @@ pub mod captures;
 pub mod catalog;
 pub mod node;
 pub mod spread;
+pub mod trash;
 
 use std::path::{Path, PathBuf};
 

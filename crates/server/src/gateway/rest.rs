@@ -652,6 +652,11 @@ async fn snapshots(
             .map_err(|_| ApiError::bad_request("invalid nextToken"))?,
         None => 0,
     };
+    let sandbox_filter = q
+        .iter()
+        .find(|(k, _)| k == "sandboxID")
+        .map(|(_, v)| v.clone());
+    let name_filter = q.iter().find(|(k, _)| k == "name").map(|(_, v)| v.clone());
     q.push(("limit".into(), "1000".into()));
     let each = serde_urlencoded::to_string(&q).unwrap_or_default();
     let mut all: Vec<serde_json::Value> = Vec::new();
@@ -665,10 +670,15 @@ async fn snapshots(
             let req = http::Request::get(uri)
                 .body(Body::empty())
                 .expect("a valid request");
-            let resp = g
-                .to_node(n, &key.team, req)
-                .await
-                .map_err(|e| unavailable(e.to_string()))?;
+            // A node that went down since the last heartbeat: what it
+            // pushed is listed from the catalog below.
+            let resp = match g.to_node(n, &key.team, req).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(node = %n.id, "listing snapshots: {e}");
+                    break;
+                }
+            };
             if !resp.status().is_success() {
                 return Ok(resp);
             }
@@ -688,7 +698,24 @@ async fn snapshots(
             }
         }
     }
-    // A snapshot pulled by other nodes is listed once.
+    // Snapshots that only nodes now down hold: from the catalog (they
+    // restore anywhere, pulled from the registry).
+    let pushed = crate::cluster::captures::snapshots_of(&g.catalog, &key.team)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    for (id, names, sandbox) in pushed {
+        let wanted = sandbox_filter
+            .as_deref()
+            .is_none_or(|s| s.is_empty() || s == sandbox)
+            && name_filter
+                .as_deref()
+                .is_none_or(|n| n.is_empty() || crate::model::has_name(&names, n));
+        if wanted {
+            all.push(serde_json::json!({ "snapshotID": id, "names": names }));
+        }
+    }
+    // A snapshot pulled by other nodes (or also in the catalog) is listed
+    // once.
     let mut seen = std::collections::HashSet::new();
     all.retain(|v| seen.insert(v["snapshotID"].to_string()));
     let page: Vec<serde_json::Value> = all.iter().skip(skip).take(limit).cloned().collect();

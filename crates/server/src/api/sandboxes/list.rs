@@ -176,15 +176,6 @@ pub struct SnapshotsQuery {
     next_token: Option<String>,
 }
 
-/// Whether one of a snapshot's names is `wanted` (`name` also matches
-/// `name:tag`).
-fn has_name(names: &[String], wanted: &str) -> bool {
-    names.iter().any(|n| {
-        n == wanted
-            || (!wanted.contains(':') && n.split_once(':').is_some_and(|(base, _)| base == wanted))
-    })
-}
-
 pub async fn list_snapshots(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
@@ -201,7 +192,7 @@ pub async fn list_snapshots(
             .is_none_or(|t| t == key.team)
     });
     if let Some(name) = q.name.as_deref().filter(|n| !n.is_empty()) {
-        rows.retain(|r| has_name(&r.names, name));
+        rows.retain(|r| crate::model::has_name(&r.names, name));
     }
     let skip = match q.next_token.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => t
@@ -294,16 +285,6 @@ mod tests {
             ..Default::default()
         };
         assert!(parse_filter(&bad, &[]).is_err());
-    }
-
-    #[test]
-    fn snapshot_names_match_with_or_without_their_tag() {
-        let names = vec!["snap:v1".to_string(), "other".to_string()];
-        assert!(has_name(&names, "snap"));
-        assert!(has_name(&names, "snap:v1"));
-        assert!(!has_name(&names, "snap:v2"));
-        assert!(has_name(&names, "other"));
-        assert!(!has_name(&names, "sna"));
     }
 
     #[test]
