@@ -3,11 +3,18 @@
 //! one FUSE mount the image daemon serves.
 //!
 //! ```text
-//! images/lazy/<capture>.json   what a capture's files are made of (0600:
-//!                              it may hold registry credentials)
-//! images/lazy/<capture>.error  the last chunk of it that could not be read
-//! run/lazy/<capture>/<file>    the files, read-only, as QEMU maps them
+//! <data>/images/lazy/<capture>.json   what a capture's files are made of
+//!                                     (0600: it may hold credentials)
+//! <data>/images/lazy/<capture>.error  its damaged chunk, once one was read
+//! /run/tine/lazy/<data-hash>/<capture>/<file>
+//!                                     the files, read-only, as QEMU maps them
+//! /run/tine/lazy/<data-hash>/<capture>/error
+//!                                     the damaged chunk, once one was read
 //! ```
+//!
+//! The mount is outside the data directory so that removing a data
+//! directory never meets it (a mount point cannot be removed), and a mount
+//! left by a daemon that was killed is detached by the next one.
 //!
 //! A host that restores a capture it lacks registers it ([`register`]),
 //! fetches only its small device state, and points the snapshot's `ram`
@@ -19,8 +26,9 @@
 //! A chunk that cannot be fetched or does not match is an EIO: the disk
 //! read fails in the guest and a RAM page faults QEMU out (SIGBUS), never
 //! a guest running on wrong bytes; the error, naming the capture and the
-//! chunk, is logged; a damaged chunk's is kept in `<capture>.error`, for
-//! whoever reports the VM's end and to refuse later restores of it.
+//! chunk, is logged; a damaged chunk's is kept, and read next to the file
+//! as `error` ([`read_failure`]), for whoever reports the VM's end and to
+//! refuse later restores of it.
 //!
 //! Why FUSE and not userfaultfd: QEMU's guest RAM lives in QEMU's process,
 //! and a userfaultfd must be registered by the process that owns the
@@ -74,9 +82,13 @@ pub fn descriptors_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("images").join("lazy")
 }
 
-/// The daemon's mount point.
+/// The daemon's mount point: under `/run`, named by a hash of the data
+/// directory.
 pub fn mount_dir(data_dir: &Path) -> PathBuf {
-    data_dir.join("run").join("lazy")
+    let canonical = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let hash = crate::chunks::sha256(canonical.as_os_str().as_encoded_bytes());
+    let hex = hash.strip_prefix("sha256:").unwrap_or(&hash);
+    Path::new("/run/tine/lazy").join(&hex[..16])
 }
 
 /// Where file `file` of capture `capture` appears once registered.
@@ -141,22 +153,19 @@ pub fn unregister(data_dir: &Path, capture: &str) {
     }
 }
 
-/// The data directory and capture of a lazily read file, if `path` is one
-/// (`<data>/run/lazy/<capture>/<file>`).
-fn locate(path: &Path) -> Option<(PathBuf, String)> {
-    let capture_dir = path.parent()?;
-    let capture = capture_dir.file_name()?.to_str()?.to_string();
-    let lazy = capture_dir.parent()?;
-    let data_dir = lazy.parent()?.parent()?;
-    (mount_dir(data_dir) == lazy && valid_name(&capture)).then(|| (data_dir.to_path_buf(), capture))
+/// Why reading lazily read file `path` failed, if it is one and a chunk
+/// of it was damaged: the error names the capture, the file and the chunk
+/// (served as `error` next to it).
+pub fn read_failure(path: &Path) -> Option<String> {
+    if !path.starts_with("/run/tine/lazy") {
+        return None;
+    }
+    std::fs::read_to_string(path.with_file_name(ERROR_FILE)).ok()
 }
 
-/// Why reading lazily read file `path` last failed, if it is one and did:
-/// the error names the capture, the file and the chunk.
-pub fn read_failure(path: &Path) -> Option<String> {
-    let (data_dir, capture) = locate(path)?;
-    std::fs::read_to_string(descriptors_dir(&data_dir).join(format!("{capture}.error"))).ok()
-}
+/// What the daemon serves next to a capture's files once a chunk of it
+/// was found damaged.
+const ERROR_FILE: &str = "error";
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -168,6 +177,8 @@ const ROOT: u64 = 1;
 
 enum Node {
     Dir(String),
+    /// A capture's damaged chunk (`error`).
+    Error(String),
     File {
         capture: String,
         disk: Arc<Disk>,
@@ -197,6 +208,13 @@ struct LazyFs {
 fn attr(ino: u64, node: &Node) -> FileAttr {
     let (kind, perm, size, stored, nlink) = match node {
         Node::Dir(_) => (FileType::Directory, 0o555, 0, 0, 2),
+        Node::Error(text) => (
+            FileType::RegularFile,
+            0o444,
+            text.len() as u64,
+            text.len() as u64,
+            1,
+        ),
         Node::File { size, stored, .. } => (FileType::RegularFile, 0o444, *size, *stored, 1),
     };
     FileAttr {
@@ -249,6 +267,19 @@ impl LazyFs {
         i.nodes.insert(ino, node.clone());
         i.names.insert(key, ino);
         (ino, node)
+    }
+
+    /// The `error` file of `capture`, as it is now (a fresh inode each
+    /// time: its text may change).
+    fn error_of(&self, capture: &str) -> Option<(u64, Arc<Node>)> {
+        let text =
+            std::fs::read_to_string(self.descriptors.join(format!("{capture}.error"))).ok()?;
+        let mut i = lock(&self.inodes);
+        i.next = i.next.max(ROOT) + 1;
+        let ino = i.next;
+        let node = Arc::new(Node::Error(text));
+        i.nodes.insert(ino, node.clone());
+        Some((ino, node))
     }
 
     fn lookup_capture(&self, capture: &str) -> Option<(u64, Arc<Node>)> {
@@ -345,6 +376,14 @@ impl Filesystem for LazyFs {
         let found = match parent.0 {
             ROOT => self.lookup_capture(name),
             p => match self.node(p).as_deref() {
+                Some(Node::Dir(capture)) if name == ERROR_FILE => {
+                    return match self.error_of(capture) {
+                        Some((ino, node)) => {
+                            reply.entry(&Duration::ZERO, &attr(ino, &node), fuser::Generation(0))
+                        }
+                        None => reply.error(Errno::ENOENT),
+                    };
+                }
                 Some(Node::Dir(capture)) => self.lookup_file(capture, name),
                 _ => None,
             },
@@ -374,6 +413,7 @@ impl Filesystem for LazyFs {
                 *lock(&self.open).entry(capture.clone()).or_default() += 1;
                 reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE)
             }
+            Some(Node::Error(_)) => reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO),
             Some(Node::Dir(_)) => reply.error(Errno::EISDIR),
             None => reply.error(Errno::ENOENT),
         }
@@ -415,6 +455,11 @@ impl Filesystem for LazyFs {
         let Some(node) = self.node(ino.0) else {
             return reply.error(Errno::ENOENT);
         };
+        if let Node::Error(text) = &*node {
+            let start = (offset as usize).min(text.len());
+            let end = start.saturating_add(size as usize).min(text.len());
+            return reply.data(&text.as_bytes()[start..end]);
+        }
         let Node::File { capture, disk, .. } = &*node else {
             return reply.error(Errno::EISDIR);
         };
@@ -657,13 +702,13 @@ mod tests {
     }
 
     #[test]
-    fn locate_knows_the_mount_layout() {
-        let d = Path::new("/data");
-        assert_eq!(
-            locate(&path_of(d, "cap1", "ram")),
-            Some((d.to_path_buf(), "cap1".to_string()))
+    fn mounts_are_outside_data_dirs_and_one_per_data_dir() {
+        let (a, b) = (
+            mount_dir(Path::new("/data/a")),
+            mount_dir(Path::new("/data/b")),
         );
-        assert_eq!(locate(Path::new("/data/snapshots/x/ram")), None);
-        assert_eq!(locate(Path::new("/ram")), None);
+        assert!(a.starts_with("/run/tine/lazy") && b.starts_with("/run/tine/lazy"));
+        assert_ne!(a, b);
+        assert_eq!(read_failure(Path::new("/data/a/snapshots/x/ram")), None);
     }
 }

@@ -17,7 +17,7 @@
 //! run/nbd-settings.json  cache bound and registries (last writer wins)
 //! run/image-cache.json   the cache's statistics, every second
 //! run/nbd.log            the daemon's log
-//! run/lazy/              captures read lazily (crate::lazy, FUSE)
+//! /run/tine/lazy/<hash>/  captures read lazily (crate::lazy, FUSE)
 //! ```
 //!
 //! Open lazily read files count as connections: the daemon stays while a
@@ -328,8 +328,20 @@ pub async fn run(data_dir: &Path) -> Result<()> {
     let mut ticks = 0u64;
     let mut idle_since = std::time::Instant::now();
     let mut last_stats = None;
+    // SIGTERM (scripts stopping a cluster): leave, unmounting the lazy
+    // captures (a mount left behind would fail every read of it).
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(io("handling SIGTERM"))?;
     loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = term.recv() => {
+                server.abort();
+                let _ = std::fs::remove_file(&socket);
+                tracing::info!("image daemon: SIGTERM; leaving");
+                return Ok(());
+            }
+        }
         let now = read_settings(&run);
         if now != settings {
             cache.set_max_bytes(now.cache_max_bytes);

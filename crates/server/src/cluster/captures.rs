@@ -549,6 +549,15 @@ impl Captures {
         .await
         .map_err(|e| e.to_string())
         .and_then(|r| r);
+        // Recorded as read here before anything can forget the capture:
+        // the trash keeps a capture some node reads (super::trash).
+        let served = match served {
+            Ok(()) => self
+                .note_reader(id)
+                .await
+                .map_err(|e| format!("recording the reader: {e}")),
+            e => e,
+        };
         match served {
             Ok(()) => true,
             Err(e) => {

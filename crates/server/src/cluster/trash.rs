@@ -27,6 +27,9 @@ use super::catalog::CatalogError;
 pub const EVERY: Duration = Duration::from_secs(10);
 /// How long a removal that failed waits before the next try.
 const RETRY: Duration = Duration::from_secs(300);
+/// How long a forgotten capture stays in the trash at least (a pull in
+/// flight records its reader within it).
+const GRACE: Duration = Duration::from_secs(30);
 /// Captures removed per round at most.
 const BATCH: i64 = 8;
 
@@ -45,6 +48,18 @@ impl Captures {
                 Err(e) => tracing::warn!("emptying the capture trash: {e}"),
             }
         }
+    }
+
+    /// Record that this node reads capture `id` lazily (at its pull,
+    /// before the capture can be forgotten).
+    pub(super) async fn note_reader(&self, id: &str) -> Result<(), CatalogError> {
+        let db = self.catalog.pool.get().await?;
+        db.execute(
+            "INSERT INTO tine_lazy_readers (node_id, capture) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            &[&self.node, &id],
+        )
+        .await?;
+        Ok(())
     }
 
     /// Record in the catalog the captures this node's image daemon has
@@ -73,10 +88,10 @@ impl Captures {
         let rows = db
             .query(
                 "SELECT id, record FROM tine_capture_trash t
-                 WHERE forgotten_ms <= (extract(epoch from clock_timestamp()) * 1000)::bigint
+                 WHERE forgotten_ms <= (extract(epoch from clock_timestamp()) * 1000)::bigint - $2
                    AND NOT EXISTS (SELECT 1 FROM tine_lazy_readers r WHERE r.capture = t.id)
                  ORDER BY forgotten_ms LIMIT $1",
-                &[&BATCH],
+                &[&BATCH, &(GRACE.as_millis() as i64)],
             )
             .await?;
         let mut removed = 0;
