@@ -281,6 +281,17 @@ impl ImageStore {
     ) -> Result<ImageMeta> {
         let mut meta = self.new_meta(r, resolved);
         meta.chunks = Some(Chunked::of(index, Some(artifact.to_string())));
+        self.record_lazy(&meta, index, creds)?;
+        Ok(meta)
+    }
+
+    /// Write `meta` (whose chunks are remote) and `index` into the store.
+    fn record_lazy(
+        &self,
+        meta: &ImageMeta,
+        index: &Index,
+        creds: Option<&Credentials>,
+    ) -> Result<()> {
         let work = work_dir(&self.dir, &meta.manifest_digest);
         std::fs::create_dir_all(&work).map_err(io(format!("creating {}", work.display())))?;
         let result = (|| {
@@ -290,12 +301,59 @@ impl ImageStore {
                 let json = serde_json::to_vec(c).unwrap_or_default();
                 crate::nbd::daemon::write_private(&work.join("auth.json"), &json)?;
             }
-            finish(&self.dir, &work, &meta)
+            finish(&self.dir, &work, meta)
         })();
         if result.is_err() {
             let _ = std::fs::remove_dir_all(&work);
         }
-        result.map(|()| meta)
+        result
+    }
+
+    /// The image whose manifest digest is `digest` (`sha256:` optional).
+    pub fn by_digest(&self, digest: &str) -> Option<ImageMeta> {
+        self.read_meta(digest).ok()
+    }
+
+    /// Whether the store has the image whose manifest digest is `digest`.
+    pub fn has(&self, digest: &str) -> bool {
+        self.by_digest(digest).is_some()
+    }
+
+    /// Whether the chunks of `meta` are fetched with credentials this
+    /// store keeps for it (another host would lack them).
+    pub fn needs_credentials(&self, meta: &ImageMeta) -> bool {
+        self.image_dir(&meta.manifest_digest)
+            .join("auth.json")
+            .exists()
+    }
+
+    /// Record image `meta`, converted on another host, whose chunks are in
+    /// the registry artifact `meta.chunks.remote` and listed by `index`:
+    /// they are fetched on first read, as for a lazy pull. An image the
+    /// store has already is kept as it is.
+    pub fn install(&self, meta: &ImageMeta, index: &Index) -> Result<()> {
+        if self.has(&meta.manifest_digest) {
+            return Ok(());
+        }
+        if meta
+            .chunks
+            .as_ref()
+            .and_then(|c| c.remote.as_ref())
+            .is_none()
+        {
+            return Err(ImageError::Registry {
+                reference: meta.reference.clone(),
+                detail: "its chunks are in no registry".into(),
+            });
+        }
+        self.record_lazy(meta, index, None)?;
+        let mut refs = self.refs();
+        if let Ok(r) = ImageRef::parse(&meta.reference) {
+            refs.entry(r.canonical())
+                .or_insert_with(|| meta.manifest_digest.clone());
+            self.save_refs(&refs)?;
+        }
+        Ok(())
     }
 
     /// The chunk index of a chunked image.
@@ -315,16 +373,32 @@ impl ImageStore {
         creds: Option<&Credentials>,
         progress: &mut (dyn FnMut(remote::PushProgress) + Send),
     ) -> Result<String> {
-        let mut meta = self.get(reference)?;
+        let meta = self.get(reference)?;
+        let source = ImageRef::parse(&meta.reference)?;
+        let target = remote::artifact_ref(&source, &meta.manifest_digest)?;
+        self.push_to(&meta, &target, opts, creds, progress).await?;
+        Ok(target.to_string())
+    }
+
+    /// Push the chunks of image `meta` as the artifact `target`; an image
+    /// whose chunks were only here fetches them from `target` from now on
+    /// (they count as cache). Returns the image as the store now has it.
+    pub async fn push_to(
+        &self,
+        meta: &ImageMeta,
+        target: &ImageRef,
+        opts: &RegistryOptions,
+        creds: Option<&Credentials>,
+        progress: &mut (dyn FnMut(remote::PushProgress) + Send),
+    ) -> Result<ImageMeta> {
+        let mut meta = meta.clone();
         let Some(chunked) = meta.chunks.clone() else {
             return Err(ImageError::Registry {
-                reference: reference.to_string(),
+                reference: meta.reference.clone(),
                 detail: "converted before chunked images existed: tine image rm and pull it again"
                     .into(),
             });
         };
-        let source = ImageRef::parse(&meta.reference)?;
-        let target = remote::artifact_ref(&source, &meta.manifest_digest)?;
         let index = self.index(&meta)?;
         remote::push(
             &target,
@@ -343,7 +417,7 @@ impl ImageStore {
             let path = self.image_dir(&meta.manifest_digest).join("meta.json");
             chunks::write_atomic(&path, &serde_json::to_vec_pretty(&meta).unwrap_or_default())?;
         }
-        Ok(target.to_string())
+        Ok(meta)
     }
 
     /// Forget `reference`; the image's files go when no other reference

@@ -72,7 +72,8 @@ async fn qemu_img_create(
 
 /// Rebase `path` onto `backing`, copying into it every cluster in which its
 /// old backing chain differs from the new backing (qemu-img's safe mode).
-pub async fn rebase(path: &Path, backing: &Path, format: BackingFormat) -> Result<()> {
+pub async fn rebase(path: &Path, backing: impl AsRef<OsStr>, format: BackingFormat) -> Result<()> {
+    let backing = backing.as_ref();
     let mut cmd = tokio::process::Command::new("qemu-img");
     cmd.args(["rebase", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
         .arg(backing)
@@ -81,7 +82,38 @@ pub async fn rebase(path: &Path, backing: &Path, format: BackingFormat) -> Resul
         format!(
             "qemu-img rebase {} onto {}",
             path.display(),
-            backing.display()
+            Path::new(backing).display()
+        )
+    })
+    .await
+}
+
+/// Point `path`'s header at `backing` without reading either (`-u`): only
+/// the name of the disk below changes, its contents must be the same.
+pub async fn rebase_unchecked(
+    path: &Path,
+    backing: impl AsRef<OsStr>,
+    format: BackingFormat,
+) -> Result<()> {
+    let backing = backing.as_ref();
+    let mut cmd = tokio::process::Command::new("qemu-img");
+    cmd.args([
+        "rebase",
+        "-q",
+        "-u",
+        "-f",
+        "qcow2",
+        "-F",
+        format.as_str(),
+        "-b",
+    ])
+    .arg(backing)
+    .arg(path);
+    run(cmd, || {
+        format!(
+            "qemu-img rebase -u {} onto {}",
+            path.display(),
+            Path::new(backing).display()
         )
     })
     .await

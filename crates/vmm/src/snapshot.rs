@@ -123,7 +123,10 @@ impl Snapshot {
 
     /// Check that the backing chain its disk's qcow2 header names is the
     /// one tine made (before qemu-img reads that chain as root).
-    pub(crate) fn check_disk_chain(&self, paths: &Paths) -> Result<()> {
+    pub(crate) fn check_disk_chain(
+        &self,
+        paths: &Paths,
+    ) -> Result<Vec<crate::jail::chain::Backing>> {
         let allowed = crate::vm::allowed_disks(
             paths,
             self.meta.disk_over.as_deref(),
@@ -131,7 +134,6 @@ impl Snapshot {
         );
         crate::jail::chain::below_within(&self.disk_path(), &allowed)
             .ctx(|| format!("checking the disk of snapshot {}", self.meta.id))
-            .map(|_| ())
     }
 
     /// The root and layers of this snapshot's RAM, opened for reading.

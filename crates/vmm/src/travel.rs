@@ -14,9 +14,11 @@
 //!              in every cluster the chain changed)
 //! ```
 //!
-//! with a [`SnapshotMeta`] that names no parent and no disks below. Captures
-//! of sandboxes whose root disk is an OCI image (read through the image
-//! daemon) do not travel yet.
+//! with a [`SnapshotMeta`] that names no parent and no disks below. A
+//! capture of a sandbox whose root disk is an OCI image (an export of the
+//! image daemon) has its disk flattened onto that export instead: the host
+//! that installs it must have the image in its store (its index; chunks
+//! come on first read), and its disk is pointed at that host's daemon.
 
 use std::path::Path;
 
@@ -41,19 +43,18 @@ pub async fn export(paths: &Paths, id: &str, out: &Path) -> Result<SnapshotMeta>
     // Not while compaction rewrites the snapshot's files.
     let _one_at_a_time = crate::compact::REWRITES.lock().await;
     let snap = Snapshot::open(paths, id)?;
-    let RootDisk::File(rootfs) = snap.meta.artifacts.rootfs.clone() else {
-        return Err(refuse(
-            &snap.dir,
-            "captures of sandboxes on an OCI image do not travel between hosts yet",
-        ));
-    };
     std::fs::create_dir_all(out).ctx(|| format!("creating {}", out.display()))?;
     // qemu-img (as root) reads the chain the disk's header names.
-    snap.check_disk_chain(paths)?;
+    let below = snap.check_disk_chain(paths)?;
     let disk_out = out.join("disk.qcow2");
     std::fs::copy(snap.disk_path(), &disk_out)
         .ctx(|| format!("copying {}", snap.disk_path().display()))?;
-    disk::rebase(&disk_out, &rootfs, BackingFormat::Raw).await?;
+    match &snap.meta.artifacts.rootfs {
+        RootDisk::File(rootfs) => disk::rebase(&disk_out, rootfs, BackingFormat::Raw).await?,
+        // Already right over the image's export (a template's disk).
+        RootDisk::Nbd { .. } if below.len() <= 1 => {}
+        nbd => disk::rebase(&disk_out, nbd.backing(), BackingFormat::Raw).await?,
+    }
 
     let (src, dir) = (snap.clone(), out.to_path_buf());
     let crc = crate::blocking(move || {
@@ -85,25 +86,27 @@ pub async fn export(paths: &Paths, id: &str, out: &Path) -> Result<SnapshotMeta>
 
 /// Install the capture whose files are in `from` (as [`export`] wrote
 /// them) as snapshot `id`: its checksums are checked, its disk is pointed
-/// at this host's base rootfs, and it exists once its `meta.json` does.
+/// at this host's base rootfs (or, for a capture on an OCI image, at the
+/// export `meta` names: the caller points it at this host's image daemon
+/// and has the image installed), and it exists once its `meta.json` does.
 /// The files are moved out of `from`.
 pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta) -> Result<()> {
-    let RootDisk::File(rootfs) = meta.artifacts.rootfs.clone() else {
-        return Err(refuse(from, "the capture is not over a base rootfs file"));
+    let base = match meta.artifacts.rootfs.clone() {
+        RootDisk::File(rootfs) => {
+            if !rootfs.exists() {
+                return Err(lacks(from, "base rootfs", &rootfs));
+            }
+            RootDisk::File(rootfs)
+        }
+        // The caller installed the image and named this host's daemon.
+        nbd => nbd,
     };
     for (what, p) in [
         ("kernel", &meta.artifacts.kernel),
         ("initramfs", &meta.artifacts.initramfs),
-        ("base rootfs", &rootfs),
     ] {
         if !p.exists() {
-            return Err(refuse(
-                from,
-                format!(
-                    "it needs the guest {what} {} that this host lacks (hosts of a cluster build the same artifacts: scripts/setup-host.sh)",
-                    p.display()
-                ),
-            ));
+            return Err(lacks(from, what, p));
         }
     }
     let dir = paths.snapshot_dir(id);
@@ -143,6 +146,12 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
         // exporter's, which every host builds at the same path).
         let below = crate::jail::chain::below(&disk)
             .ctx(|| format!("reading the header of {}", disk.display()))?;
+        let RootDisk::File(rootfs) = &base else {
+            return Err(refuse(
+                &disk,
+                "the disk of a capture on an OCI image names its host's image daemon: it is fetched whole",
+            ));
+        };
         if below != [crate::jail::chain::Backing::File(rootfs.clone())] {
             return Err(refuse(
                 &disk,
@@ -153,7 +162,8 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
             ));
         }
     } else {
-        rebase_onto(&disk, &rootfs).await?;
+        // Only the name of the disk below changes, not its contents.
+        disk::rebase_unchecked(&disk, base.backing(), BackingFormat::Raw).await?;
     }
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).ctx(|| format!("creating {}", dir.display()))?;
@@ -172,21 +182,12 @@ pub async fn import(paths: &Paths, id: &str, from: &Path, mut meta: SnapshotMeta
     Snapshot::open(paths, id).map(|_| ())
 }
 
-/// Point `disk`'s header at `rootfs`: only the name of the base changes,
-/// the contents are the same.
-async fn rebase_onto(disk: &Path, rootfs: &Path) -> Result<()> {
-    let status = tokio::process::Command::new("qemu-img")
-        .args(["rebase", "-u", "-F", "raw", "-b"])
-        .arg(rootfs)
-        .arg(disk)
-        .status()
-        .await
-        .ctx(|| "running qemu-img rebase".into())?;
-    if !status.success() {
-        return Err(refuse(
-            disk,
-            format!("qemu-img rebase -u failed ({status})"),
-        ));
-    }
-    Ok(())
+fn lacks(capture: &Path, what: &str, path: &Path) -> Error {
+    refuse(
+        capture,
+        format!(
+            "it needs the guest {what} {} that this host lacks (hosts of a cluster build the same artifacts: scripts/setup-host.sh)",
+            path.display()
+        ),
+    )
 }

@@ -6,6 +6,8 @@ nodes, a gateway and PostgreSQL, and put them back.
 """
 
 import concurrent.futures
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -628,3 +630,92 @@ def test_a_template_built_on_one_node_starts_on_the_others_through_the_registry(
         for s in made:
             s.kill()
         cluster("start-node", builder.split("-")[1])
+
+
+def push_base_image(repo, tag, env):
+    """The base rootfs (the tar its ext4 was made from) as a one-layer
+    image in the cluster's registry; its reference."""
+    registry = os.environ["TINE_E2E_REGISTRY"]
+    data = os.environ.get("TINE_DATA_DIR", "/var/lib/tine")
+    base = os.path.realpath(os.path.join(data, "current", "rootfs-base.ext4"))
+
+    def blob(body):
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        r = httpx.post(f"http://{registry}/v2/{repo}/blobs/uploads/")
+        assert r.status_code == 202, r.text
+        loc = r.headers["Location"]
+        loc = loc if loc.startswith("http") else f"http://{registry}{loc}"
+        r = httpx.put(loc, params={"digest": digest}, content=body,
+                      headers={"Content-Type": "application/octet-stream"}, timeout=300)
+        assert r.status_code == 201, r.text
+        return {"digest": digest, "size": len(body)}
+
+    with open(base[: -len(".ext4")] + ".tar", "rb") as f:
+        layer = blob(f.read())
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", env]},
+                         "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **blob(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer}],
+    }
+    r = httpx.put(f"http://{registry}/v2/{repo}/manifests/{tag}", content=json.dumps(manifest).encode(),
+                  headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 201, r.text
+    return f"{registry}/{repo}:{tag}"
+
+
+def test_a_template_on_an_oci_image_and_a_snapshot_of_it_start_on_other_nodes():
+    """The image's chunks travel with the template's capture: a node that
+    never pulled the image starts the template with its builder down, and a
+    snapshot of that sandbox (its disk flattened onto the image) restores
+    on a third node with the first two down."""
+    image = push_base_image("e2e/cl-image", RUN, "TINE_IMG=cluster")
+    name = f"cl-img-{RUN}"
+    Template.build(
+        Template().from_image(image).run_cmd("echo on the image > /tmp/img"),
+        f"{name}:v1",
+        cpu_count=1,
+        memory_mb=256,
+    )
+    first = create(template=name)
+    builder = node_of(first.sandbox_id)
+    first.kill()
+    wait_pushed(f"{name}:v1")
+    down = [builder]
+    cluster("stop-node", builder.split("-")[1])
+    made = []
+    try:
+        s = create(template=name)
+        made.append(s)
+        second = node_of(s.sandbox_id)
+        assert second != builder
+        run = lambda cmd: s.commands.run(cmd).stdout.strip()
+        assert run("cat /tmp/img") == "on the image"
+        assert run("echo $TINE_IMG") == "cluster"
+        # Files of the image itself, read through this node's image daemon.
+        assert "Debian" in run("cat /etc/os-release")
+        assert run("md5sum /usr/bin/env | cut -d' ' -f1") == run("md5sum /bin/env | cut -d' ' -f1")
+        run("echo snapped > /home/user/snap.txt && (sleep 100000 &)")
+        snap = s.create_snapshot()
+        wait_pushed(snap.snapshot_id)
+        down.append(second)
+        cluster("stop-node", second.split("-")[1])
+        r = api("POST", "/v2/sandboxes", json={"templateID": snap.snapshot_id, "timeout": 300})
+        assert r.status_code == 201, r.text
+        third = Sandbox.connect(r.json()["sandboxID"])
+        made.append(third)
+        assert node_of(third.sandbox_id) not in down
+        assert third.commands.run("cat /home/user/snap.txt /tmp/img").stdout.split() == ["snapped", "on", "the", "image"]
+        assert third.commands.run("pgrep -x sleep").exit_code == 0
+        assert "Debian" in third.commands.run("cat /etc/os-release").stdout
+    finally:
+        for n in down:
+            cluster("start-node", n.split("-")[1])
+        for s in made:
+            try:
+                s.kill()
+            except Exception:
+                pass

@@ -78,6 +78,10 @@ pub struct Record {
     /// A pause capture's sandbox, as it was paused.
     #[serde(default)]
     pub sandbox: Option<crate::model::SandboxRecord>,
+    /// The OCI image the capture's disk is over, its chunks in the
+    /// registry artifact `image.chunks.remote` (None: over the base rootfs).
+    #[serde(default)]
+    pub image: Option<tine_image::ImageMeta>,
 }
 
 impl Record {
@@ -282,6 +286,12 @@ impl Captures {
             let meta = tine_vmm::travel::export(&self.paths, &row.id, &files_dir)
                 .await
                 .map_err(|e| err(e.to_string()))?;
+            let image = match &meta.artifacts.rootfs {
+                tine_vmm::RootDisk::Nbd { export, .. } => {
+                    Some(self.travelling_image(&row.id, export).await?)
+                }
+                tine_vmm::RootDisk::File(_) => None,
+            };
             let chunk_dir = stage.join("chunks");
             let mut files = BTreeMap::new();
             let mut pushed_bytes = 0;
@@ -316,6 +326,7 @@ impl Captures {
                 files,
                 pushed_bytes,
                 sandbox,
+                image,
             };
             // Found by id, by name and by `name:tag`.
             let names: Vec<String> = row
@@ -335,6 +346,45 @@ impl Captures {
         .await;
         let _ = std::fs::remove_dir_all(&stage);
         result
+    }
+
+    /// Image `export` (a manifest digest's hex), which capture `id`'s disk
+    /// is over, as other nodes install it: with its chunks in a registry
+    /// they read. An image whose chunks are only here (converted here) or
+    /// are fetched with credentials only this node holds is pushed to the
+    /// cluster's repository as `image-<digest>` first; that tag is shared
+    /// by every capture on the image and stays when they are deleted.
+    async fn travelling_image(
+        &self,
+        id: &str,
+        export: &str,
+    ) -> Result<tine_image::ImageMeta, CaptureError> {
+        let err = failed(id);
+        let store = tine_image::ImageStore::new(&self.paths.data_dir);
+        let meta = store.by_digest(export).ok_or_else(|| {
+            err(format!(
+                "its image sha256:{export} is not in this node's store"
+            ))
+        })?;
+        let remote = meta.chunks.as_ref().and_then(|c| c.remote.clone());
+        if remote.is_some() && !store.needs_credentials(&meta) {
+            return Ok(meta);
+        }
+        let target = ImageRef::parse(&format!("{}:image-{export}", self.repo))
+            .map_err(|e| err(e.to_string()))?;
+        let mut pushed = store
+            .push_to(&meta, &target, &self.opts, None, &mut |_| {})
+            .await
+            .map_err(|e| {
+                err(format!(
+                    "pushing the chunks of image {}: {e}",
+                    meta.reference
+                ))
+            })?;
+        if let Some(c) = pushed.chunks.as_mut() {
+            c.remote = Some(target.to_string());
+        }
+        Ok(pushed)
     }
 
     /// Push fork capture `row` now (its children start on other nodes
@@ -456,13 +506,22 @@ impl Captures {
             let mut fetched = 0;
             let mut lazy = BTreeMap::new();
             let mut whole = Vec::new();
+            if let Some(image) = &record.image {
+                self.install_image(id, image).await?;
+            }
+            // The disk of a capture on an image names its node's image
+            // daemon: it is fetched whole and pointed at this node's.
+            let lazy_files: &[&str] = match record.image {
+                Some(_) => &["ram"],
+                None => &LAZY_FILES,
+            };
             for (f, artifact) in &record.files {
                 let r = ImageRef::parse(artifact).map_err(|e| err(e.to_string()))?;
                 let index = remote::find_at(&r, &self.opts, None)
                     .await
                     .map_err(|e| err(format!("{f}: {e}")))?
                     .ok_or_else(|| err(format!("{f}: {artifact} is not in the registry")))?;
-                match self.lazy_pull && LAZY_FILES.contains(&f.as_str()) {
+                match self.lazy_pull && lazy_files.contains(&f.as_str()) {
                     true => {
                         lazy.insert(
                             f.clone(),
@@ -491,10 +550,13 @@ impl Captures {
                     .map_err(|e| err(e.to_string()))?
                     .map_err(|e| err(format!("{f}: {e}")))?;
             }
-            let installed =
-                tine_vmm::travel::import(&self.paths, id, &files_dir, record.meta.clone())
-                    .await
-                    .map_err(|e| err(e.to_string()));
+            let mut meta = record.meta.clone();
+            if let tine_vmm::RootDisk::Nbd { socket, .. } = &mut meta.artifacts.rootfs {
+                *socket = tine_image::nbd::daemon::socket_path(&self.paths.data_dir);
+            }
+            let installed = tine_vmm::travel::import(&self.paths, id, &files_dir, meta)
+                .await
+                .map_err(|e| err(e.to_string()));
             if installed.is_err() && !lazy.is_empty() {
                 tine_image::lazy::unregister(&self.paths.data_dir, id);
             }
@@ -508,6 +570,46 @@ impl Captures {
         .await;
         let _ = std::fs::remove_dir_all(&stage);
         result
+    }
+
+    /// Put `image`, which capture `id`'s disk is over, into this node's
+    /// image store if it lacks it: its index only, its chunks come from
+    /// the registry on first read, as for a lazy pull.
+    async fn install_image(
+        &self,
+        id: &str,
+        image: &tine_image::ImageMeta,
+    ) -> Result<(), CaptureError> {
+        let err = failed(id);
+        let store = tine_image::ImageStore::new(&self.paths.data_dir);
+        if store.has(&image.manifest_digest) {
+            return Ok(());
+        }
+        let artifact = image
+            .chunks
+            .as_ref()
+            .and_then(|c| c.remote.clone())
+            .ok_or_else(|| {
+                err(format!(
+                    "image {}: its chunks are in no registry",
+                    image.reference
+                ))
+            })?;
+        let r = ImageRef::parse(&artifact).map_err(|e| err(e.to_string()))?;
+        let index = remote::find_at(&r, &self.opts, None)
+            .await
+            .map_err(|e| err(format!("image {}: {e}", image.reference)))?
+            .ok_or_else(|| {
+                err(format!(
+                    "image {}: {artifact} is not in the registry",
+                    image.reference
+                ))
+            })?;
+        let image = image.clone();
+        tokio::task::spawn_blocking(move || store.install(&image, &index))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .map_err(|e| err(e.to_string()))
     }
 
     /// Register `files` of capture `id` with the image daemon and link
