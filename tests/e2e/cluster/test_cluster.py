@@ -645,7 +645,8 @@ def push_base_image(repo, tag, env):
         assert r.status_code == 202, r.text
         loc = r.headers["Location"]
         loc = loc if loc.startswith("http") else f"http://{registry}{loc}"
-        r = httpx.put(loc, params={"digest": digest}, content=body,
+        sep = "&" if "?" in loc else "?"
+        r = httpx.put(f"{loc}{sep}digest={digest}", content=body,
                       headers={"Content-Type": "application/octet-stream"}, timeout=300)
         assert r.status_code == 201, r.text
         return {"digest": digest, "size": len(body)}
@@ -672,7 +673,8 @@ def test_a_template_on_an_oci_image_and_a_snapshot_of_it_start_on_other_nodes():
     never pulled the image starts the template with its builder down, and a
     snapshot of that sandbox (its disk flattened onto the image) restores
     on a third node with the first two down."""
-    image = push_base_image("e2e/cl-image", RUN, "TINE_IMG=cluster")
+    # Its own digest each run: nodes keep their image stores between runs.
+    image = push_base_image("e2e/cl-image", RUN, f"TINE_IMG=cluster-{RUN}")
     name = f"cl-img-{RUN}"
     Template.build(
         Template().from_image(image).run_cmd("echo on the image > /tmp/img"),
@@ -694,7 +696,7 @@ def test_a_template_on_an_oci_image_and_a_snapshot_of_it_start_on_other_nodes():
         assert second != builder
         run = lambda cmd: s.commands.run(cmd).stdout.strip()
         assert run("cat /tmp/img") == "on the image"
-        assert run("echo $TINE_IMG") == "cluster"
+        assert run("echo $TINE_IMG") == f"cluster-{RUN}"
         # Files of the image itself, read through this node's image daemon.
         assert "Debian" in run("cat /etc/os-release")
         assert run("md5sum /usr/bin/env | cut -d' ' -f1") == run("md5sum /bin/env | cut -d' ' -f1")

@@ -10,7 +10,12 @@
 //! its copy when it is back.
 //!
 //! A capture travels self-contained ([`tine_vmm::travel`]: device state,
-//! whole RAM, disk flattened onto the base rootfs), each file as a chunked
+//! whole RAM, disk flattened onto the base rootfs or, for a sandbox on an
+//! OCI image, onto the image, whose chunks then travel too: the artifact
+//! the node read them from, or `<repo>:image-<digest>` when they were only
+//! on the node; a pulling node records the image in its store, reads it
+//! lazily through its own image daemon and fetches the capture's disk
+//! whole, since its header names that daemon), each file as a chunked
 //! artifact of its own (`<repo>:<id>.<file>`: 1 MiB zstd chunks named by
 //! their sha256, zero chunks not stored, chunks the registry has already
 //! not sent again), and the catalog keeps what a node needs to install it
@@ -286,15 +291,15 @@ impl Captures {
             let meta = tine_vmm::travel::export(&self.paths, &row.id, &files_dir)
                 .await
                 .map_err(|e| err(e.to_string()))?;
-            let image = match &meta.artifacts.rootfs {
+            let (image, mut pushed_bytes) = match &meta.artifacts.rootfs {
                 tine_vmm::RootDisk::Nbd { export, .. } => {
-                    Some(self.travelling_image(&row.id, export).await?)
+                    let (image, sent) = self.travelling_image(&row.id, export).await?;
+                    (Some(image), sent)
                 }
-                tine_vmm::RootDisk::File(_) => None,
+                tine_vmm::RootDisk::File(_) => (None, 0),
             };
             let chunk_dir = stage.join("chunks");
             let mut files = BTreeMap::new();
-            let mut pushed_bytes = 0;
             for f in tine_vmm::travel::FILES {
                 let (path, dir) = (files_dir.join(f), chunk_dir.clone());
                 let index = tokio::task::spawn_blocking(move || chunks::build(&path, &dir))
@@ -354,11 +359,12 @@ impl Captures {
     /// are fetched with credentials only this node holds is pushed to the
     /// cluster's repository as `image-<digest>` first; that tag is shared
     /// by every capture on the image and stays when they are deleted.
+    /// Also returns the bytes of chunks that push sent.
     async fn travelling_image(
         &self,
         id: &str,
         export: &str,
-    ) -> Result<tine_image::ImageMeta, CaptureError> {
+    ) -> Result<(tine_image::ImageMeta, u64), CaptureError> {
         let err = failed(id);
         let store = tine_image::ImageStore::new(&self.paths.data_dir);
         let meta = store.by_digest(export).ok_or_else(|| {
@@ -367,13 +373,27 @@ impl Captures {
             ))
         })?;
         let remote = meta.chunks.as_ref().and_then(|c| c.remote.clone());
-        if remote.is_some() && !store.needs_credentials(&meta) {
-            return Ok(meta);
+        if let Some(r) = remote.filter(|_| !store.needs_credentials(&meta)) {
+            // Still there (a registry emptied since would leave it naming
+            // nothing: then its chunks are pushed again, if all are here).
+            let r = ImageRef::parse(&r).map_err(|e| err(e.to_string()))?;
+            if remote::find_at(&r, &self.opts, None)
+                .await
+                .map_err(|e| err(format!("image {}: {e}", meta.reference)))?
+                .is_some()
+            {
+                return Ok((meta, 0));
+            }
         }
         let target = ImageRef::parse(&format!("{}:image-{export}", self.repo))
             .map_err(|e| err(e.to_string()))?;
+        let mut sent = 0;
         let mut pushed = store
-            .push_to(&meta, &target, &self.opts, None, &mut |_| {})
+            .push_to(&meta, &target, &self.opts, None, &mut |p| {
+                if !p.skipped {
+                    sent += p.bytes
+                }
+            })
             .await
             .map_err(|e| {
                 err(format!(
@@ -384,7 +404,14 @@ impl Captures {
         if let Some(c) = pushed.chunks.as_mut() {
             c.remote = Some(target.to_string());
         }
-        Ok(pushed)
+        tracing::info!(
+            capture = id,
+            image = %meta.reference,
+            artifact = %target,
+            mib = sent >> 20,
+            "image chunks pushed to the registry with the capture"
+        );
+        Ok((pushed, sent))
     }
 
     /// Push fork capture `row` now (its children start on other nodes

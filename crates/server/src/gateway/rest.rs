@@ -73,8 +73,10 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     let mut tried: Vec<String> = Vec::new();
     let mut last: Option<Response> = None;
     // One try and, when a node refused before making anything, one more
-    // on another node.
-    for _ in 0..2 {
+    // on another node; nodes that cannot be reached (down within the
+    // grace, so still listed) are skipped without counting.
+    let mut refusals = 0;
+    while refusals < 2 {
         let nodes = g.nodes_holding(&template).await;
         let Some(mut n) = place::choose(
             &nodes,
@@ -86,6 +88,7 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
         .cloned() else {
             break;
         };
+        tried.push(n.id.clone());
         // The same Idempotency-Key goes where its first attempt went; that
         // node's own idempotency answers with the sandbox it made.
         let mut first = true;
@@ -96,15 +99,19 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
                 .await
                 .map_err(|e| unavailable(format!("creates wait for the catalog: {e}")))?;
             if at != n.id {
+                if tried.contains(&at) {
+                    // Tried already: no other node may answer for it.
+                    break;
+                }
                 first = false;
                 n = nodes.iter().find(|x| x.id == at).cloned().ok_or_else(|| {
                     unavailable(format!(
                         "this Idempotency-Key's create went to node {at}, which is gone"
                     ))
                 })?;
+                tried.push(at);
             }
         }
-        tried.push(n.id.clone());
         let reservation = if first {
             match g
                 .catalog
@@ -157,6 +164,7 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
         if refused(resp.status()) {
             undo().await;
             last = Some(resp);
+            refusals += 1;
             continue;
         }
         if !resp.status().is_success() {
