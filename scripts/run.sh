@@ -34,6 +34,7 @@ cat >&2 <<MSG
 
 export E2B_API_URL=http://$listen
 export E2B_SANDBOX_URL=http://$listen
+export E2B_VOLUME_API_URL=http://$listen
 export E2B_API_KEY=$key
 
     then e.g.: python3 -c 'from e2b import Sandbox; s = Sandbox.create(); print(s.commands.run("uname -a").stdout)'

@@ -116,6 +116,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     let cluster = config.cluster.enabled().then(|| config.cluster.clone());
     let registries = config.registries.clone();
     let config_listen = config.listen;
+    let volume_max_bytes = config.volume_max_bytes;
     let manager = Arc::new(sandboxes::Manager::new(
         config, db, driver, templates, network,
     ));
@@ -164,7 +165,13 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
     manager.warm_up();
+    let volumes = Arc::new(crate::volumes::Volumes::new(
+        manager.db_arc(),
+        &paths.data_dir,
+        volume_max_bytes,
+    ));
     let state = Arc::new(AppState {
+        volumes,
         client: guest_client::client(manager.clone()),
         manager,
         metrics: Arc::new(metrics::Metrics::default()),

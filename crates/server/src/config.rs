@@ -21,6 +21,7 @@
 //! max_concurrent_starts = 4       # VM starts at once (default 2 per core)
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
+//! volume_max_bytes = 1073741824   # file contents each new volume may hold (507 beyond)
 //!
 //! [network]                       # see docs/networking.md
 //! allow_private = ["10.99.1.0/24"]  # not-internet ranges sandboxes may reach
@@ -119,6 +120,8 @@ pub struct Config {
     /// (chunks of images converted here and pushed nowhere are kept
     /// outside it).
     pub image_cache_max_bytes: u64,
+    /// Bytes of file contents each new volume may hold.
+    pub volume_max_bytes: u64,
     /// Template builds that may run at once (more wait, status `waiting`).
     pub max_concurrent_builds: usize,
     /// Largest build-context archive an upload may send.
@@ -186,6 +189,7 @@ impl Default for Config {
             network: Default::default(),
             registries: Default::default(),
             image_cache_max_bytes: tine_image::nbd::daemon::DEFAULT_CACHE_MAX_BYTES,
+            volume_max_bytes: 1 << 30,
             max_concurrent_builds: 2,
             build_context_max_bytes: 1 << 30,
             build_ready_timeout_secs: 300,

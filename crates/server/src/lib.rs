@@ -29,6 +29,7 @@ pub mod sandboxes;
 pub mod state;
 pub mod templates;
 pub mod tls;
+pub mod volumes;
 
 pub use app::serve;
 pub use config::Config;

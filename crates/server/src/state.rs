@@ -26,4 +26,6 @@ pub struct AppState {
     /// In cluster mode with `[cluster] registry`: snapshots pushed to and
     /// pulled from the registry.
     pub captures: Option<Arc<crate::cluster::captures::Captures>>,
+    /// Volumes and their content API.
+    pub volumes: Arc<crate::volumes::Volumes>,
 }

@@ -82,6 +82,7 @@ max_body_bytes = $TINE_E2E_MAX_BODY
 build_ready_timeout_secs = 20
 max_concurrent_builds = 1
 build_context_max_bytes = 8388608
+volume_max_bytes = 16777216
 
 [network]
 # The stand-in internet's "operator mirror" and its DNS server
@@ -101,7 +102,7 @@ max_memory_mb = 512
 max_snapshot_bytes = 1
 EOF
 
-export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT"
+export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT" E2B_VOLUME_API_URL="http://127.0.0.1:$PORT"
 unset E2B_DEBUG E2B_DOMAIN
 E2B_API_KEY="$("$TINE_BIN" keys create --name "e2e-server-$(date +%s)" 2>/dev/null)"
 export E2B_API_KEY

@@ -9,6 +9,7 @@ mod network;
 mod sandboxes;
 mod system;
 mod templates;
+mod volumes;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -87,6 +88,22 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::build_status),
         )
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/volumes", post(volumes::create).get(volumes::list))
+        .route("/volumes/{id}", get(volumes::get).delete(volumes::destroy))
+        .route(
+            "/volumecontent/{id}/file",
+            get(volumes::read_file).put(volumes::write_file),
+        )
+        .route(
+            "/volumecontent/{id}/dir",
+            get(volumes::list_dir).post(volumes::make_dir),
+        )
+        .route(
+            "/volumecontent/{id}/path",
+            get(volumes::stat)
+                .patch(volumes::update)
+                .delete(volumes::remove),
+        )
         .fallback(system::not_found)
         .method_not_allowed_fallback(system::method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), observe))

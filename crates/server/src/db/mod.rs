@@ -11,6 +11,7 @@ mod events;
 mod keys;
 mod sandboxes;
 mod snapshots;
+mod volumes;
 
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -22,6 +23,7 @@ pub use events::Event;
 pub use keys::{hash as key_hash, new_key_plaintext, valid_team, ApiKey, NewKey, DEFAULT_TEAM};
 pub use sandboxes::{ListFilter, TeamUsage};
 pub use snapshots::{SnapshotKind, SnapshotRow};
+pub use volumes::VolumeRow;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -160,6 +162,18 @@ CREATE TABLE imported_snapshots (
     id          TEXT PRIMARY KEY,
     team        TEXT NOT NULL,
     imported_ms INTEGER NOT NULL
+);
+"#,
+    // Volumes (crate::volumes): a name is its team's.
+    r#"
+CREATE TABLE volumes (
+    id          TEXT PRIMARY KEY,
+    team        TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    token       TEXT NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    max_bytes   INTEGER NOT NULL,
+    UNIQUE (team, name)
 );
 "#,
 ];

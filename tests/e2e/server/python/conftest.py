@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "TINE_E2E_PORT"):
+for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL", "E2B_API_KEY", "TINE_E2E_PORT"):
     if not os.environ.get(var):
         raise RuntimeError(f"{var} is not set: run tests/e2e/server/run.sh")
 

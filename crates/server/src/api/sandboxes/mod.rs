@@ -235,10 +235,10 @@ pub async fn create(
 
 async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<SandboxRecord, ApiError> {
     let req: NewSandbox = super::parse_json(body)?;
-    for (field, value, why) in [
-        ("volumeMounts", &req.volume_mounts, "tine has no volumes"),
-        ("iam", &req.iam, "tine has no secrets or header transforms"),
-    ] {
+    if let Some(mounts) = req.volume_mounts.as_ref().filter(|v| !is_empty_json(v)) {
+        return Err(super::volumes::refuse_mounts(s, team, mounts));
+    }
+    for (field, value, why) in [("iam", &req.iam, "tine has no secrets or header transforms")] {
         if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
             return Err(ApiError::bad_request(format!(
                 "{field} is not supported: {why}"

@@ -1,0 +1,354 @@
+//! E2B's volume routes: `/volumes` (API key, team scoped) and the content
+//! API `/volumecontent/{id}/…` (the volume's token as `Authorization:
+//! Bearer`). The logic is in [`crate::volumes`]; these only translate.
+
+use std::sync::Arc;
+
+use axum::extract::{FromRequestParts, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use http::request::Parts;
+use http::StatusCode;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+use super::extract::{Path, Query};
+use super::{ApiError, Authed};
+use crate::db::VolumeRow;
+use crate::state::AppState;
+use crate::volumes::content::{Owner, VolPath};
+use crate::volumes::VolumeError;
+
+impl From<VolumeError> for ApiError {
+    fn from(e: VolumeError) -> Self {
+        let status = match &e {
+            VolumeError::NotFound(_) | VolumeError::PathNotFound(_) => StatusCode::NOT_FOUND,
+            VolumeError::Exists(_) | VolumeError::PathExists(_) => StatusCode::CONFLICT,
+            VolumeError::BadName(_) | VolumeError::BadPath { .. } => StatusCode::BAD_REQUEST,
+            VolumeError::Full { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            VolumeError::Db(_) | VolumeError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            tracing::error!("volumes: {e}");
+        }
+        ApiError::new(status, e.to_string())
+    }
+}
+
+/// Runs `f` off the async runtime (file system calls block).
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, VolumeError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+fn with_token(v: &VolumeRow) -> serde_json::Value {
+    json!({ "volumeID": v.id, "name": v.name, "token": v.token })
+}
+
+#[derive(Deserialize)]
+pub struct NewVolume {
+    name: String,
+}
+
+/// `POST /volumes`.
+pub async fn create(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let req: NewVolume = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid volume: {e}")))?;
+    let v = s.volumes.clone();
+    let row = blocking(move || v.create(&key.team, &req.name)).await?;
+    tracing::info!(volume = %row.id, name = %row.name, team = %row.team, "volume created");
+    Ok((StatusCode::CREATED, Json(with_token(&row))).into_response())
+}
+
+/// `GET /volumes`.
+pub async fn list(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let rows = s.volumes.list(&key.team)?;
+    Ok(Json(json!(rows
+        .iter()
+        .map(|v| json!({ "volumeID": v.id, "name": v.name }))
+        .collect::<Vec<_>>())))
+}
+
+/// `GET /volumes/{id}`.
+pub async fn get(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(with_token(&s.volumes.get(&key.team, &id)?)))
+}
+
+/// `DELETE /volumes/{id}`.
+pub async fn destroy(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let v = s.volumes.clone();
+    let team = key.team.clone();
+    let (id2, gone) = (id.clone(), blocking(move || v.destroy(&team, &id)).await?);
+    match gone {
+        true => {
+            tracing::info!(volume = %id2, team = %key.team, "volume destroyed");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        false => Err(VolumeError::NotFound(id2).into()),
+    }
+}
+
+/// A content call with the token of the volume in its path.
+pub struct ByToken(VolumeRow);
+
+impl FromRequestParts<Arc<AppState>> for ByToken {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let Path(params) =
+            Path::<std::collections::HashMap<String, String>>::from_request_parts(parts, state)
+                .await?;
+        let id = params.get("id").cloned().unwrap_or_default();
+        let token = parts
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or_else(|| {
+                ApiError::unauthorized("missing volume token: send it as Authorization: Bearer")
+            })?;
+        match state.volumes.by_token(&id, token) {
+            Ok(row) => Ok(ByToken(row)),
+            // An unknown volume and a wrong token look the same.
+            Err(VolumeError::NotFound(_)) => Err(ApiError::unauthorized(format!(
+                "no volume {id} with this token"
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub struct PathQuery {
+    path: String,
+    depth: Option<u32>,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    mode: Option<u32>,
+    force: Option<bool>,
+}
+
+impl PathQuery {
+    fn path(&self) -> Result<VolPath, ApiError> {
+        Ok(VolPath::parse(&self.path)?)
+    }
+    fn owner(&self) -> Owner {
+        Owner {
+            uid: self.uid,
+            gid: self.gid,
+            mode: self.mode,
+        }
+    }
+}
+
+/// `GET /volumecontent/{id}/file`: the file's bytes.
+pub async fn read_file(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let v = s.volumes.clone();
+    let file = blocking(move || v.content(&row)?.read(&path)).await?;
+    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
+    Ok((
+        [(http::header::CONTENT_TYPE, "application/octet-stream")],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+/// `PUT /volumecontent/{id}/file`: the body becomes the file (written
+/// aside and renamed into place: a reader sees the old file or the new).
+pub async fn write_file(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let owner = q.owner();
+    let upload = {
+        let v = s.volumes.clone();
+        let r = row.clone();
+        blocking(move || Ok(v.content(&r)?.upload_path())).await?
+    };
+    let full = |detail: String| {
+        ApiError::from(VolumeError::Full {
+            id: row.id.clone(),
+            detail,
+        })
+    };
+    let received = async {
+        let mut f = tokio::fs::File::create(&upload)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        let mut stream = body.into_data_stream();
+        let mut n: u64 = 0;
+        while let Some(chunk) = stream.next().await {
+            let chunk =
+                chunk.map_err(|e| ApiError::bad_request(format!("reading the body: {e}")))?;
+            n += chunk.len() as u64;
+            // The room is checked exactly at the commit (the upload may
+            // replace a file); this stops one that can never fit.
+            if n > row.max_bytes {
+                return Err(full(format!(
+                    "the upload is over its {} bytes",
+                    row.max_bytes
+                )));
+            }
+            f.write_all(&chunk)
+                .await
+                .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        }
+        f.sync_all()
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = received {
+        let _ = tokio::fs::remove_file(&upload).await;
+        return Err(e);
+    }
+    let v = s.volumes.clone();
+    let entry = blocking(move || v.content(&row)?.commit(&upload, &path, owner)).await?;
+    Ok((StatusCode::CREATED, Json(entry)).into_response())
+}
+
+/// `GET /volumecontent/{id}/dir`.
+pub async fn list_dir(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let depth = q.depth.unwrap_or(1).min(64);
+    let v = s.volumes.clone();
+    let entries = blocking(move || v.content(&row)?.list(&path, depth)).await?;
+    Ok(Json(entries).into_response())
+}
+
+/// `POST /volumecontent/{id}/dir` (`force`: make the parents too).
+pub async fn make_dir(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let (owner, parents) = (q.owner(), q.force.unwrap_or(false));
+    let v = s.volumes.clone();
+    let entry = blocking(move || v.content(&row)?.mkdir(&path, owner, parents)).await?;
+    Ok((StatusCode::CREATED, Json(entry)).into_response())
+}
+
+/// `GET /volumecontent/{id}/path`.
+pub async fn stat(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let v = s.volumes.clone();
+    let entry = blocking(move || v.content(&row)?.stat(&path)).await?;
+    Ok(Json(entry).into_response())
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Metadata {
+    uid: Option<u32>,
+    gid: Option<u32>,
+    mode: Option<u32>,
+}
+
+/// `PATCH /volumecontent/{id}/path`: owner and mode.
+pub async fn update(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let path = q.path()?;
+    let m: Metadata = match body.is_empty() {
+        true => Metadata::default(),
+        false => serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid metadata: {e}")))?,
+    };
+    let owner = Owner {
+        uid: m.uid,
+        gid: m.gid,
+        mode: m.mode,
+    };
+    let v = s.volumes.clone();
+    let entry = blocking(move || v.content(&row)?.update(&path, owner)).await?;
+    Ok(Json(entry).into_response())
+}
+
+/// `DELETE /volumecontent/{id}/path`.
+pub async fn remove(
+    ByToken(row): ByToken,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<PathQuery>,
+) -> Result<StatusCode, ApiError> {
+    let path = q.path()?;
+    let v = s.volumes.clone();
+    blocking(move || v.content(&row)?.remove(&path)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The answer to a create with `volumeMounts`: each mount must name a
+/// volume of the team (400 naming the first that does not), and mounting
+/// into a sandbox is not there yet (400 saying so).
+pub fn refuse_mounts(s: &AppState, team: &str, mounts: &serde_json::Value) -> ApiError {
+    #[derive(Deserialize)]
+    struct Mount {
+        name: String,
+        path: String,
+    }
+    let mounts: Vec<Mount> = match serde_json::from_value(mounts.clone()) {
+        Ok(m) => m,
+        Err(e) => return ApiError::bad_request(format!("invalid volumeMounts: {e}")),
+    };
+    for m in &mounts {
+        match s.volumes.get(team, &m.name) {
+            Ok(_) => {}
+            Err(VolumeError::NotFound(_)) => {
+                return ApiError::bad_request(format!(
+                    "volumeMounts: no volume named {:?} (for {})",
+                    m.name, m.path
+                ))
+            }
+            Err(e) => return e.into(),
+        }
+    }
+    ApiError::bad_request(
+        "volumeMounts is not supported yet: volumes exist and their files are reachable \
+         through the volume content API, but are not mounted into sandboxes",
+    )
+}
