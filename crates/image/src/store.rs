@@ -401,7 +401,7 @@ impl ImageStore {
         };
         let index = self.index(&meta)?;
         remote::push(
-            &target,
+            target,
             &index,
             &chunks::chunk_dir(&self.dir),
             opts,

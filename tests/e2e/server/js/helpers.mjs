@@ -3,7 +3,7 @@
 // server; every sandbox gets this run's tag in its metadata.
 import { Sandbox } from 'e2b'
 
-for (const v of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY']) {
+for (const v of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_VOLUME_API_URL', 'E2B_API_KEY']) {
   if (!process.env[v]) throw new Error(`${v} is not set: run tests/e2e/server/run.sh`)
 }
 
