@@ -60,10 +60,9 @@ pub struct NewVolume {
 pub async fn create(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let req: NewVolume = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid volume: {e}")))?;
+    let req: NewVolume = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let v = s.volumes.clone();
     let row = blocking(move || v.create(&key.team, &req.name)).await?;
     tracing::info!(volume = %row.id, name = %row.name, team = %row.team, "volume created");
@@ -292,14 +291,10 @@ pub async fn update(
     ByToken(row): ByToken,
     State(s): State<Arc<AppState>>,
     Query(q): Query<PathQuery>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
-    let m: Metadata = match body.is_empty() {
-        true => Metadata::default(),
-        false => serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid metadata: {e}")))?,
-    };
+    let m: Metadata = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let owner = Owner {
         uid: m.uid,
         gid: m.gid,

@@ -194,7 +194,7 @@ def test_bad_requests_get_clear_errors(vol):
         Volume.create("no spaces allowed")
     r = http("POST", "/volumes", body=b"{not json", headers={"Content-Type": "application/json"})
     assert_error(r, 400)
-    assert b"invalid volume" in r[2]
+    assert b"invalid JSON body" in r[2]
     with pytest.raises(NotFoundException):
         vol.read_file("/missing.txt")
     with pytest.raises(VolumeException, match="400"):
