@@ -10,7 +10,7 @@ import urllib.request
 import uuid
 
 import pytest
-from e2b import ALL_TRAFFIC, NotFoundException, Sandbox, SandboxQuery, SandboxState
+from e2b import ALL_TRAFFIC, NotFoundException, Sandbox, SandboxQuery, SandboxState, Volume
 
 from conftest import API, HERE, RUN, http
 
@@ -46,6 +46,9 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     s.files.write("/tmp/tine-e2e-restart", mark)
     bg = s.commands.run("sleep 3600", background=True)
     end_before = s.get_info().end_at
+    # A volume and its files outlive the server.
+    vol = Volume.create(f"restart-{signal}-{mark[:8]}")
+    vol.write_file("/kept/mark.txt", mark)
 
     server("stop", signal)
     assert not server_up()
@@ -69,6 +72,9 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     assert not raw.endswith("rc=0\n"), raw
     # The session's shared sandbox made it through as well.
     assert sbx.commands.run("true").exit_code == 0
+    assert Volume.get_info(vol.volume_id).token == vol.token
+    assert vol.read_file("/kept/mark.txt") == mark
+    assert Volume.destroy(vol.volume_id)
     # And the new server manages them as usual.
     assert s.get_metrics()
     assert s.kill() is True
