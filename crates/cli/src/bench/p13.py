@@ -135,6 +135,8 @@ try:
         sb, ms = timed(lambda: on_node(node, template=snap))
         made.append(sb.sandbox_id)
         out[times].append(ms)
+        # The image daemon writes its counters every second.
+        time.sleep(2)
         out[fetched].append(fetched_bytes(node) - before)
     restart(whole, lazy=True)
     # The capture's size: what its push sent (a fresh registry has none of
