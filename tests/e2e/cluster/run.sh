@@ -80,8 +80,8 @@ export TINE_E2E_REGISTRY="127.0.0.1:${TINE_CLUSTER_REGISTRY_PORT:-5055}" TINE_PO
 export TINE_E2E_GATEWAYS="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 2))"
 export TINE_E2E_NODES="http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 1)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 2)),http://127.0.0.1:$((TINE_CLUSTER_NODE_PORT + 3))"
 export E2B_API_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))" E2B_SANDBOX_URL="http://127.0.0.1:$((TINE_CLUSTER_GATEWAY_PORT + 1))"
-# Volumes are not served through gateways yet (docs/cluster.md); set so that
-# nothing an SDK sends falls back to E2B's hosts.
+# Volume content calls go through the gateway too (nothing an SDK sends
+# may fall back to E2B's hosts).
 export E2B_VOLUME_API_URL="$E2B_API_URL"
 unset E2B_DEBUG E2B_DOMAIN
 

@@ -226,6 +226,43 @@ def test_two_gateways_racing_never_exceed_a_teams_limit():
             api("DELETE", f"/sandboxes/{i}", key=LIMITED_KEY)
 
 
+def test_volumes_through_either_gateway():
+    """A volume lives on the node that made it; either gateway sends its
+    calls there, content calls with the volume's token."""
+    from e2b import Volume
+    from e2b.exceptions import NotFoundException
+
+    g1, g2 = GATEWAYS
+    name = f"cl-vol-{RUN}"
+    vol = Volume.create(name, api_url=g1)
+    try:
+        vol.write_file("/shared/hello.txt", f"hello {RUN}", api_url=g1)
+        assert vol.read_file("/shared/hello.txt", api_url=g2) == f"hello {RUN}"
+        assert [e.name for e in vol.list("/shared", api_url=g2)] == ["hello.txt"]
+        assert name in [v.name for v in Volume.list(api_url=g2)]
+        assert Volume.get_info(name, api_url=g2).token == vol.token
+        # A name is the team's across the cluster.
+        r = api("POST", "/volumes", gateway=g2, json={"name": name})
+        assert r.status_code == 409, r.text
+        # Another team does not see it; a wrong token reads nothing.
+        assert name not in [v["name"] for v in api("GET", "/volumes", key=OTHER_KEY).json()]
+        r = api("GET", f"/volumes/{vol.volume_id}", key=OTHER_KEY)
+        assert r.status_code == 404, r.text
+        r = httpx.get(f"{g2}/volumecontent/{vol.volume_id}/file", params={"path": "/shared/hello.txt"},
+                      headers={"Authorization": "Bearer vt_" + "0" * 40})
+        assert r.status_code == 401 and r.json()["code"] == 401, r.text
+        # A node takes content calls only from gateways.
+        for n in NODES:
+            r = httpx.get(f"{n}/volumecontent/{vol.volume_id}/file", params={"path": "/shared/hello.txt"},
+                          headers={"Authorization": f"Bearer {vol.token}"})
+            assert r.status_code == 401, r.text
+    finally:
+        assert Volume.destroy(vol.volume_id, api_url=g2) is True
+    assert Volume.destroy(vol.volume_id, api_url=g1) is False
+    with pytest.raises(NotFoundException):
+        Volume.get_info(vol.volume_id, api_url=g1)
+
+
 def test_a_killed_node_answers_503_creates_go_elsewhere_and_it_comes_back(spread):
     victim = spread[2]
     n = node_of(victim.sandbox_id)

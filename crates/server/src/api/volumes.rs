@@ -118,6 +118,14 @@ impl FromRequestParts<Arc<AppState>> for ByToken {
         parts: &mut Parts,
         state: &Arc<AppState>,
     ) -> Result<Self, ApiError> {
+        // A cluster node takes content calls only from its gateways.
+        if let Some(secret) = &state.cluster_secret {
+            crate::cluster::gateway_team(secret, &parts.headers).map_err(|_| {
+                ApiError::unauthorized(
+                    "this server is a cluster node: send volume calls to a tine gateway",
+                )
+            })?;
+        }
         let Path(params) =
             Path::<std::collections::HashMap<String, String>>::from_request_parts(parts, state)
                 .await?;

@@ -14,7 +14,7 @@ use deadpool_postgres::{GenericClient, Pool};
 use serde::{Deserialize, Serialize};
 
 /// PostgreSQL's clock, in Unix milliseconds.
-const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+pub(super) const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 /// How long a placement's reservation holds room on a node and in a team
 /// while its create runs (a create that outlives it is still published by
@@ -182,6 +182,14 @@ CREATE TABLE IF NOT EXISTS tine_lazy_readers (
     PRIMARY KEY (node_id, capture)
 );
 CREATE INDEX IF NOT EXISTS tine_lazy_readers_capture ON tine_lazy_readers (capture);
+CREATE TABLE IF NOT EXISTS tine_volumes (
+    id TEXT PRIMARY KEY,
+    team TEXT NOT NULL,
+    name TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    created_ms BIGINT NOT NULL,
+    UNIQUE (team, name)
+);
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,

@@ -15,6 +15,7 @@ pub mod catalog;
 pub mod node;
 pub mod spread;
 pub mod trash;
+pub mod volumes;
 
 use std::path::{Path, PathBuf};
 

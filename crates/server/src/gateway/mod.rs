@@ -13,6 +13,7 @@ mod fork;
 mod forward;
 pub mod place;
 mod rest;
+mod volumes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -191,6 +192,10 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
     }
     if path == "/health" {
         return (StatusCode::OK, "ok").into_response();
+    }
+    // Volume content calls carry the volume's token, not an API key.
+    if let Some(id) = volumes::content_volume(&path) {
+        return volumes::content(&g, id, req).await;
     }
     let key = match g.authenticate(req.headers()).await {
         Ok(k) => k,
@@ -430,6 +435,28 @@ impl Gateway {
                 (crate::cluster::TEAM_HEADER, team),
             ],
             &["x-api-key", "authorization"],
+        )
+        .await
+    }
+
+    /// [`Gateway::to_node`] keeping `Authorization` (a volume's token).
+    async fn to_node_with_token(
+        &self,
+        n: &Node,
+        team: &str,
+        req: http::Request<Body>,
+    ) -> Result<Response, ForwardError> {
+        let team = HeaderValue::from_str(team).unwrap_or_else(|_| HeaderValue::from_static("-"));
+        forward::forward(
+            &self.client,
+            &n.id,
+            &n.status.address,
+            req,
+            &[
+                (crate::cluster::SECRET_HEADER, self.secret.clone()),
+                (crate::cluster::TEAM_HEADER, team),
+            ],
+            &["x-api-key"],
         )
         .await
     }

@@ -19,6 +19,7 @@ pub async fn route(g: &Gateway, key: ClusterKey, req: Request) -> Result<Respons
         (Method::POST, "/sandboxes" | "/v2/sandboxes") => create(g, &key, req).await,
         (Method::GET, "/sandboxes") => list(g, &key, query_of(&req), false).await,
         (Method::GET, "/v2/sandboxes") => list(g, &key, query_of(&req), true).await,
+        (_, p) if super::volumes::handles(p) => super::volumes::route(g, &key, req).await,
         _ => match sandbox_of(&path) {
             Some(id) => by_id(g, &key, id.to_string(), req).await,
             None => elsewhere(g, &key, req).await,
