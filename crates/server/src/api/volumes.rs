@@ -47,6 +47,16 @@ async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
+/// Runs `f` on volume `row`'s content, off the async runtime.
+async fn in_volume<T: Send + 'static>(
+    s: &AppState,
+    row: VolumeRow,
+    f: impl FnOnce(&crate::volumes::content::Content<'_>) -> Result<T, VolumeError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let v = s.volumes.clone();
+    blocking(move || f(&v.content(&row)?)).await
+}
+
 fn with_token(v: &VolumeRow) -> serde_json::Value {
     json!({ "volumeID": v.id, "name": v.name, "token": v.token })
 }
@@ -180,8 +190,7 @@ pub async fn read_file(
     Query(q): Query<PathQuery>,
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
-    let v = s.volumes.clone();
-    let file = blocking(move || v.content(&row)?.read(&path)).await?;
+    let file = in_volume(&s, row, move |c| c.read(&path)).await?;
     let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
     Ok((
         [(http::header::CONTENT_TYPE, "application/octet-stream")],
@@ -243,8 +252,7 @@ pub async fn write_file(
         let _ = tokio::fs::remove_file(&upload).await;
         return Err(e);
     }
-    let v = s.volumes.clone();
-    let entry = blocking(move || v.content(&row)?.commit(&upload, &path, owner)).await?;
+    let entry = in_volume(&s, row, move |c| c.commit(&upload, &path, owner)).await?;
     Ok((StatusCode::CREATED, Json(entry)).into_response())
 }
 
@@ -256,8 +264,7 @@ pub async fn list_dir(
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
     let depth = q.depth.unwrap_or(1).min(64);
-    let v = s.volumes.clone();
-    let entries = blocking(move || v.content(&row)?.list(&path, depth)).await?;
+    let entries = in_volume(&s, row, move |c| c.list(&path, depth)).await?;
     Ok(Json(entries).into_response())
 }
 
@@ -269,8 +276,7 @@ pub async fn make_dir(
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
     let (owner, parents) = (q.owner(), q.force.unwrap_or(false));
-    let v = s.volumes.clone();
-    let entry = blocking(move || v.content(&row)?.mkdir(&path, owner, parents)).await?;
+    let entry = in_volume(&s, row, move |c| c.mkdir(&path, owner, parents)).await?;
     Ok((StatusCode::CREATED, Json(entry)).into_response())
 }
 
@@ -281,8 +287,7 @@ pub async fn stat(
     Query(q): Query<PathQuery>,
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
-    let v = s.volumes.clone();
-    let entry = blocking(move || v.content(&row)?.stat(&path)).await?;
+    let entry = in_volume(&s, row, move |c| c.stat(&path)).await?;
     Ok(Json(entry).into_response())
 }
 
@@ -308,8 +313,7 @@ pub async fn update(
         gid: m.gid,
         mode: m.mode,
     };
-    let v = s.volumes.clone();
-    let entry = blocking(move || v.content(&row)?.update(&path, owner)).await?;
+    let entry = in_volume(&s, row, move |c| c.update(&path, owner)).await?;
     Ok(Json(entry).into_response())
 }
 
@@ -320,8 +324,7 @@ pub async fn remove(
     Query(q): Query<PathQuery>,
 ) -> Result<StatusCode, ApiError> {
     let path = q.path()?;
-    let v = s.volumes.clone();
-    blocking(move || v.content(&row)?.remove(&path)).await?;
+    in_volume(&s, row, move |c| c.remove(&path)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -424,19 +424,8 @@ impl Gateway {
         team: &str,
         req: http::Request<Body>,
     ) -> Result<Response, ForwardError> {
-        let team = HeaderValue::from_str(team).unwrap_or_else(|_| HeaderValue::from_static("-"));
-        forward::forward(
-            &self.client,
-            &n.id,
-            &n.status.address,
-            req,
-            &[
-                (crate::cluster::SECRET_HEADER, self.secret.clone()),
-                (crate::cluster::TEAM_HEADER, team),
-            ],
-            &["x-api-key", "authorization"],
-        )
-        .await
+        self.send(n, team, req, &["x-api-key", "authorization"])
+            .await
     }
 
     /// [`Gateway::to_node`] keeping `Authorization` (a volume's token).
@@ -445,6 +434,17 @@ impl Gateway {
         n: &Node,
         team: &str,
         req: http::Request<Body>,
+    ) -> Result<Response, ForwardError> {
+        self.send(n, team, req, &["x-api-key"]).await
+    }
+
+    /// `req` to node `n` as a call of `team`, without the `drop` headers.
+    async fn send(
+        &self,
+        n: &Node,
+        team: &str,
+        req: http::Request<Body>,
+        drop: &[&str],
     ) -> Result<Response, ForwardError> {
         let team = HeaderValue::from_str(team).unwrap_or_else(|_| HeaderValue::from_static("-"));
         forward::forward(
@@ -456,7 +456,7 @@ impl Gateway {
                 (crate::cluster::SECRET_HEADER, self.secret.clone()),
                 (crate::cluster::TEAM_HEADER, team),
             ],
-            &["x-api-key"],
+            drop,
         )
         .await
     }
