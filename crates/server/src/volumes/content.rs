@@ -524,3 +524,26 @@ impl<'a> Content<'a> {
         self.entry(&dir, &name, path)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_split_and_dot_dot_is_refused() {
+        let p = VolPath::parse("/a//b/./c/").unwrap();
+        assert_eq!(p.display(), "/a/b/c");
+        assert_eq!(p.rel(), "a/b/c");
+        assert_eq!(VolPath::parse("/").unwrap().rel(), ".");
+        assert_eq!(VolPath::parse("").unwrap().display(), "/");
+        assert_eq!(VolPath::parse("x y+z").unwrap().display(), "/x y+z");
+        for bad in ["..", "/a/../b", "a/..", "nul\0byte"] {
+            assert!(
+                matches!(VolPath::parse(bad), Err(VolumeError::BadPath { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(VolPath::parse(&"n".repeat(256)).is_err());
+        assert!(VolPath::parse(&"a/".repeat(2100)).is_err());
+    }
+}

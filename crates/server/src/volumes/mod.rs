@@ -174,8 +174,8 @@ impl Volumes {
             return Ok(*u);
         }
         let data = self.root(id).join("data");
-        let counted = tokio::task::block_in_place(|| tree_bytes(&data));
-        let used = counted.map_err(|source| VolumeError::Io {
+        // Called off the async runtime only (content calls block).
+        let used = tree_bytes(&data).map_err(|source| VolumeError::Io {
             context: format!("counting the bytes of {}", data.display()),
             source,
         })?;
