@@ -163,14 +163,18 @@ pub fn api_key_of(headers: &http::HeaderMap) -> Result<&str, ApiError> {
     headers
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
-        .or_else(|| {
-            headers
-                .get(http::header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-        })
         .map(str::trim)
+        .or_else(|| bearer_of(headers))
         .ok_or_else(|| ApiError::unauthorized("missing API key: send it as X-API-KEY"))
+}
+
+/// The token of `Authorization: Bearer <token>`.
+pub fn bearer_of(headers: &http::HeaderMap) -> Option<&str> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
 }
 
 /// A node in a cluster takes calls only from its gateways, which name the

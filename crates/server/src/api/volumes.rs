@@ -106,16 +106,12 @@ pub async fn destroy(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let v = s.volumes.clone();
-    let team = key.team.clone();
-    let (id2, gone) = (id.clone(), blocking(move || v.destroy(&team, &id)).await?);
-    match gone {
-        true => {
-            tracing::info!(volume = %id2, team = %key.team, "volume destroyed");
-            Ok(StatusCode::NO_CONTENT)
-        }
-        false => Err(VolumeError::NotFound(id2).into()),
+    let (v, team, which) = (s.volumes.clone(), key.team.clone(), id.clone());
+    if !blocking(move || v.destroy(&team, &which)).await? {
+        return Err(VolumeError::NotFound(id).into());
     }
+    tracing::info!(volume = %id, team = %key.team, "volume destroyed");
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// A content call with the token of the volume in its path.
@@ -140,15 +136,9 @@ impl FromRequestParts<Arc<AppState>> for ByToken {
             Path::<std::collections::HashMap<String, String>>::from_request_parts(parts, state)
                 .await?;
         let id = params.get("id").cloned().unwrap_or_default();
-        let token = parts
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .ok_or_else(|| {
-                ApiError::unauthorized("missing volume token: send it as Authorization: Bearer")
-            })?;
+        let token = super::bearer_of(&parts.headers).ok_or_else(|| {
+            ApiError::unauthorized("missing volume token: send it as Authorization: Bearer")
+        })?;
         match state.volumes.by_token(&id, token) {
             Ok(row) => Ok(ByToken(row)),
             // An unknown volume and a wrong token look the same.
@@ -209,11 +199,7 @@ pub async fn write_file(
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
     let owner = q.owner();
-    let upload = {
-        let v = s.volumes.clone();
-        let r = row.clone();
-        blocking(move || Ok(v.content(&r)?.upload_path())).await?
-    };
+    let upload = s.volumes.upload_path(&row.id);
     let full = |detail: String| {
         ApiError::from(VolumeError::Full {
             id: row.id.clone(),

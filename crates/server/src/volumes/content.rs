@@ -419,13 +419,7 @@ impl<'a> Content<'a> {
         Ok(())
     }
 
-    /// A new upload's file in the volume's `tmp/` (same filesystem as its
-    /// data, so [`Content::commit`] renames it into place).
-    pub fn upload_path(&self) -> PathBuf {
-        self.tmp.join(format!("up-{}", crate::ids::random_hex(8)))
-    }
-
-    /// Put the uploaded file `upload` at `path` (replacing a file there),
+    /// Put the uploaded file `upload` ([`Volumes::upload_path`]) at `path` (replacing a file there),
     /// making the directories above it; refused whole when the volume
     /// would hold more than its limit.
     pub fn commit(&self, upload: &Path, path: &VolPath, owner: Owner) -> Result<Entry> {

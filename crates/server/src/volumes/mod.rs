@@ -163,6 +163,14 @@ impl Volumes {
         }
     }
 
+    /// A new upload's file in volume `id`'s `tmp/` (same filesystem as its
+    /// data, so [`content::Content::commit`] renames it into place).
+    pub fn upload_path(&self, id: &str) -> PathBuf {
+        self.root(id)
+            .join("tmp")
+            .join(format!("up-{}", crate::ids::random_hex(8)))
+    }
+
     /// The content of volume `row`.
     pub fn content(&self, row: &VolumeRow) -> Result<content::Content<'_>> {
         content::Content::open(self, row)
