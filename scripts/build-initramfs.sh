@@ -26,8 +26,9 @@ set -euo pipefail
 
 # Block device, network, console, vsock, entropy and the balloon (free page
 # reporting: the guest hands freed memory back) over virtio-mmio, and the
-# root filesystem. Their dependencies are added automatically.
-DEFAULT_MODULES="virtio_mmio virtio_blk virtio_net virtio_console vmw_vsock_virtio_transport virtio_rng virtio_balloon ext4"
+# root filesystem, and the NFS v3 client for volumes (crate::volumes::nfs
+# on the host). Their dependencies are added automatically.
+DEFAULT_MODULES="virtio_mmio virtio_blk virtio_net virtio_console vmw_vsock_virtio_transport virtio_rng virtio_balloon ext4 nfsv3"
 MODULES="${TINE_INITRAMFS_MODULES:-$DEFAULT_MODULES}"
 
 [[ $# -eq 1 ]] || die "usage: $(basename "$0") AGENT_BINARY"

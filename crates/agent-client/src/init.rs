@@ -38,6 +38,10 @@ pub struct InitRequest {
     /// tine extension: the new `/etc/machine-id` (32 hex digits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine_id: Option<String>,
+    /// tine extension: volumes to mount over NFS (each mounted unless its
+    /// path is a mount point already, as in a guest restored from memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mounts: Option<Vec<GuestMount>>,
     /// Accepted for compatibility; tine has no hyperloop server.
     #[serde(
         default,
@@ -45,6 +49,16 @@ pub struct InitRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub hyperloop_ip: Option<String>,
+}
+
+/// A volume the guest mounts: NFSv3 from `addr:port` (NFS and MOUNT on
+/// the one port) at `path`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestMount {
+    pub path: String,
+    pub addr: String,
+    pub port: u16,
 }
 
 impl InitRequest {

@@ -24,7 +24,7 @@ use http_body_util::Full;
 use hyper::Request;
 use serde::Deserialize;
 
-pub use init::{init, InitRequest};
+pub use init::{init, GuestMount, InitRequest};
 pub use process::ExecOutput;
 
 /// The agent's port (the one E2B's envd uses).

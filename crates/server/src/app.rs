@@ -117,8 +117,14 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     let registries = config.registries.clone();
     let config_listen = config.listen;
     let volume_max_bytes = config.volume_max_bytes;
+    let volumes = Arc::new(crate::volumes::Volumes::new(
+        db.clone(),
+        &paths.data_dir,
+        volume_max_bytes,
+    ));
+    let exports = Arc::new(crate::volumes::Exports::new(volumes.clone()));
     let manager = Arc::new(sandboxes::Manager::new(
-        config, db, driver, templates, network,
+        config, db, driver, templates, network, exports,
     ));
     manager
         .recover()
@@ -165,11 +171,6 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
     manager.warm_up();
-    let volumes = Arc::new(crate::volumes::Volumes::new(
-        manager.db_arc(),
-        &paths.data_dir,
-        volume_max_bytes,
-    ));
     let state = Arc::new(AppState {
         volumes,
         client: guest_client::client(manager.clone()),

@@ -110,6 +110,9 @@ pub struct SandboxRecord {
     pub lifecycle: Lifecycle,
     /// The team of the API key that made it (or of its fork source).
     pub team: String,
+    /// Volumes mounted into it (children of a fork and sandboxes from its
+    /// snapshots keep them: their guests have them mounted).
+    pub volume_mounts: Vec<crate::volumes::VolumeMount>,
 }
 
 #[cfg(test)]

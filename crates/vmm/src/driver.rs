@@ -38,6 +38,10 @@ pub trait GuestNet: Send + Sync {
         &self,
         addr: std::net::SocketAddrV4,
     ) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>>;
+    /// Run `f` on a thread inside the guest's network namespace and wait
+    /// for it: sockets it creates belong to that namespace (a server
+    /// bound on the gateway address for this guest alone).
+    fn run_inside(&self, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()>;
 }
 
 /// A VM's guest network, shared with whoever talks to the guest.

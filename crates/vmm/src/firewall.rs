@@ -98,6 +98,11 @@ pub const NOT_INTERNET: &[Net4] = &[
 ];
 
 /// TCP ports whose connections go to the egress proxy when one is set.
+/// Ports of the gateway address a guest may connect to: the host serves
+/// the volumes mounted into that guest there (NFS; one port a mount).
+/// Nothing listening means a refused connection, as for any other port.
+pub const VOLUME_PORTS: std::ops::RangeInclusive<u16> = 2049..=2056;
+
 pub const INTERCEPTED_PORTS: [u16; 2] = [80, 443];
 
 /// What one VM's guest may reach.
@@ -198,7 +203,8 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
     o.push_str("    ip daddr @allow accept\n");
     o.push_str("    ip daddr @deny reject with icmpx type admin-prohibited\n");
     o.push_str("    accept\n  }\n");
-    // The guest opens nothing to the namespace itself but the proxy. The
+    // The guest opens nothing to the namespace itself but the proxy and
+    // the volume servers. The
     // host's own connections to the guest may predate this table (conntrack
     // then meets their replies mid-stream, a SYN-ACK first), so refusals are
     // by what a packet is, not by conntrack's view: a bare SYN, or not TCP
@@ -211,6 +217,13 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
     if let Some(port) = r.proxy_port {
         let _ = writeln!(o, "    iifname \"{tap}\" tcp dport {port} accept");
     }
+    let _ = writeln!(
+        o,
+        "    iifname \"{tap}\" ip daddr {} tcp dport {}-{} accept",
+        crate::netns::HOST_IP,
+        VOLUME_PORTS.start(),
+        VOLUME_PORTS.end()
+    );
     let _ = writeln!(
         o,
         "    iifname \"{tap}\" tcp flags & (syn | ack) == syn reject with tcp reset\n    iifname \"{tap}\" meta l4proto != tcp reject with icmpx type admin-prohibited\n  }}\n}}"

@@ -513,6 +513,18 @@ impl crate::driver::GuestNet for Netns {
     ) -> crate::driver::BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
         Box::pin(Netns::connect_out(self, addr))
     }
+    fn run_inside(&self, f: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+        let ns = self.file.try_clone()?;
+        std::thread::spawn(move || -> std::io::Result<()> {
+            // This thread exists only for `f`: it never returns to the
+            // host's namespace.
+            setns(ns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+            f();
+            Ok(())
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("netns thread panicked"))?
+    }
 }
 
 #[cfg(test)]

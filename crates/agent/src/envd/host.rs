@@ -89,6 +89,11 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
     if let Some(id) = req.machine_id.as_deref() {
         set_machine_id(id)?;
     }
+    if let Some(mounts) = req.mounts.filter(|m| !m.is_empty()) {
+        tokio::task::spawn_blocking(move || super::volumes::mount_all(&mounts))
+            .await
+            .map_err(|e| EnvdError::Internal(format!("mounting volumes: {e}")))??;
+    }
     let _ = req.hyperloop_ip;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -19,6 +19,7 @@ mod rpc;
 mod tests;
 mod time;
 mod user;
+mod volumes;
 mod xattr;
 
 use std::collections::BTreeMap;

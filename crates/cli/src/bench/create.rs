@@ -34,7 +34,15 @@ pub async fn floor_once(
         let t = Instant::now();
         let token = floor::vm_id("token");
         let guest = vm.guest()?;
-        match tine_server::sandboxes::agent::init(&guest, &id, BTreeMap::new(), &token, None).await
+        match tine_server::sandboxes::agent::init(
+            &guest,
+            &id,
+            BTreeMap::new(),
+            &token,
+            None,
+            Vec::new(),
+        )
+        .await
         {
             Ok(()) => out.stage("by hand: /init (outside the floor)", ms(t)),
             Err(e) => result = Err(anyhow::anyhow!("/init of a VM restored by hand: {e}")),

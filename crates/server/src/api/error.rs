@@ -91,6 +91,7 @@ impl From<SandboxError> for ApiError {
             }
             SandboxError::Agent { .. }
             | SandboxError::Network { .. }
+            | SandboxError::Volumes { .. }
             | SandboxError::Inconsistent { .. }
             | SandboxError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };

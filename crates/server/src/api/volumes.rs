@@ -25,7 +25,9 @@ impl From<VolumeError> for ApiError {
     fn from(e: VolumeError) -> Self {
         let status = match &e {
             VolumeError::NotFound(_) | VolumeError::PathNotFound(_) => StatusCode::NOT_FOUND,
-            VolumeError::Exists(_) | VolumeError::PathExists(_) => StatusCode::CONFLICT,
+            VolumeError::Exists(_) | VolumeError::PathExists(_) | VolumeError::InUse { .. } => {
+                StatusCode::CONFLICT
+            }
             VolumeError::BadName(_) | VolumeError::BadPath { .. } => StatusCode::BAD_REQUEST,
             VolumeError::Full { .. } => StatusCode::INSUFFICIENT_STORAGE,
             VolumeError::Db(_) | VolumeError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -314,33 +316,89 @@ pub async fn remove(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The answer to a create with `volumeMounts`: each mount must name a
-/// volume of the team (400 naming the first that does not), and mounting
-/// into a sandbox is not there yet (400 saying so).
-pub fn refuse_mounts(s: &AppState, team: &str, mounts: &serde_json::Value) -> ApiError {
+/// The `volumeMounts` of a create: each names a volume of the team (400
+/// naming the first that does not) and an absolute path of its own.
+pub fn mounts_of(
+    s: &AppState,
+    team: &str,
+    mounts: &serde_json::Value,
+) -> Result<Vec<crate::volumes::VolumeMount>, ApiError> {
     #[derive(Deserialize)]
     struct Mount {
         name: String,
         path: String,
     }
-    let mounts: Vec<Mount> = match serde_json::from_value(mounts.clone()) {
-        Ok(m) => m,
-        Err(e) => return ApiError::bad_request(format!("invalid volumeMounts: {e}")),
-    };
-    for m in &mounts {
-        match s.volumes.get(team, &m.name) {
-            Ok(_) => {}
+    let mounts: Vec<Mount> = serde_json::from_value(mounts.clone())
+        .map_err(|e| ApiError::bad_request(format!("invalid volumeMounts: {e}")))?;
+    let max = crate::volumes::nfs::MAX_MOUNTS;
+    if mounts.len() > max {
+        return Err(ApiError::bad_request(format!(
+            "volumeMounts: at most {max} mounts a sandbox"
+        )));
+    }
+    let mut out: Vec<crate::volumes::VolumeMount> = Vec::new();
+    for m in mounts {
+        let path = mount_path(&m.path).map_err(|why| {
+            ApiError::bad_request(format!("volumeMounts: path {:?} {why}", m.path))
+        })?;
+        if out.iter().any(|o| o.path == path) {
+            return Err(ApiError::bad_request(format!(
+                "volumeMounts: two volumes at {path}"
+            )));
+        }
+        let row = match s.volumes.get(team, &m.name) {
+            Ok(row) => row,
             Err(VolumeError::NotFound(_)) => {
-                return ApiError::bad_request(format!(
+                return Err(ApiError::bad_request(format!(
                     "volumeMounts: no volume named {:?} (for {})",
                     m.name, m.path
-                ))
+                )))
             }
-            Err(e) => return e.into(),
+            Err(e) => return Err(e.into()),
+        };
+        out.push(crate::volumes::VolumeMount {
+            volume_id: row.id,
+            name: row.name,
+            path,
+        });
+    }
+    Ok(out)
+}
+
+/// `path` as a mount point: absolute, normalized, not `/` and not in the
+/// guest's kernel file systems.
+fn mount_path(path: &str) -> Result<String, &'static str> {
+    if !path.starts_with('/') {
+        return Err("is not absolute");
+    }
+    if path.len() > 1024 || path.contains('\0') {
+        return Err("is too long or has a NUL byte");
+    }
+    let mut parts = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => return Err("has '..'"),
+            c => parts.push(c),
         }
     }
-    ApiError::bad_request(
-        "volumeMounts is not supported yet: volumes exist and their files are reachable \
-         through the volume content API, but are not mounted into sandboxes",
-    )
+    match parts.first() {
+        None => Err("is the guest's root"),
+        Some(&("proc" | "sys" | "dev" | "run")) => Err("is in a kernel file system"),
+        Some(_) => Ok(format!("/{}", parts.join("/"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mount_path;
+
+    #[test]
+    fn mount_paths() {
+        assert_eq!(mount_path("/mnt//data/").unwrap(), "/mnt/data");
+        assert_eq!(mount_path("/mnt/./data").unwrap(), "/mnt/data");
+        for bad in ["mnt", "/", "//", "/mnt/../etc", "/proc/x", "/dev", "/a\0b"] {
+            assert!(mount_path(bad).is_err(), "{bad}");
+        }
+    }
 }

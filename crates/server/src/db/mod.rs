@@ -176,6 +176,10 @@ CREATE TABLE volumes (
     UNIQUE (team, name)
 );
 "#,
+    // The volumes mounted into each sandbox (JSON list of VolumeMount).
+    r#"
+ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
+"#,
 ];
 
 impl Db {

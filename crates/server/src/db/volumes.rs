@@ -85,6 +85,18 @@ impl Db {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Sandboxes (starting, running or paused) that mount volume `id`.
+    pub fn sandboxes_mounting(&self, id: &str) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT s.id FROM sandboxes s, json_each(s.volume_mounts) m \
+             WHERE s.state IN ('starting', 'running', 'paused') \
+             AND json_extract(m.value, '$.volume_id') = ?1 ORDER BY s.id",
+        )?;
+        let rows = stmt.query_map([id], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     pub fn delete_volume(&self, id: &str) -> Result<()> {
         self.conn()
             .execute("DELETE FROM volumes WHERE id = ?1", [id])?;

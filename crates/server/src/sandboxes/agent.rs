@@ -26,8 +26,10 @@ pub async fn init(
     env_vars: BTreeMap<String, String>,
     access_token: &str,
     previous_token: Option<&str>,
+    mounts: Vec<tine_agent_client::GuestMount>,
 ) -> Result<(), AgentError> {
-    let body = InitRequest::identity(sandbox_id, env_vars, access_token)?;
+    let mut body = InitRequest::identity(sandbox_id, env_vars, access_token)?;
+    body.mounts = (!mounts.is_empty()).then_some(mounts);
     tine_agent_client::init(guest.connect(AGENT_PORT), &body, previous_token).await
 }
 

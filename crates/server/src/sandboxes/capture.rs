@@ -391,6 +391,7 @@ impl Manager {
                 guest_env(&rec),
                 &rec.envd_access_token,
                 Some(&rec.envd_access_token),
+                Vec::new(),
             ),
             async { self.db.record_capture(id, &row) }
         );
@@ -542,6 +543,8 @@ impl Manager {
             // Children inherit the policy (and get their own traffic token).
             network: Some(source_rec.network.clone()),
             team: source_rec.team.clone(),
+            // Their guests have the source's volumes mounted.
+            volume_mounts: source_rec.volume_mounts.clone(),
             ..Default::default()
         };
         let machine = source.snapshot.info().machine;

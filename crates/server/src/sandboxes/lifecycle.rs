@@ -26,6 +26,8 @@ pub struct CreateRequest {
     pub network: Option<crate::network::NetworkPolicy>,
     /// The team of the key that asks (empty: `default`).
     pub team: String,
+    /// Volumes to mount (checked already: each the team's, paths apart).
+    pub volume_mounts: Vec<crate::volumes::VolumeMount>,
 }
 
 impl Manager {
@@ -97,20 +99,38 @@ impl Manager {
             }
         };
         let guest = vm.guest();
-        // The guest forwards nothing until its policy is in place, so the
-        // firewall and the guest's identity can be set at once.
-        let (network, init) = tokio::join!(
-            self.network.apply(&rec.id, &guest, &rec.network),
+        let mounts = match self.exports.serve(&rec.id, &guest, &rec.volume_mounts) {
+            Ok(m) => m,
+            Err(detail) => {
+                let _ = vm.kill().await;
+                return Err(SandboxError::Volumes {
+                    id: rec.id.clone(),
+                    detail,
+                });
+            }
+        };
+        let init = || {
             agent::init(
                 &guest,
                 &rec.id,
                 guest_env(rec),
                 &rec.envd_access_token,
                 previous_token.as_deref(),
+                mounts.clone(),
             )
-        );
+        };
+        // The guest forwards nothing until its policy is in place, so the
+        // firewall and the guest's identity can be set at once; a guest
+        // that mounts volumes waits for the firewall that lets it.
+        let (network, init) = match mounts.is_empty() {
+            true => tokio::join!(self.network.apply(&rec.id, &guest, &rec.network), init()),
+            false => match self.network.apply(&rec.id, &guest, &rec.network).await {
+                Ok(()) => (Ok(()), init().await),
+                Err(e) => (Err(e), Ok(())),
+            },
+        };
         if let Err(source) = network {
-            self.network.release(&rec.id);
+            self.release_host_side(&rec.id);
             let _ = vm.kill().await;
             return Err(SandboxError::Network {
                 id: rec.id.clone(),
@@ -118,7 +138,7 @@ impl Manager {
             });
         }
         if let Err(e) = init {
-            self.network.release(&rec.id);
+            self.release_host_side(&rec.id);
             let _ = vm.kill().await;
             return Err(SandboxError::agent(
                 &rec.id,
@@ -168,11 +188,11 @@ impl Manager {
         Ok((source, m))
     }
 
-    /// The network policy of the sandbox snapshot `snapshot_id` was taken of.
-    fn snapshot_policy(
+    /// The sandbox snapshot `snapshot_id` was taken of.
+    fn snapshot_source(
         &self,
         snapshot_id: Option<&str>,
-    ) -> Result<Option<crate::network::NetworkPolicy>, SandboxError> {
+    ) -> Result<Option<SandboxRecord>, SandboxError> {
         let Some(row) = snapshot_id
             .map(|s| self.db.get_snapshot(s))
             .transpose()?
@@ -180,7 +200,7 @@ impl Manager {
         else {
             return Ok(None);
         };
-        Ok(self.db.get_sandbox(&row.sandbox_id)?.map(|r| r.network))
+        Ok(self.db.get_sandbox(&row.sandbox_id)?)
     }
 
     pub(super) fn new_record(
@@ -220,6 +240,7 @@ impl Manager {
                 ..req.lifecycle
             },
             team: req.team.clone(),
+            volume_mounts: req.volume_mounts.clone(),
         }
     }
 
@@ -241,8 +262,19 @@ impl Manager {
             ticket = self.admit(&req.team, 1, resolved)?;
         }
         let machine = resolved;
-        if req.network.is_none() && !source.template {
-            req.network = self.snapshot_policy(source.snapshot_id.as_deref())?;
+        if !source.template {
+            if let Some(from) = self.snapshot_source(source.snapshot_id.as_deref())? {
+                req.network = req.network.or(Some(from.network));
+                // Its guest has the snapshot's volumes mounted: they stay
+                // first (their ports), the request's others follow.
+                let mut mounts = from.volume_mounts;
+                for m in std::mem::take(&mut req.volume_mounts) {
+                    if !mounts.iter().any(|o| o.path == m.path) {
+                        mounts.push(m);
+                    }
+                }
+                req.volume_mounts = mounts;
+            }
         }
         let mut rec = self.new_record(&req.template_id, machine, &req, timeout);
         // Template creates take a pre-restored VM when one is ready.

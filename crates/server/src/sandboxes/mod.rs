@@ -90,6 +90,8 @@ pub enum SandboxError {
         #[source]
         source: Box<crate::network::NetworkError>,
     },
+    #[error("sandbox {id}: {detail}")]
+    Volumes { id: String, detail: String },
     #[error("{0}")]
     Conflict(String),
     /// The host holds all the sandboxes it may ([`crate::config::Capacity`]).
@@ -201,6 +203,8 @@ pub struct Manager {
     driver: Arc<dyn Driver>,
     templates: Arc<Templates>,
     network: Arc<crate::network::Network>,
+    /// NFS servers of the volumes mounted into sandboxes.
+    exports: Arc<crate::volumes::Exports>,
     live: RwLock<HashMap<String, Arc<Live>>>,
     /// One lock per sandbox: lifecycle operations on it run one at a time.
     ops: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -243,6 +247,7 @@ impl Manager {
         driver: Arc<dyn Driver>,
         templates: Arc<Templates>,
         network: Arc<crate::network::Network>,
+        exports: Arc<crate::volumes::Exports>,
     ) -> Self {
         let pool = Arc::new(pool::WarmPool::new(
             config.pool_size,
@@ -255,6 +260,7 @@ impl Manager {
             driver,
             templates,
             network,
+            exports,
             live: RwLock::new(HashMap::new()),
             ops: std::sync::Mutex::new(HashMap::new()),
             pool,
@@ -340,8 +346,15 @@ impl Manager {
             .map(|(id, _)| id.clone())
     }
 
-    fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
+    /// What the host holds for sandbox `id`'s VM: its egress proxy and
+    /// its volume servers.
+    fn release_host_side(&self, id: &str) {
         self.network.release(id);
+        self.exports.release(id);
+    }
+
+    fn remove_live(&self, id: &str) -> Option<Arc<Live>> {
+        self.release_host_side(id);
         let live = self
             .live
             .write()

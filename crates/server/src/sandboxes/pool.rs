@@ -442,9 +442,16 @@ async fn warm(
             .await
             .map_err(|e| e.to_string())?;
         vm.start().await.map_err(|e| e.to_string())?;
-        super::agent::init(&vm.guest(), id, Default::default(), &token, None)
-            .await
-            .map_err(|e| e.to_string())?;
+        super::agent::init(
+            &vm.guest(),
+            id,
+            Default::default(),
+            &token,
+            None,
+            Vec::new(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         vm.pause().await.map_err(|e| e.to_string())
     }
     .await;

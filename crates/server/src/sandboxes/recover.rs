@@ -60,6 +60,10 @@ impl Manager {
                     if let Err(e) = self.network.apply(&rec.id, &guest, &rec.network).await {
                         tracing::warn!(sandbox = %rec.id, "re-applying its network policy: {e}");
                     }
+                    // Its volume servers too (the guest reconnects).
+                    if let Err(e) = self.exports.serve(&rec.id, &guest, &rec.volume_mounts) {
+                        tracing::warn!(sandbox = %rec.id, "serving its volumes again: {e}");
+                    }
                     self.add_live(&rec, vm);
                     self.event(&rec.id, "adopted", "after a server restart");
                     tracing::info!(sandbox = %rec.id, "adopted after restart");
@@ -142,7 +146,15 @@ impl Manager {
             }
         }
         let token = &rec.envd_access_token;
-        let reseeded = agent::init(guest, &rec.id, guest_env(rec), token, Some(token)).await;
+        let reseeded = agent::init(
+            guest,
+            &rec.id,
+            guest_env(rec),
+            token,
+            Some(token),
+            Vec::new(),
+        )
+        .await;
         if let Err(e) = reseeded {
             tracing::warn!(sandbox = %rec.id, "reseeding its guest after a cut-short {kind}: {e}");
         }

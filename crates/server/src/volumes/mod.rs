@@ -15,12 +15,14 @@
 //! leaves the volume as it was.
 
 pub mod content;
+pub mod nfs;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use crate::db::{Db, VolumeRow};
+pub use nfs::{Exports, VolumeMount};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VolumeError {
@@ -36,6 +38,8 @@ pub enum VolumeError {
     BadPath { path: String, detail: String },
     #[error("path {0} exists already")]
     PathExists(String),
+    #[error("volume {id} is mounted by sandbox {}", sandboxes.join(", "))]
+    InUse { id: String, sandboxes: Vec<String> },
     #[error("volume {id} is full: {detail}")]
     Full { id: String, detail: String },
     #[error("{0}")]
@@ -127,10 +131,18 @@ impl Volumes {
     }
 
     /// Remove volume `id` of `team` and its files; false: no such volume.
+    /// Refused while a sandbox that is not killed mounts it.
     pub fn destroy(&self, team: &str, id: &str) -> Result<bool> {
         let Some(row) = self.db.get_volume(team, id)? else {
             return Ok(false);
         };
+        let users = self.db.sandboxes_mounting(&row.id)?;
+        if !users.is_empty() {
+            return Err(VolumeError::InUse {
+                id: row.id,
+                sandboxes: users,
+            });
+        }
         self.db.delete_volume(&row.id)?;
         self.usage
             .lock()

@@ -8,6 +8,7 @@ list tests can look at this run's sandboxes only.
 
 import json
 import os
+import subprocess
 import urllib.error
 import urllib.request
 import uuid
@@ -130,3 +131,13 @@ def ram_usage(pid, under):
                 elif first in ("Shared_Clean:", "Shared_Dirty:"):
                     shared += kib
     return rss, pss, shared
+
+
+@pytest.fixture(scope="session")
+def other_key():
+    """An API key of another team (`vol-other`)."""
+    out = subprocess.run(
+        [os.environ["TINE_BIN"], "keys", "create", "--name", "vol-other", "--team", "vol-other"],
+        check=True, capture_output=True, text=True, env={**os.environ},
+    )
+    return out.stdout.strip()

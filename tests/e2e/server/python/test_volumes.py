@@ -1,12 +1,10 @@
 """Volumes through the real SDK's `Volume` API: create, list, get, destroy,
 the content API (read, write, list, mkdir, stat, metadata, remove), team
 scoping, tokens, the size limit (16 MiB in run.sh's config) and bad input.
-Mounting into sandboxes is not there yet: `volume_mounts` is refused with
-a clear 400."""
+Mounting into sandboxes: test_volume_mounts.py."""
 
 import io
 import os
-import subprocess
 import uuid
 
 import pytest
@@ -15,11 +13,10 @@ e2b = pytest.importorskip("e2b")
 if not hasattr(e2b, "Volume"):
     pytest.skip("this SDK version has no Volume API", allow_module_level=True)
 
-from e2b import Sandbox, Volume  # noqa: E402
+from e2b import Volume  # noqa: E402
 from e2b.exceptions import (  # noqa: E402
     AuthenticationException,
     NotFoundException,
-    SandboxException,
     VolumeException,
 )
 
@@ -38,15 +35,6 @@ def vol():
     v = Volume.create(name("vol"))
     yield v
     Volume.destroy(v.volume_id)
-
-
-@pytest.fixture(scope="module")
-def other_key():
-    out = subprocess.run(
-        [os.environ["TINE_BIN"], "keys", "create", "--name", "vol-other", "--team", "vol-other"],
-        check=True, capture_output=True, text=True, env={**os.environ},
-    )
-    return out.stdout.strip()
 
 
 def data_dir(v):
@@ -201,8 +189,3 @@ def test_bad_requests_get_clear_errors(vol):
         vol.read_file("/")
     with pytest.raises(VolumeException, match="400"):
         vol.remove("/")
-    # Mounting: an unknown volume is named; a known one is refused clearly.
-    with pytest.raises(SandboxException, match="no volume named"):
-        Sandbox.create(volume_mounts={"/mnt/x": "no-such-volume"})
-    with pytest.raises(SandboxException, match="not supported yet"):
-        Sandbox.create(volume_mounts={"/mnt/data": vol})

@@ -326,6 +326,7 @@ mod tests {
             traffic_token: None,
             lifecycle: Default::default(),
             team: "default".into(),
+            volume_mounts: Vec::new(),
         }
     }
 }

@@ -235,9 +235,10 @@ pub async fn create(
 
 async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<SandboxRecord, ApiError> {
     let req: NewSandbox = super::parse_json(body)?;
-    if let Some(mounts) = req.volume_mounts.as_ref().filter(|v| !is_empty_json(v)) {
-        return Err(super::volumes::refuse_mounts(s, team, mounts));
-    }
+    let volume_mounts = match req.volume_mounts.as_ref().filter(|v| !is_empty_json(v)) {
+        Some(m) => super::volumes::mounts_of(s, team, m)?,
+        None => Vec::new(),
+    };
     for (field, value, why) in [("iam", &req.iam, "tine has no secrets or header transforms")] {
         if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
             return Err(ApiError::bad_request(format!(
@@ -276,6 +277,7 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
             memory_mb: req.memory_mb,
             network,
             team: team.to_string(),
+            volume_mounts,
         })
         .await?)
 }

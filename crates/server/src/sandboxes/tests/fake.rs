@@ -195,6 +195,9 @@ impl GuestNet for FakeGuest {
     ) -> BoxFuture<'_, std::io::Result<tokio::net::TcpStream>> {
         Box::pin(async { Err(std::io::ErrorKind::Unsupported.into()) })
     }
+    fn run_inside(&self, _f: Box<dyn FnOnce() + Send>) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
 }
 
 #[async_trait::async_trait]

@@ -50,7 +50,20 @@ fn manager_with(driver: &FakeDriver, db: &Arc<Db>, config: Config) -> Manager {
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
     let templates = Templates::new(driver.clone(), artifacts, db.clone())
         .with_max_base_shapes(config.max_base_shapes);
-    Manager::new(config, db.clone(), driver, templates.into(), network())
+    let volumes = Arc::new(crate::volumes::Volumes::new(
+        db.clone(),
+        std::path::Path::new("/nonexistent/tine-test"),
+        1 << 20,
+    ));
+    let exports = Arc::new(crate::volumes::Exports::new(volumes));
+    Manager::new(
+        config,
+        db.clone(),
+        driver,
+        templates.into(),
+        network(),
+        exports,
+    )
 }
 
 async fn setup() -> Setup {
