@@ -79,6 +79,14 @@ struct DetailOut {
     allow_internet_access: bool,
     network: crate::network::NetworkPolicy,
     lifecycle: LifecycleOut,
+    volume_mounts: Vec<MountOut>,
+}
+
+/// `SandboxVolumeMount` of a detail.
+#[derive(Serialize)]
+struct MountOut {
+    name: String,
+    path: String,
 }
 
 /// `SandboxLifecycle` of a detail.
@@ -125,6 +133,14 @@ fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
             on_timeout: if r.auto_pause { "pause" } else { "kill" },
             auto_resume: r.lifecycle.auto_resume,
         },
+        volume_mounts: r
+            .volume_mounts
+            .into_iter()
+            .map(|m| MountOut {
+                name: m.name,
+                path: m.path,
+            })
+            .collect(),
     }
 }
 
