@@ -228,7 +228,8 @@ def test_two_gateways_racing_never_exceed_a_teams_limit():
 
 def test_volumes_through_either_gateway():
     """A volume lives on the node that made it; either gateway sends its
-    calls there, content calls with the volume's token."""
+    calls there, content calls with the volume's token, and places the
+    sandboxes that mount it there."""
     from e2b import Volume
     from e2b.exceptions import NotFoundException
 
@@ -256,6 +257,26 @@ def test_volumes_through_either_gateway():
             r = httpx.get(f"{n}/volumecontent/{vol.volume_id}/file", params={"path": "/shared/hello.txt"},
                           headers={"Authorization": f"Bearer {vol.token}"})
             assert r.status_code == 401, r.text
+        # Sandboxes that mount it run on its node, whichever gateway made
+        # them, and share it live; it is not destroyed while they do.
+        made = [create(volume_mounts={"/mnt/v": vol}, api_url=g) for g in (g1, g2)]
+        try:
+            assert node_of(made[0].sandbox_id) == node_of(made[1].sandbox_id)
+            for s in made:
+                assert s.commands.run("cat /mnt/v/shared/hello.txt").stdout == f"hello {RUN}"
+            made[0].commands.run("echo one > /mnt/v/one.txt")
+            got = ""
+            for _ in range(60):
+                got = made[1].commands.run("cat /mnt/v/one.txt 2>/dev/null || true").stdout
+                if got == "one\n":
+                    break
+                time.sleep(0.3)
+            assert got == "one\n"
+            r = api("DELETE", f"/volumes/{vol.volume_id}", gateway=g2)
+            assert r.status_code == 409 and "mounted" in r.text, r.text
+        finally:
+            for s in made:
+                s.kill()
     finally:
         assert Volume.destroy(vol.volume_id, api_url=g2) is True
     assert Volume.destroy(vol.volume_id, api_url=g1) is False

@@ -1,4 +1,4 @@
-//! `tine bench`: the performance scenarios P1–P11 (docs/benchmarks.md), each with
+//! `tine bench`: the performance scenarios P1–P15 (docs/benchmarks.md), each with
 //! its floor measured in the same run, printed as one table (and written
 //! as JSON with `--json`). See docs/benchmarks.md.
 //!
@@ -8,7 +8,7 @@
 //! timings from the server's log), [`stats`], [`report`], and one file per
 //! scenario group: [`create`] (P1), [`fork`] (P2), [`capture`] (P3, P4),
 //! [`memory`] (P5), [`sdk`] (P6), [`proxy`] (P7), [`image`] (P8), [`build`] (P9), [`net`] (P10),
-//! [`rollout`] (P11).
+//! [`rollout`] (P11), [`cluster`] (P12, P13), [`volume`] (P14), [`idle`] (P15).
 
 mod build;
 mod capture;
@@ -27,6 +27,7 @@ mod rollout;
 mod sdk;
 mod stages;
 mod stats;
+mod volume;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -56,11 +57,12 @@ pub enum Scenario {
     P11,
     P12,
     P13,
+    P14,
     P15,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 14] = [
+    const ALL: [Scenario; 15] = [
         Self::P1,
         Self::P2,
         Self::P3,
@@ -74,6 +76,7 @@ impl Scenario {
         Self::P11,
         Self::P12,
         Self::P13,
+        Self::P14,
         Self::P15,
     ];
 
@@ -92,6 +95,7 @@ impl Scenario {
             Self::P11 => "P11",
             Self::P12 => "P12",
             Self::P13 => "P13",
+            Self::P14 => "P14",
             Self::P15 => "P15",
         }
     }
@@ -113,6 +117,7 @@ impl Scenario {
             Self::P13 => {
                 "cluster: captures through the registry (first create, moved resume, push)"
             }
+            Self::P14 => "volume mounted into a sandbox vs its own disk (Python SDK)",
             Self::P15 => "idle sandboxes: host CPU each, and how many a host holds",
         }
     }
@@ -120,7 +125,7 @@ impl Scenario {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Scenarios to run (default: all of P1–P13 and P15).
+    /// Scenarios to run (default: all of P1–P15).
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
@@ -142,6 +147,12 @@ pub struct BenchArgs {
     /// P2: children per fork.
     #[arg(long, default_value_t = 16)]
     fork_count: usize,
+    /// P14: MiB written and read sequentially on the volume and the disk.
+    #[arg(long, default_value_t = 64)]
+    volume_mib: usize,
+    /// P14: small files created on each.
+    #[arg(long, default_value_t = 500)]
+    volume_files: usize,
     /// P3: MiB written to the sandbox disk (with dd) before the snapshot.
     #[arg(long, default_value_t = 1024)]
     write_mib: u64,
@@ -257,6 +268,7 @@ async fn run_scenario(ctx: &Ctx, s: Scenario, out: &mut Out) -> anyhow::Result<(
         Scenario::P11 => rollout::p11(ctx, out).await,
         Scenario::P12 => cluster::p12(ctx, out).await,
         Scenario::P13 => cluster::p13(ctx, out).await,
+        Scenario::P14 => volume::p14(ctx, out).await,
         Scenario::P15 => idle::p15(ctx, out).await,
     }
 }

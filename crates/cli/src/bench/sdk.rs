@@ -123,6 +123,7 @@ pub(super) async fn run_script<T: serde::de::DeserializeOwned>(
         .arg(&path)
         .env("E2B_API_URL", &ctx.api.base)
         .env("E2B_SANDBOX_URL", &ctx.api.base)
+        .env("E2B_VOLUME_API_URL", &ctx.api.base)
         .env("E2B_API_KEY", &ctx.api.key)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .env_remove("E2B_DOMAIN")

@@ -37,10 +37,11 @@ pub async fn fork_here(
 ) -> Result<(Vec<ForkResult>, Option<Elsewhere>), SpreadError> {
     let count_ok = crate::sandboxes::limits::fork_count(&manager.config, count)?;
     let room = manager.room();
-    if room >= count_ok {
+    let source = manager.get(id)?;
+    // The volumes it mounts live here: so do its children.
+    if room >= count_ok || !source.volume_mounts.is_empty() {
         return Ok((manager.fork(id, count, timeout_secs).await?, None));
     }
-    let source = manager.get(id)?;
     let row = manager.fork_capture(id).await?;
     // The push reads the capture while the local children start from it.
     let (pushed, here) = tokio::join!(captures.push_fork(manager.db(), &row), async {

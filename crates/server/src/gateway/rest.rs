@@ -71,6 +71,8 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    // A sandbox that mounts volumes runs on their node.
+    let pinned = super::volumes::mounts_node(g, &key.team, &bytes).await?;
     let mut tried: Vec<String> = Vec::new();
     let mut last: Option<Response> = None;
     // One try and, when a node refused before making anything, one more
@@ -78,7 +80,10 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     // grace, so still listed) are skipped without counting.
     let mut refusals = 0;
     while refusals < 2 {
-        let nodes = g.nodes_holding(&template).await;
+        let mut nodes = g.nodes_holding(&template).await;
+        if let Some(p) = &pinned {
+            nodes.retain(|n| n.id == *p);
+        }
         let Some(mut n) = place::choose(
             &nodes,
             &template,
@@ -200,12 +205,16 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
         }
         return Ok(Response::from_parts(rparts, Body::from(out)));
     }
-    Ok(last.unwrap_or_else(|| {
-        ApiError::new(
+    Ok(last.unwrap_or_else(|| match &pinned {
+        Some(p) => unavailable(format!(
+            "node {p}, which holds the volumes to mount, is down or has no room now"
+        ))
+        .into_response(),
+        None => ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "no node of the cluster has room for a sandbox now",
         )
-        .into_response()
+        .into_response(),
     }))
 }
 

@@ -201,3 +201,43 @@ async fn by_id(
     }
     Ok(resp)
 }
+
+/// The node a create with `volumeMounts` (in `body`) must go to: the one
+/// that holds its volumes (all of one node, else 400; an unknown name is
+/// 400 as on a node). `None`: the create mounts nothing.
+pub(super) async fn mounts_node(
+    g: &Gateway,
+    team: &str,
+    body: &[u8],
+) -> Result<Option<String>, ApiError> {
+    let names: Vec<String> = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("volumeMounts")?.as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| Some(m.get("name")?.as_str()?.to_string()))
+        .collect();
+    let mut node: Option<(String, String)> = None;
+    for name in names {
+        let v = g
+            .catalog
+            .volume(team, &name)
+            .await
+            .map_err(catalog_down)?
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("volumeMounts: no volume named {name:?}"))
+            })?;
+        match &node {
+            Some((n, first)) if *n != v.node => {
+                return Err(ApiError::bad_request(format!(
+                    "volumeMounts: volumes {first:?} and {name:?} live on different hosts \
+                     ({n} and {}); a sandbox mounts volumes of one host",
+                    v.node
+                )))
+            }
+            Some(_) => {}
+            None => node = Some((v.node, name)),
+        }
+    }
+    Ok(node.map(|(n, _)| n))
+}

@@ -14,6 +14,9 @@
 //! each mount of a sandbox is served on port [`FIRST_PORT`] + its index, on
 //! a listener created inside that sandbox's namespace: nothing outside it
 //! can connect, and it serves only the volumes mounted into that sandbox.
+//! The NFS server itself (nfsserve) listens on the namespace's loopback;
+//! a relay of ours takes the guest's connections, so that they all close
+//! when the sandbox's VM goes ([`Exports::release`]).
 //! The NFS and MOUNT programs share the port (the guest mounts with
 //! `port=` and `mountport=`, no portmapper, `nolock`).
 
@@ -109,13 +112,16 @@ impl Exports {
             for (i, m) in mounts.iter().enumerate().take(MAX_MOUNTS) {
                 let fs = self.fs_of(&m.volume_id)?;
                 let port = FIRST_PORT + i as u16;
-                let listener = bind_inside(guest, port, fs)
-                    .map_err(|e| format!("serving volume {} to the guest: {e}", m.name))?;
+                let failed =
+                    |e: std::io::Error| format!("serving volume {} to the guest: {e}", m.name);
+                let server = bind_inside(guest, port, fs).map_err(failed)?;
+                let outer = guest.listen(port).map_err(failed)?;
                 tasks.push(tokio::spawn(async move {
-                    if let Err(e) = listener.handle_forever().await {
+                    if let Err(e) = server.handle_forever().await {
                         tracing::warn!("volume server stopped: {e}");
                     }
                 }));
+                tasks.push(tokio::spawn(relay(outer, guest.clone(), port)));
                 out.push(GuestMount {
                     path: m.path.clone(),
                     addr: tine_vmm::netns::HOST_IP.to_string(),
@@ -148,7 +154,43 @@ impl Exports {
     }
 }
 
-/// An NFS server of `fs` on `HOST_IP:port` inside `guest`'s namespace.
+/// The guest's connections to `outer` (`HOST_IP:port`), each relayed to
+/// the NFS server on the namespace's loopback. The relay owns them: when
+/// it is aborted (the sandbox's VM is gone) every connection closes, and
+/// with it the server's side; a socket left open would keep the
+/// namespace alive, as nfsserve sets no keepalive.
+async fn relay(outer: tokio::net::TcpListener, guest: Guest, port: u16) {
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = outer.accept() => match accepted {
+                Ok((mut down, _)) => {
+                    let guest = guest.clone();
+                    conns.spawn(async move {
+                        let to = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port);
+                        let Ok(mut up) = guest.connect_out(to).await else {
+                            return;
+                        };
+                        let _ = tokio::io::copy_bidirectional_with_sizes(
+                            &mut down, &mut up, RELAY_BUFFER, RELAY_BUFFER,
+                        )
+                        .await;
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("volume relay: accepting: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+/// Bytes a relay moves per read (an NFS write or read is up to 1 MiB).
+const RELAY_BUFFER: usize = 256 << 10;
+
+/// An NFS server of `fs` on the loopback of `guest`'s namespace, `port`.
 fn bind_inside(
     guest: &Guest,
     port: u16,
@@ -156,7 +198,7 @@ fn bind_inside(
 ) -> std::io::Result<NFSTcpListener<VolumeFs>> {
     let handle = tokio::runtime::Handle::current();
     let (tx, rx) = std::sync::mpsc::channel();
-    let addr = format!("{}:{port}", tine_vmm::netns::HOST_IP);
+    let addr = format!("127.0.0.1:{port}");
     guest.run_inside(Box::new(move || {
         // The socket is made (and bound) on this thread, in the guest's
         // namespace, and registered with the server's runtime.
