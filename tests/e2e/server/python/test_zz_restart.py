@@ -49,6 +49,10 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     # A volume and its files outlive the server.
     vol = Volume.create(f"restart-{signal}-{mark[:8]}")
     vol.write_file("/kept/mark.txt", mark)
+    # A sandbox that mounts it keeps its mount (the new server serves it,
+    # and the guest's NFS client presents the handles it had).
+    m = fresh(timeout=600, volume_mounts={"/mnt/v": vol}, metadata={"group": f"restart-mnt-{signal}"})
+    assert m.commands.run("cat /mnt/v/kept/mark.txt").stdout == mark
 
     server("stop", signal)
     assert not server_up()
@@ -74,6 +78,10 @@ def test_restart_keeps_live_sandboxes(fresh, sbx, signal):
     assert sbx.commands.run("true").exit_code == 0
     assert Volume.get_info(vol.volume_id).token == vol.token
     assert vol.read_file("/kept/mark.txt") == mark
+    assert m.commands.run("cat /mnt/v/kept/mark.txt").stdout == mark
+    m.commands.run("echo after > /mnt/v/kept/after.txt")
+    assert vol.read_file("/kept/after.txt") == "after\n"
+    assert m.kill() is True
     assert Volume.destroy(vol.volume_id)
     # And the new server manages them as usual.
     assert s.get_metrics()

@@ -152,8 +152,18 @@ impl Inner {
         found.ok_or(nfsstat3::NFS3ERR_STALE)
     }
 
-    /// Walk the whole volume and map every inode to its path.
+    /// Walk the whole volume and map every inode to its path (a long call
+    /// on a big volume: the runtime's worker hands its other tasks off).
     fn rescan(&self) {
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| self.walk())
+            }
+            _ => self.walk(),
+        }
+    }
+
+    fn walk(&self) {
         let mut found = HashMap::new();
         let mut stack = vec![String::new()];
         while let Some(dir) = stack.pop() {
@@ -549,7 +559,8 @@ impl VolumeFs {
         weak.upgrade().map(|inner| Self { inner })
     }
 
-    /// Run `f` off the async runtime (every call is a system call or more).
+    /// Run `f`, which moves file contents (up to 1 MiB), off the async
+    /// runtime.
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Inner) -> NfsResult<T> + Send + 'static,
@@ -558,6 +569,13 @@ impl VolumeFs {
         tokio::task::spawn_blocking(move || f(&inner))
             .await
             .unwrap_or(Err(nfsstat3::NFS3ERR_SERVERFAULT))
+    }
+
+    /// Run `f`, a few metadata system calls on a local file system (a
+    /// handful of microseconds), where it is: a hand-off to a blocking
+    /// thread would cost more than the calls.
+    async fn quick<T>(&self, f: impl FnOnce(&Inner) -> NfsResult<T>) -> NfsResult<T> {
+        f(&self.inner)
     }
 }
 
@@ -573,15 +591,15 @@ impl NFSFileSystem for VolumeFs {
 
     async fn lookup(&self, dirid: fileid3, filename: &filename3) -> NfsResult<fileid3> {
         let name = filename.0.clone();
-        self.blocking(move |fs| fs.lookup(dirid, &name)).await
+        self.quick(|fs| fs.lookup(dirid, &name)).await
     }
 
     async fn getattr(&self, id: fileid3) -> NfsResult<fattr3> {
-        self.blocking(move |fs| fs.getattr(id)).await
+        self.quick(|fs| fs.getattr(id)).await
     }
 
     async fn setattr(&self, id: fileid3, setattr: sattr3) -> NfsResult<fattr3> {
-        self.blocking(move |fs| fs.setattr(id, setattr)).await
+        self.quick(|fs| fs.setattr(id, setattr)).await
     }
 
     async fn read(&self, id: fileid3, offset: u64, count: u32) -> NfsResult<(Vec<u8>, bool)> {
@@ -600,18 +618,17 @@ impl NFSFileSystem for VolumeFs {
         attr: sattr3,
     ) -> NfsResult<(fileid3, fattr3)> {
         let name = filename.0.clone();
-        self.blocking(move |fs| fs.create(dirid, &name, attr)).await
+        self.quick(|fs| fs.create(dirid, &name, attr)).await
     }
 
     async fn create_exclusive(&self, dirid: fileid3, filename: &filename3) -> NfsResult<fileid3> {
         let name = filename.0.clone();
-        self.blocking(move |fs| fs.create_file(dirid, &name, 0o644))
-            .await
+        self.quick(|fs| fs.create_file(dirid, &name, 0o644)).await
     }
 
     async fn mkdir(&self, dirid: fileid3, dirname: &filename3) -> NfsResult<(fileid3, fattr3)> {
         let name = dirname.0.clone();
-        self.blocking(move |fs| {
+        self.quick(|fs| {
             fs.make(dirid, &name, |dir, name| {
                 nix::sys::stat::mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(0o755))
             })
@@ -621,7 +638,7 @@ impl NFSFileSystem for VolumeFs {
 
     async fn remove(&self, dirid: fileid3, filename: &filename3) -> NfsResult<()> {
         let name = filename.0.clone();
-        self.blocking(move |fs| fs.remove(dirid, &name)).await
+        self.quick(|fs| fs.remove(dirid, &name)).await
     }
 
     async fn rename(
@@ -632,7 +649,7 @@ impl NFSFileSystem for VolumeFs {
         to_filename: &filename3,
     ) -> NfsResult<()> {
         let (f, t) = (from_filename.0.clone(), to_filename.0.clone());
-        self.blocking(move |fs| fs.rename(from_dirid, &f, to_dirid, &t))
+        self.quick(|fs| fs.rename(from_dirid, &f, to_dirid, &t))
             .await
     }
 
@@ -642,7 +659,7 @@ impl NFSFileSystem for VolumeFs {
         start_after: fileid3,
         max_entries: usize,
     ) -> NfsResult<ReadDirResult> {
-        self.blocking(move |fs| fs.readdir(dirid, start_after, max_entries))
+        self.quick(|fs| fs.readdir(dirid, start_after, max_entries))
             .await
     }
 
@@ -655,7 +672,7 @@ impl NFSFileSystem for VolumeFs {
     ) -> NfsResult<(fileid3, fattr3)> {
         let name = linkname.0.clone();
         let target = symlink.0.clone();
-        self.blocking(move |fs| {
+        self.quick(|fs| {
             let target = <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&target);
             fs.make(dirid, &name, |dir, name| {
                 nix::unistd::symlinkat(target, dir.as_fd(), name)
@@ -665,7 +682,7 @@ impl NFSFileSystem for VolumeFs {
     }
 
     async fn readlink(&self, id: fileid3) -> NfsResult<nfspath3> {
-        self.blocking(move |fs| fs.readlink(id)).await
+        self.quick(|fs| fs.readlink(id)).await
     }
 
     fn id_to_fh(&self, id: fileid3) -> nfs_fh3 {
@@ -691,5 +708,92 @@ impl NFSFileSystem for VolumeFs {
 
     fn serverid(&self) -> nfsserve::nfs::cookieverf3 {
         self.inner.epoch.to_le_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume(max: u64) -> (tempfile::TempDir, VolumeFs) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(crate::db::Db::open(&dir.path().join("db.sqlite")).unwrap());
+        let vols = Arc::new(Volumes::new(db, dir.path(), max));
+        let row = vols.create("team", "v").unwrap();
+        let fs = VolumeFs::open(vols, &row.id, max, 7).unwrap();
+        (dir, fs)
+    }
+
+    #[test]
+    fn files_directories_renames_and_handles_after_a_restart() {
+        let (_dir, fs) = volume(1 << 20);
+        let v = &fs.inner;
+        let root = v.root;
+        let (dir, _) = v
+            .make(root, b"d", |d, n| {
+                nix::sys::stat::mkdirat(d.as_fd(), n, Mode::from_bits_truncate(0o755))
+            })
+            .unwrap();
+        let (file, attr) = v.create(root, b"a.txt", sattr3::default()).unwrap();
+        assert_eq!(
+            (attr.uid, attr.gid, attr.mode),
+            (DEFAULT_UID, DEFAULT_GID, 0o644)
+        );
+        assert_eq!(v.write(file, 0, b"hello").unwrap().size, 5);
+        assert_eq!(v.read(file, 0, 100).unwrap(), (b"hello".to_vec(), true));
+        assert_eq!(v.read(file, 1, 2).unwrap(), (b"el".to_vec(), false));
+        v.rename(root, b"a.txt", dir, b"b.txt").unwrap();
+        assert_eq!(v.lookup(dir, b"b.txt").unwrap(), file);
+        assert_eq!(v.lookup(dir, b"..").unwrap(), root);
+        assert_eq!(v.lookup(root, b"..").unwrap(), root);
+        let names: Vec<_> = v
+            .readdir(dir, 0, 10)
+            .unwrap()
+            .entries
+            .into_iter()
+            .map(|e| e.name.0)
+            .collect();
+        assert_eq!(names, vec![b"b.txt".to_vec()]);
+        // A new server knows no paths: the handle is found by a walk.
+        let again = VolumeFs::open(v.vols.clone(), &v.id, v.max_bytes, 7).unwrap();
+        assert_eq!(again.inner.read(file, 0, 5).unwrap().0, b"hello");
+        // Handles of another epoch (another volume) are stale.
+        let fh = fs.id_to_fh(file);
+        assert_eq!(fs.fh_to_id(&fh).unwrap(), file);
+        let other = VolumeFs::open(v.vols.clone(), &v.id, v.max_bytes, 8).unwrap();
+        assert!(matches!(other.fh_to_id(&fh), Err(nfsstat3::NFS3ERR_STALE)));
+        // Removed: its handle is stale.
+        v.remove(dir, b"b.txt").unwrap();
+        assert!(matches!(v.getattr(file), Err(nfsstat3::NFS3ERR_STALE)));
+    }
+
+    #[test]
+    fn names_symlinks_and_the_limit() {
+        let (_dir, fs) = volume(1000);
+        let v = &fs.inner;
+        let root = v.root;
+        for bad in [&b".."[..], b"a/b", b"", b"."] {
+            assert!(v.create(root, bad, sattr3::default()).is_err(), "{bad:?}");
+        }
+        // A symlink is kept as written and never followed here.
+        let (link, _) = v
+            .make(root, b"out", |d, n| {
+                nix::unistd::symlinkat("/etc", d.as_fd(), n)
+            })
+            .unwrap();
+        assert_eq!(v.readlink(link).unwrap().0, b"/etc");
+        assert!(v.lookup(link, b"passwd").is_err());
+        assert!(v.read(link, 0, 10).is_err());
+        // Past the volume's limit: no space, and nothing written.
+        let (f, _) = v.create(root, b"f", sattr3::default()).unwrap();
+        v.write(f, 0, &[1; 900]).unwrap();
+        assert!(matches!(
+            v.write(f, 900, &[1; 200]),
+            Err(nfsstat3::NFS3ERR_NOSPC)
+        ));
+        assert_eq!(v.getattr(f).unwrap().size, 900);
+        v.remove(root, b"f").unwrap();
+        let (g, _) = v.create(root, b"g", sattr3::default()).unwrap();
+        assert_eq!(v.write(g, 0, &[2; 950]).unwrap().size, 950);
     }
 }

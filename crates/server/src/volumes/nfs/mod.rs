@@ -165,6 +165,7 @@ async fn relay(outer: tokio::net::TcpListener, guest: Guest, port: u16) {
         tokio::select! {
             accepted = outer.accept() => match accepted {
                 Ok((mut down, _)) => {
+                    let _ = down.set_nodelay(true);
                     let guest = guest.clone();
                     conns.spawn(async move {
                         let to = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port);
