@@ -126,30 +126,26 @@ impl Inner {
             .insert(ino, rel);
     }
 
+    fn known(&self, id: fileid3) -> Option<String> {
+        self.paths
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
     /// The path of NFS id `id`, checked against the file there now.
     fn path(&self, id: fileid3) -> NfsResult<String> {
         if id == self.root {
             return Ok(String::new());
         }
-        let known = self
-            .paths
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned();
-        if let Some(rel) = known {
+        if let Some(rel) = self.known(id) {
             if self.lstat(&rel).is_ok_and(|st| st.st_ino == id) {
                 return Ok(rel);
             }
         }
         self.rescan();
-        let found = self
-            .paths
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned();
-        found.ok_or(nfsstat3::NFS3ERR_STALE)
+        self.known(id).ok_or(nfsstat3::NFS3ERR_STALE)
     }
 
     /// Walk the whole volume and map every inode to its path (a long call
