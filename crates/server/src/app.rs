@@ -116,11 +116,17 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     let cluster = config.cluster.enabled().then(|| config.cluster.clone());
     let registries = config.registries.clone();
     let config_listen = config.listen;
-    let volume_max_bytes = config.volume_max_bytes;
+    let limits = config.clone();
     let volumes = Arc::new(crate::volumes::Volumes::new(
         db.clone(),
         &paths.data_dir,
-        volume_max_bytes,
+        Box::new(move |team| {
+            let max = limits.volume_max_bytes;
+            limits
+                .team_limits(team)
+                .max_volume_bytes
+                .map_or(max, |cap| cap.min(max))
+        }),
     ));
     let exports = Arc::new(crate::volumes::Exports::new(volumes.clone()));
     let manager = Arc::new(sandboxes::Manager::new(

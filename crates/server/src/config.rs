@@ -43,6 +43,7 @@
 //! max_vcpus = 200
 //! max_memory_mb = 102400
 //! max_snapshot_bytes = 107374182400
+//! max_volume_bytes = 1073741824   # each of its volumes, at most (≤ volume_max_bytes)
 //!
 //! [registries]                    # where OCI images come from
 //! insecure = ["registry.lan:5000"]            # plain HTTP (loopback always is)
@@ -159,6 +160,9 @@ pub struct TeamLimits {
     pub max_memory_mb: Option<u64>,
     /// Bytes of its snapshots and pause captures on disk.
     pub max_snapshot_bytes: Option<u64>,
+    /// What each of its volumes may hold, when less than
+    /// `volume_max_bytes` (set when the volume is made).
+    pub max_volume_bytes: Option<u64>,
 }
 
 impl Default for Config {

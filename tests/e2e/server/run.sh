@@ -100,6 +100,10 @@ max_sandboxes = 1
 max_vcpus = 1
 max_memory_mb = 512
 max_snapshot_bytes = 1
+
+# test_volumes.py's other team: its volumes hold at most 1 MiB.
+[teams.vol-other]
+max_volume_bytes = 1048576
 EOF
 
 export E2B_API_URL="http://127.0.0.1:$PORT" E2B_SANDBOX_URL="http://127.0.0.1:$PORT" E2B_VOLUME_API_URL="http://127.0.0.1:$PORT"

@@ -61,10 +61,14 @@ pub fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
+/// The size limit of a new volume of a team.
+pub type LimitOf = Box<dyn Fn(&str) -> u64 + Send + Sync>;
+
 pub struct Volumes {
     db: Arc<Db>,
     dir: PathBuf,
-    max_bytes: u64,
+    /// Each team's size limit for its new volumes.
+    limit_of: LimitOf,
     /// Bytes of file contents in each volume (counted at first use).
     usage: Mutex<HashMap<String, u64>>,
     /// Commits one at a time: each checks the room the last one left.
@@ -72,14 +76,21 @@ pub struct Volumes {
 }
 
 impl Volumes {
-    pub fn new(db: Arc<Db>, data_dir: &std::path::Path, max_bytes: u64) -> Self {
+    /// Volumes in `data_dir`, each made with the limit `limit_of` gives
+    /// its team (see [`Volumes::with_limit`] for one for all).
+    pub fn new(db: Arc<Db>, data_dir: &std::path::Path, limit_of: LimitOf) -> Self {
         Self {
             db,
             dir: data_dir.join("volumes"),
-            max_bytes,
+            limit_of,
             usage: Mutex::new(HashMap::new()),
             writes: Mutex::new(()),
         }
+    }
+
+    /// Volumes whose limit is `max_bytes` whatever their team.
+    pub fn with_limit(db: Arc<Db>, data_dir: &std::path::Path, max_bytes: u64) -> Self {
+        Self::new(db, data_dir, Box::new(move |_| max_bytes))
     }
 
     fn root(&self, id: &str) -> PathBuf {
@@ -97,7 +108,7 @@ impl Volumes {
             name: name.to_string(),
             token: format!("vt_{}", crate::ids::random_hex(20)),
             created_ms: crate::db::now_ms(),
-            max_bytes: self.max_bytes,
+            max_bytes: (self.limit_of)(team),
         };
         let root = self.root(&row.id);
         for d in ["data", "tmp"] {

@@ -173,6 +173,10 @@ def test_tokens_and_teams(vol, other_key):
     # The same name is free in another team.
     theirs = Volume.create(vol.name, api_key=other_key)
     assert theirs.volume_id != vol.volume_id
+    # That team's volumes are capped smaller ([teams.vol-other] in run.sh).
+    with pytest.raises(VolumeException, match="507|full"):
+        theirs.write_file("/big.bin", b"\0" * (2 << 20))
+    theirs.write_file("/small.bin", b"\0" * (512 << 10))
     assert Volume.destroy(theirs.volume_id, api_key=other_key)
     assert vol.read_file("/t.txt") == "team"
 

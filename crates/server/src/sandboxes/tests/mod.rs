@@ -50,7 +50,7 @@ fn manager_with(driver: &FakeDriver, db: &Arc<Db>, config: Config) -> Manager {
     let driver: Arc<dyn tine_vmm::Driver> = Arc::new(driver.clone());
     let templates = Templates::new(driver.clone(), artifacts, db.clone())
         .with_max_base_shapes(config.max_base_shapes);
-    let volumes = Arc::new(crate::volumes::Volumes::new(
+    let volumes = Arc::new(crate::volumes::Volumes::with_limit(
         db.clone(),
         std::path::Path::new("/nonexistent/tine-test"),
         1 << 20,

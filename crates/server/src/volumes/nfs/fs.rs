@@ -714,7 +714,7 @@ mod tests {
     fn volume(max: u64) -> (tempfile::TempDir, VolumeFs) {
         let dir = tempfile::tempdir().unwrap();
         let db = Arc::new(crate::db::Db::open(&dir.path().join("db.sqlite")).unwrap());
-        let vols = Arc::new(Volumes::new(db, dir.path(), max));
+        let vols = Arc::new(Volumes::with_limit(db, dir.path(), max));
         let row = vols.create("team", "v").unwrap();
         let fs = VolumeFs::open(vols, &row.id, max, 7).unwrap();
         (dir, fs)
