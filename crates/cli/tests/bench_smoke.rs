@@ -56,6 +56,10 @@ fn every_scenario_runs_with_tiny_counts() {
             "256",
             "--idle-count",
             "2",
+            "--volume-mib",
+            "4",
+            "--volume-files",
+            "20",
             "--json",
         ])
         .arg(&json)
@@ -76,7 +80,7 @@ fn every_scenario_runs_with_tiny_counts() {
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let rows = report["rows"].as_array().expect("rows");
     for id in [
-        "P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13",
+        "P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "P14",
     ] {
         let mine: Vec<_> = rows.iter().filter(|r| r["scenario"] == id).collect();
         assert!(!mine.is_empty(), "no row for {id}:\n{stdout}");

@@ -48,7 +48,8 @@ def vol():
             s.kill()
         except Exception:
             pass
-    Volume.destroy(v.volume_id)
+    # Once nothing mounts it, it goes.
+    assert Volume.destroy(v.volume_id) is True
 
 
 def mounted(made, v, **kw):
