@@ -14,6 +14,9 @@ use super::error::{EnvdError, Result};
 /// first NFS call is a network round trip): run it off the runtime.
 pub fn mount_all(mounts: &[GuestMount]) -> Result<()> {
     let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    // Outer paths first: `/a` mounted after `/a/b` would hide it.
+    let mut mounts: Vec<&GuestMount> = mounts.iter().collect();
+    mounts.sort_by_key(|m| m.path.matches('/').count());
     for m in mounts {
         let path = Path::new(&m.path);
         if !path.is_absolute() || m.path.contains("/../") || m.path.ends_with("/..") {

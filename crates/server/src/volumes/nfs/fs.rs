@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use nfsserve::nfs::{
     fattr3, fileid3, filename3, ftype3, nfs_fh3, nfspath3, nfsstat3, nfstime3, sattr3, set_atime,
@@ -54,7 +55,14 @@ pub(super) struct Inner {
     epoch: u64,
     /// Inode -> path below `data/` ("" for the top).
     paths: Mutex<HashMap<u64, String>>,
+    /// When the last walk of the volume started (one at a time).
+    walked: Mutex<Option<Instant>>,
 }
+
+/// Walks of a volume (to find an id no lookup named) at most this often:
+/// an id still unknown is stale. A guest cannot make the server walk a
+/// big volume over and over by presenting made-up handles.
+const WALK_INTERVAL: Duration = Duration::from_secs(2);
 
 fn errno(e: Errno) -> nfsstat3 {
     match e {
@@ -110,7 +118,11 @@ impl Inner {
         let rel = if rel.is_empty() { "." } else { rel };
         let how = OpenHow::new()
             .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+            .resolve(
+                ResolveFlag::RESOLVE_BENEATH
+                    | ResolveFlag::RESOLVE_NO_MAGICLINKS
+                    | ResolveFlag::RESOLVE_NO_SYMLINKS,
+            );
         nix::fcntl::openat2(self.data.as_fd(), rel, how).map_err(errno)
     }
 
@@ -139,23 +151,54 @@ impl Inner {
         if id == self.root {
             return Ok(String::new());
         }
+        let missed = Instant::now();
         if let Some(rel) = self.known(id) {
             if self.lstat(&rel).is_ok_and(|st| st.st_ino == id) {
                 return Ok(rel);
             }
         }
-        self.rescan();
+        self.rescan(missed);
         self.known(id).ok_or(nfsstat3::NFS3ERR_STALE)
+    }
+
+    /// `id` opened with `flags` (`O_NOFOLLOW` always), checked to be that
+    /// file, and its path.
+    fn open_id(&self, id: fileid3, flags: OFlag) -> NfsResult<(OwnedFd, String)> {
+        let check = |rel: &str| -> NfsResult<OwnedFd> {
+            let fd = self.open(rel, flags)?;
+            match nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?.st_ino == id {
+                true => Ok(fd),
+                false => Err(nfsstat3::NFS3ERR_STALE),
+            }
+        };
+        let rel = self.path(id)?;
+        match check(&rel) {
+            // Renamed or replaced since `path` looked.
+            Err(nfsstat3::NFS3ERR_STALE) | Err(nfsstat3::NFS3ERR_NOENT) => {
+                self.rescan(Instant::now());
+                let rel = self.known(id).ok_or(nfsstat3::NFS3ERR_STALE)?;
+                Ok((check(&rel)?, rel))
+            }
+            r => Ok((r?, rel)),
+        }
     }
 
     /// Walk the whole volume and map every inode to its path (a long call
     /// on a big volume: the runtime's worker hands its other tasks off).
-    fn rescan(&self) {
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                tokio::task::block_in_place(|| self.walk())
+    /// Skipped when a walk started after `missed` (its map is as fresh),
+    /// or less than [`WALK_INTERVAL`] ago.
+    fn rescan(&self, missed: Instant) {
+        let once = || {
+            let mut last = self.walked.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| t >= missed || t.elapsed() < WALK_INTERVAL) {
+                return;
             }
-            _ => self.walk(),
+            *last = Some(Instant::now());
+            self.walk();
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(once),
+            _ => once(),
         }
     }
 
@@ -231,8 +274,8 @@ impl Inner {
     }
 
     fn getattr(&self, id: fileid3) -> NfsResult<fattr3> {
-        let rel = self.path(id)?;
-        Ok(self.attr(&self.lstat(&rel)?))
+        let (fd, _) = self.open_id(id, OFlag::O_PATH)?;
+        Ok(self.attr(&nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?))
     }
 
     /// Directory `dirid`, opened, and its path.
@@ -263,8 +306,7 @@ impl Inner {
     /// Apply `set` to the file at `rel` (a symlink takes only times and
     /// owner changes, which are skipped here).
     fn setattr(&self, id: fileid3, set: sattr3) -> NfsResult<fattr3> {
-        let rel = self.path(id)?;
-        let fd = self.open(&rel, OFlag::O_PATH)?;
+        let (fd, _) = self.open_id(id, OFlag::O_PATH)?;
         let st = nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?;
         if kind(&st) == SFlag::S_IFLNK {
             return Ok(self.attr(&st));
@@ -275,13 +317,21 @@ impl Inner {
             if kind(&st) != SFlag::S_IFREG {
                 return Err(nfsstat3::NFS3ERR_INVAL);
             }
+            if size > i64::MAX as u64 {
+                return Err(nfsstat3::NFS3ERR_FBIG);
+            }
+            // The same inode, opened for writing; its size read under the
+            // lock, so concurrent calls count each change once.
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&proc)
+                .map_err(|_| nfsstat3::NFS3ERR_IO)?;
             let _one = self.vols.writes.lock().unwrap_or_else(|p| p.into_inner());
-            let grow = size.saturating_sub(st.st_size as u64);
-            self.room(grow)?;
-            let f = self.open(&rel, OFlag::O_WRONLY)?;
-            nix::unistd::ftruncate(f, size as i64).map_err(errno)?;
-            self.vols
-                .add_usage(&self.id, size as i64 - st.st_size as i64);
+            let before = f.metadata().map_err(|_| nfsstat3::NFS3ERR_IO)?.len();
+            self.room(size.saturating_sub(before))?;
+            f.set_len(size)
+                .map_err(|e| errno(Errno::from_raw(e.raw_os_error().unwrap_or(5))))?;
+            self.vols.add_usage(&self.id, size as i64 - before as i64);
         }
         if let set_mode3::mode(mode) = set.mode {
             nix::sys::stat::fchmodat(
@@ -346,10 +396,10 @@ impl Inner {
     }
 
     fn read(&self, id: fileid3, offset: u64, count: u32) -> NfsResult<(Vec<u8>, bool)> {
-        let rel = self.path(id)?;
-        let fd = self.open(&rel, OFlag::O_RDONLY)?;
+        let (fd, _) = self.open_id(id, OFlag::O_RDONLY)?;
         let size = nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?.st_size as u64;
-        let want = (count as u64).min(size.saturating_sub(offset)) as usize;
+        // At most the 1 MiB the server announces (rtmax), whatever is asked.
+        let want = (count.min(1 << 20) as u64).min(size.saturating_sub(offset)) as usize;
         let mut buf = vec![0u8; want];
         let mut got = 0;
         while got < want {
@@ -361,28 +411,38 @@ impl Inner {
             }
         }
         buf.truncate(got);
-        Ok((buf, offset + got as u64 >= size))
+        Ok((buf, offset.saturating_add(got as u64) >= size))
     }
 
     fn write(&self, id: fileid3, offset: u64, data: &[u8]) -> NfsResult<fattr3> {
-        let rel = self.path(id)?;
-        let fd = self.open(&rel, OFlag::O_WRONLY)?;
-        let _one = self.vols.writes.lock().unwrap_or_else(|p| p.into_inner());
-        let size = nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?.st_size as u64;
-        let grow = (offset + data.len() as u64).saturating_sub(size);
-        self.room(grow)?;
-        let mut done = 0;
-        while done < data.len() {
-            match nix::sys::uio::pwrite(fd.as_fd(), &data[done..], (offset + done as u64) as i64) {
-                Ok(n) => done += n,
-                Err(Errno::EINTR) => continue,
-                Err(e) => {
-                    self.vols.forget_usage(&self.id);
-                    return Err(errno(e));
-                }
-            }
+        if offset.saturating_add(data.len() as u64) > i64::MAX as u64 {
+            return Err(nfsstat3::NFS3ERR_FBIG);
         }
-        self.vols.add_usage(&self.id, grow as i64);
+        let (fd, _) = self.open_id(id, OFlag::O_WRONLY)?;
+        let _one = self.vols.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let size = |fd: &OwnedFd| -> NfsResult<u64> {
+            Ok(nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?.st_size as u64)
+        };
+        let before = size(&fd)?;
+        if !data.is_empty() {
+            self.room((offset + data.len() as u64).saturating_sub(before))?;
+        }
+        let mut done = 0;
+        let result = loop {
+            if done == data.len() {
+                break Ok(());
+            }
+            match nix::sys::uio::pwrite(fd.as_fd(), &data[done..], (offset + done as u64) as i64) {
+                Ok(0) => break Err(nfsstat3::NFS3ERR_IO),
+                Ok(n) => done += n,
+                Err(Errno::EINTR) => {}
+                Err(e) => break Err(errno(e)),
+            }
+        };
+        // What the file grew by, whatever part of the write happened.
+        let after = size(&fd)?;
+        self.vols.add_usage(&self.id, after as i64 - before as i64);
+        result?;
         Ok(self.attr(&nix::sys::stat::fstat(fd.as_fd()).map_err(errno)?))
     }
 
@@ -417,7 +477,9 @@ impl Inner {
                 .flags(OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_CLOEXEC)
                 .mode(Mode::from_bits_truncate(mode & 0o7777))
                 .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-            nix::fcntl::openat2(dir.as_fd(), name, how).map(drop)
+            let fd = nix::fcntl::openat2(dir.as_fd(), name, how)?;
+            // The mode asked for, not what the server's umask leaves of it.
+            nix::sys::stat::fchmod(fd.as_fd(), Mode::from_bits_truncate(mode & 0o7777))
         })?;
         Ok(id)
     }
@@ -443,6 +505,8 @@ impl Inner {
     fn remove(&self, dirid: fileid3, name: &[u8]) -> NfsResult<()> {
         let name = name_of(name)?;
         let (dir, _) = self.dir(dirid)?;
+        // Under the lock: what it freed is counted once.
+        let _one = self.vols.writes.lock().unwrap_or_else(|p| p.into_inner());
         let st = nix::sys::stat::fstatat(dir.as_fd(), name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(errno)?;
         let flag = match kind(&st) == SFlag::S_IFDIR {
@@ -464,9 +528,16 @@ impl Inner {
         let (fname, tname) = (name_of(fname)?, name_of(tname)?);
         let (fdir, frel) = self.dir(from)?;
         let (tdir, trel) = self.dir(to)?;
-        let replaced =
-            nix::sys::stat::fstatat(tdir.as_fd(), tname.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
-                .ok();
+        let stat = |dir: &OwnedFd, name: &str| {
+            nix::sys::stat::fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)
+        };
+        let _one = self.vols.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let moved = stat(&fdir, &fname).map_err(errno)?;
+        // A file renamed onto itself (or onto another link of it) frees
+        // nothing.
+        let replaced = stat(&tdir, &tname)
+            .ok()
+            .filter(|st| st.st_ino != moved.st_ino);
         nix::fcntl::renameat(fdir.as_fd(), fname.as_str(), tdir.as_fd(), tname.as_str())
             .map_err(errno)?;
         if let Some(st) = replaced.filter(|st| kind(st) == SFlag::S_IFREG && st.st_nlink <= 1) {
@@ -474,11 +545,12 @@ impl Inner {
         }
         // What was under the old path is under the new one now.
         let (old, new) = (join(&frel, &fname), join(&trel, &tname));
+        let below = format!("{old}/");
         let mut paths = self.paths.lock().unwrap_or_else(|p| p.into_inner());
         for rel in paths.values_mut() {
             if *rel == old {
                 *rel = new.clone();
-            } else if let Some(rest) = rel.strip_prefix(&format!("{old}/")) {
+            } else if let Some(rest) = rel.strip_prefix(&below) {
                 *rel = format!("{new}/{rest}");
             }
         }
@@ -488,13 +560,11 @@ impl Inner {
     fn readdir(&self, dirid: fileid3, after: fileid3, max: usize) -> NfsResult<ReadDirResult> {
         let rel = self.path(dirid)?;
         let all = self.entries(&rel)?;
+        // In inode order: a listing goes on after its cookie even when
+        // that entry is gone (`rm -rf` removes as it lists).
         let start = match after {
             0 => 0,
-            a => all
-                .iter()
-                .position(|(_, st)| st.st_ino == a)
-                .map(|i| i + 1)
-                .ok_or(nfsstat3::NFS3ERR_BAD_COOKIE)?,
+            a => all.partition_point(|(_, st)| st.st_ino <= a),
         };
         let mut entries = Vec::new();
         for (name, st) in all.iter().skip(start).take(max) {
@@ -543,6 +613,7 @@ impl VolumeFs {
                 root,
                 epoch,
                 paths: Mutex::new(HashMap::new()),
+                walked: Mutex::new(None),
             }),
         })
     }
@@ -568,8 +639,9 @@ impl VolumeFs {
     }
 
     /// Run `f`, a few metadata system calls on a local file system (a
-    /// handful of microseconds), where it is: a hand-off to a blocking
-    /// thread would cost more than the calls.
+    /// handful of microseconds) that take no lock but the path map's, where
+    /// it is: a hand-off to a blocking thread would cost more than the
+    /// calls. (A walk after a miss hands the worker's tasks off.)
     async fn quick<T>(&self, f: impl FnOnce(&Inner) -> NfsResult<T>) -> NfsResult<T> {
         f(&self.inner)
     }
@@ -595,7 +667,11 @@ impl NFSFileSystem for VolumeFs {
     }
 
     async fn setattr(&self, id: fileid3, setattr: sattr3) -> NfsResult<fattr3> {
-        self.quick(|fs| fs.setattr(id, setattr)).await
+        // A size change waits for the volume's write lock: off the runtime.
+        match setattr.size {
+            set_size3::Void => self.quick(|fs| fs.setattr(id, setattr)).await,
+            set_size3::size(_) => self.blocking(move |fs| fs.setattr(id, setattr)).await,
+        }
     }
 
     async fn read(&self, id: fileid3, offset: u64, count: u32) -> NfsResult<(Vec<u8>, bool)> {
@@ -614,7 +690,10 @@ impl NFSFileSystem for VolumeFs {
         attr: sattr3,
     ) -> NfsResult<(fileid3, fattr3)> {
         let name = filename.0.clone();
-        self.quick(|fs| fs.create(dirid, &name, attr)).await
+        match attr.size {
+            set_size3::Void => self.quick(|fs| fs.create(dirid, &name, attr)).await,
+            set_size3::size(_) => self.blocking(move |fs| fs.create(dirid, &name, attr)).await,
+        }
     }
 
     async fn create_exclusive(&self, dirid: fileid3, filename: &filename3) -> NfsResult<fileid3> {
@@ -634,7 +713,7 @@ impl NFSFileSystem for VolumeFs {
 
     async fn remove(&self, dirid: fileid3, filename: &filename3) -> NfsResult<()> {
         let name = filename.0.clone();
-        self.quick(|fs| fs.remove(dirid, &name)).await
+        self.blocking(move |fs| fs.remove(dirid, &name)).await
     }
 
     async fn rename(
@@ -645,7 +724,7 @@ impl NFSFileSystem for VolumeFs {
         to_filename: &filename3,
     ) -> NfsResult<()> {
         let (f, t) = (from_filename.0.clone(), to_filename.0.clone());
-        self.quick(|fs| fs.rename(from_dirid, &f, to_dirid, &t))
+        self.blocking(move |fs| fs.rename(from_dirid, &f, to_dirid, &t))
             .await
     }
 
@@ -655,7 +734,7 @@ impl NFSFileSystem for VolumeFs {
         start_after: fileid3,
         max_entries: usize,
     ) -> NfsResult<ReadDirResult> {
-        self.quick(|fs| fs.readdir(dirid, start_after, max_entries))
+        self.blocking(move |fs| fs.readdir(dirid, start_after, max_entries))
             .await
     }
 
@@ -791,5 +870,46 @@ mod tests {
         v.remove(root, b"f").unwrap();
         let (g, _) = v.create(root, b"g", sattr3::default()).unwrap();
         assert_eq!(v.write(g, 0, &[2; 950]).unwrap().size, 950);
+        // Renaming a file onto itself frees nothing; nor does an empty
+        // write far out take room.
+        v.rename(root, b"g", root, b"g").unwrap();
+        assert!(matches!(
+            v.write(g, 950, &[3; 100]),
+            Err(nfsstat3::NFS3ERR_NOSPC)
+        ));
+        v.write(g, 999, &[]).unwrap();
+        assert_eq!(v.write(g, 950, &[3; 50]).unwrap().size, 1000);
+        // Truncating frees, growing by setattr counts.
+        let size = |n| sattr3 {
+            size: set_size3::size(n),
+            ..sattr3::default()
+        };
+        assert_eq!(v.setattr(g, size(100)).unwrap().size, 100);
+        assert!(matches!(
+            v.setattr(g, size(2000)),
+            Err(nfsstat3::NFS3ERR_NOSPC)
+        ));
+        assert_eq!(v.setattr(g, size(1000)).unwrap().size, 1000);
+    }
+
+    #[test]
+    fn a_listing_goes_on_after_its_cookie_is_removed() {
+        let (_dir, fs) = volume(1 << 20);
+        let v = &fs.inner;
+        for i in 0..10 {
+            v.create(v.root, format!("f{i}").as_bytes(), sattr3::default())
+                .unwrap();
+        }
+        let first = v.readdir(v.root, 0, 4).unwrap();
+        assert_eq!(first.entries.len(), 4);
+        assert!(!first.end);
+        // As `rm -rf` does: remove what was listed, then go on.
+        for e in &first.entries {
+            v.remove(v.root, &e.name.0).unwrap();
+        }
+        let cookie = first.entries.last().unwrap().fileid;
+        let rest = v.readdir(v.root, cookie, 100).unwrap();
+        assert_eq!(rest.entries.len(), 6);
+        assert!(rest.end);
     }
 }

@@ -15,12 +15,14 @@
 //! a listener created inside that sandbox's namespace: nothing outside it
 //! can connect, and it serves only the volumes mounted into that sandbox.
 //! The NFS server itself (nfsserve) listens on the namespace's loopback;
-//! a relay of ours takes the guest's connections, so that they all close
-//! when the sandbox's VM goes ([`Exports::release`]).
+//! a [`relay`] of ours takes the guest's connections, so that they all
+//! close when the sandbox's VM goes ([`Exports::release`]), and bounds what
+//! a guest can make the server hold.
 //! The NFS and MOUNT programs share the port (the guest mounts with
 //! `port=` and `mountport=`, no portmapper, `nolock`).
 
 pub mod fs;
+mod relay;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -121,7 +123,7 @@ impl Exports {
                         tracing::warn!("volume server stopped: {e}");
                     }
                 }));
-                tasks.push(tokio::spawn(relay(outer, guest.clone(), port)));
+                tasks.push(tokio::spawn(relay::run(outer, guest.clone(), port)));
                 out.push(GuestMount {
                     path: m.path.clone(),
                     addr: tine_vmm::netns::HOST_IP.to_string(),
@@ -153,43 +155,6 @@ impl Exports {
         }
     }
 }
-
-/// The guest's connections to `outer` (`HOST_IP:port`), each relayed to
-/// the NFS server on the namespace's loopback. The relay owns them: when
-/// it is aborted (the sandbox's VM is gone) every connection closes, and
-/// with it the server's side; a socket left open would keep the
-/// namespace alive, as nfsserve sets no keepalive.
-async fn relay(outer: tokio::net::TcpListener, guest: Guest, port: u16) {
-    let mut conns = tokio::task::JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = outer.accept() => match accepted {
-                Ok((mut down, _)) => {
-                    let _ = down.set_nodelay(true);
-                    let guest = guest.clone();
-                    conns.spawn(async move {
-                        let to = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port);
-                        let Ok(mut up) = guest.connect_out(to).await else {
-                            return;
-                        };
-                        let _ = tokio::io::copy_bidirectional_with_sizes(
-                            &mut down, &mut up, RELAY_BUFFER, RELAY_BUFFER,
-                        )
-                        .await;
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!("volume relay: accepting: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-            },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-        }
-    }
-}
-
-/// Bytes a relay moves per read (an NFS write or read is up to 1 MiB).
-const RELAY_BUFFER: usize = 256 << 10;
 
 /// An NFS server of `fs` on the loopback of `guest`'s namespace, `port`.
 fn bind_inside(
