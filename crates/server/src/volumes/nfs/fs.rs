@@ -658,8 +658,7 @@ impl NFSFileSystem for VolumeFs {
     }
 
     async fn lookup(&self, dirid: fileid3, filename: &filename3) -> NfsResult<fileid3> {
-        let name = filename.0.clone();
-        self.quick(|fs| fs.lookup(dirid, &name)).await
+        self.quick(|fs| fs.lookup(dirid, &filename.0)).await
     }
 
     async fn getattr(&self, id: fileid3) -> NfsResult<fattr3> {
@@ -697,8 +696,8 @@ impl NFSFileSystem for VolumeFs {
     }
 
     async fn create_exclusive(&self, dirid: fileid3, filename: &filename3) -> NfsResult<fileid3> {
-        let name = filename.0.clone();
-        self.quick(|fs| fs.create_file(dirid, &name, 0o644)).await
+        self.quick(|fs| fs.create_file(dirid, &filename.0, 0o644))
+            .await
     }
 
     async fn mkdir(&self, dirid: fileid3, dirname: &filename3) -> NfsResult<(fileid3, fattr3)> {

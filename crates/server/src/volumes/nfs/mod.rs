@@ -74,10 +74,6 @@ impl Exports {
         }
     }
 
-    pub fn volumes(&self) -> &Arc<Volumes> {
-        &self.vols
-    }
-
     fn fs_of(&self, volume_id: &str) -> Result<VolumeFs, String> {
         let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(fs) = shared.get(volume_id).and_then(VolumeFs::upgrade) {
