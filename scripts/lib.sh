@@ -44,6 +44,18 @@ need_cmd() {
 now() { date +%s.%N; }
 # elapsed START -> "12.3s"
 elapsed() { awk -v s="$1" -v e="$(now)" 'BEGIN { printf "%.1fs", e - s }'; }
+# disk_report: free space where tine's build and data live, and what the
+# biggest of them hold, so a run that fills the disk says what filled it.
+disk_report() {
+    local dirs=() d
+    for d in target "$TINE_DATA_DIR" /dev/shm; do
+        [[ -d "$d" ]] && dirs+=("$d")
+    done
+    info "disk: $(df -h --output=avail,used,size . | tail -1 | awk '{print $1 " free, " $2 " used of " $3}')"
+    # shellcheck disable=SC2046
+    du -sh "${dirs[@]}" $(find "${dirs[@]}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null) 2>/dev/null \
+        | sort -h | tail -6 | sed 's/^/      /' >&2 || true
+}
 
 # recipe_hash FILE... [-- STRING...]
 # sha256 over the contents of the given files and then the given strings

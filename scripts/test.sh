@@ -25,6 +25,7 @@ if [[ -x tests/e2e/setup.sh ]]; then
     tests/e2e/setup.sh
 fi
 
+disk_report
 log "cargo test --workspace"
 start=$(now)
 cargo test --workspace --locked 2>&1
@@ -32,14 +33,17 @@ info "cargo tests passed in $(elapsed "$start")"
 
 if [[ -x tests/e2e/agent/run.sh ]]; then
     log "end-to-end: the agent with the real E2B SDKs"
+    disk_report
     tests/e2e/agent/run.sh
 fi
 if [[ -x tests/e2e/server/run.sh ]]; then
     log "end-to-end: the server with the real E2B SDKs"
+    disk_report
     tests/e2e/server/run.sh
 fi
 if [[ -x tests/e2e/cluster/run.sh ]]; then
     log "end-to-end: cluster mode (3 nodes, 2 gateways, PostgreSQL)"
+    disk_report
     tests/e2e/cluster/run.sh
 fi
 if [[ -x tests/deploy/validate.sh ]]; then
@@ -56,4 +60,5 @@ if [[ -x deploy/image/build.sh && -x tests/deploy/podman-node.sh ]]; then
     log "deploy/: a node in a privileged podman container behind gateways"
     TINE_BIN="$PWD/target/release/tine" TINE_IMAGE="$image" tests/deploy/podman-node.sh
 fi
+disk_report
 log "all tests passed"
