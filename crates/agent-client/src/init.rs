@@ -42,6 +42,11 @@ pub struct InitRequest {
     /// path is a mount point already, as in a guest restored from memory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mounts: Option<Vec<GuestMount>>,
+    /// tine extension: a CA certificate (PEM) the guest adds to its trust
+    /// stores: the host's egress CA, for HTTPS whose headers the host's
+    /// proxy transforms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trust_ca: Option<String>,
     /// Accepted for compatibility; tine has no hyperloop server.
     #[serde(
         default,

@@ -36,8 +36,10 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         tine_vmm::netns::set_scope(&config.cluster.node_id_for(config.listen));
     }
     // Before any VM exists: it sets where veth addresses come from.
-    let network =
-        Arc::new(crate::network::Network::new(&config.network).map_err(anyhow::Error::msg)?);
+    let network = Arc::new(
+        crate::network::Network::with_ca(&config.network, &paths.data_dir)
+            .map_err(anyhow::Error::msg)?,
+    );
     // Fail now, not at the first create, when the host cannot take it.
     tine_vmm::firewall::host_setup(tine_vmm::netns::pool())
         .await
@@ -129,6 +131,13 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         }),
     ));
     let exports = Arc::new(crate::volumes::Exports::new(volumes.clone()));
+    let key_file =
+        (config.secrets_key_file.clone()).unwrap_or_else(|| paths.data_dir.join("secrets.key"));
+    let secrets = Arc::new(crate::secrets::Secrets::new(
+        db.clone(),
+        crate::secrets::Cipher::load_or_create(&key_file).context("the key of secrets")?,
+    ));
+    network.set_vault(secrets.clone(), db.clone());
     let manager = Arc::new(sandboxes::Manager::new(
         config, db, driver, templates, network, exports,
     ));
@@ -179,6 +188,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     manager.warm_up();
     let state = Arc::new(AppState {
         volumes,
+        secrets,
         client: guest_client::client(manager.clone()),
         manager,
         metrics: Arc::new(metrics::Metrics::default()),

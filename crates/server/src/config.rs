@@ -22,6 +22,7 @@
 //! compact_after_layers = 3        # fold longer capture chains (0: never)
 //! fork_shared_ram_from = 2        # forks this big share one RAM file (0: never)
 //! volume_max_bytes = 1073741824   # file contents each new volume may hold (507 beyond)
+//! secrets_key_file = "/var/lib/tine/secrets.key"  # AES-256 key of secrets at rest (0600; made if missing)
 //!
 //! [network]                       # see docs/networking.md
 //! allow_private = ["10.99.1.0/24"]  # not-internet ranges sandboxes may reach
@@ -123,6 +124,9 @@ pub struct Config {
     pub image_cache_max_bytes: u64,
     /// Bytes of file contents each new volume may hold.
     pub volume_max_bytes: u64,
+    /// The key secrets are sealed with (default `<data dir>/secrets.key`,
+    /// made on first start, mode 0600).
+    pub secrets_key_file: Option<std::path::PathBuf>,
     /// Template builds that may run at once (more wait, status `waiting`).
     pub max_concurrent_builds: usize,
     /// Largest build-context archive an upload may send.
@@ -194,6 +198,7 @@ impl Default for Config {
             registries: Default::default(),
             image_cache_max_bytes: tine_image::nbd::daemon::DEFAULT_CACHE_MAX_BYTES,
             volume_max_bytes: 1 << 30,
+            secrets_key_file: None,
             max_concurrent_builds: 2,
             build_context_max_bytes: 1 << 30,
             build_ready_timeout_secs: 300,

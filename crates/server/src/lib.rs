@@ -26,6 +26,7 @@ pub mod model;
 pub mod network;
 pub mod proxy;
 pub mod sandboxes;
+pub mod secrets;
 pub mod state;
 pub mod templates;
 pub mod tls;

@@ -28,4 +28,6 @@ pub struct AppState {
     pub captures: Option<Arc<crate::cluster::captures::Captures>>,
     /// Volumes and their content API.
     pub volumes: Arc<crate::volumes::Volumes>,
+    /// Secrets (written here, read only by egress proxies).
+    pub secrets: Arc<crate::secrets::Secrets>,
 }

@@ -186,7 +186,7 @@ fn ca_params() -> rcgen::CertificateParams {
 }
 
 /// Write `data` to `path` (mode `mode`), through a temporary file.
-fn write_private(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
+pub(crate) fn write_private(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");

@@ -3,8 +3,9 @@
 # inside a namespace this script creates (`e2e-inet`), reached from the host
 # through a veth: 203.0.113.10 and .20 (TEST-NET-3, "the internet"),
 # 10.99.0.10 (a private network sandboxes must not reach) and 10.99.1.10 (a
-# private network the test server's config opens). HTTP on 80, HTTPS with a
-# self-signed certificate on 443 (tests/e2e/net/inet_server.py).
+# private network the test server's config opens). HTTP on 80, HTTPS on 443
+# with a certificate for *.inet.test from a test CA ($STATE/ca.pem)
+# (tests/e2e/net/inet_server.py).
 # No traffic leaves this machine: the host gets routes for 203.0.113.0/24
 # and 10.99.0.0/16 to the namespace only. Idempotent.
 set -euo pipefail
@@ -23,8 +24,16 @@ down() {
 up() {
     down
     mkdir -p "$STATE"
-    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=e2e-inet" \
-        -keyout "$STATE/key.pem" -out "$STATE/cert.pem" >/dev/null 2>&1
+    # A test CA (the server trusts it through `[network] upstream_ca_file`)
+    # and the host's certificate from it, for *.inet.test and its addresses.
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=e2e-inet test CA" \
+        -keyout "$STATE/ca.key" -out "$STATE/ca.pem" >/dev/null 2>&1
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=e2e-inet" \
+        -keyout "$STATE/key.pem" -out "$STATE/leaf.csr" >/dev/null 2>&1
+    printf '%s\n' "subjectAltName=DNS:inet.test,DNS:*.inet.test,IP:203.0.113.10,IP:203.0.113.20" \
+        "basicConstraints=CA:FALSE" "extendedKeyUsage=serverAuth" >"$STATE/leaf.ext"
+    openssl x509 -req -in "$STATE/leaf.csr" -CA "$STATE/ca.pem" -CAkey "$STATE/ca.key" \
+        -CAcreateserial -days 2 -extfile "$STATE/leaf.ext" -out "$STATE/cert.pem" >/dev/null 2>&1
     ip netns add "$NS"
     ip link add "$HOSTIF" type veth peer name eth0 netns "$NS"
     ip addr add 203.0.113.1/24 dev "$HOSTIF"

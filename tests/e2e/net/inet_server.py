@@ -1,13 +1,18 @@
 """The stand-in "internet" host of the network tests, run inside the test's
 own network namespace: HTTP on port 80 and HTTPS (self-signed) on 443, on
 every address of the namespace. Each answer names the address it arrived
-at and the Host it was sent with; `/bytes?n=N` streams N zero bytes. A DNS
-server on UDP port 53 answers every A query with 203.0.113.10.
+at and the Host it was sent with; `/bytes?n=N` streams N zero bytes;
+`/headers` answers the request's headers as JSON, each value replaced by
+its SHA-256 (so a test sees what arrived without the sandbox seeing a
+secret). A DNS server on UDP port 53 answers every A query with
+203.0.113.10.
 
 Usage: inet_server.py CERT KEY
 """
 
+import hashlib
 import http.server
+import json
 import socket
 import socketserver
 import ssl
@@ -31,6 +36,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 k = min(n, len(chunk))
                 self.wfile.write(chunk[:k])
                 n -= k
+            return
+        if url.path == "/headers":
+            seen = {}
+            for k, v in self.headers.items():
+                seen.setdefault(k.lower(), []).append(hashlib.sha256(v.encode()).hexdigest())
+            body = json.dumps(seen).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         local = self.connection.getsockname()[0]
         body = f"inet {local} host={self.headers.get('Host', '')}\n".encode()

@@ -89,6 +89,8 @@ volume_max_bytes = 16777216
 # (tests/e2e/net/inet.sh).
 allow_private = ["10.99.1.0/24"]
 dns = "203.0.113.10"
+# The stand-in's test CA: destinations of header transforms verify with it.
+upstream_ca_file = "/run/tine-e2e-inet/ca.pem"
 
 [jail]
 # Small, so a test can fill and rotate it quickly.

@@ -89,6 +89,16 @@ async fn init(State(envd): State<Arc<Envd>>, body: axum::body::Bytes) -> Result<
     if let Some(id) = req.machine_id.as_deref() {
         set_machine_id(id)?;
     }
+    if let Some(pem) = req.trust_ca {
+        let env = tokio::task::spawn_blocking(move || super::trust::install(&pem))
+            .await
+            .map_err(|e| EnvdError::Internal(format!("installing the egress CA: {e}")))?
+            .map_err(|e| EnvdError::Internal(format!("installing the egress CA: {e}")))?;
+        let mut d = envd.defaults.write().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in env {
+            d.env_vars.entry(k).or_insert(v);
+        }
+    }
     if let Some(mounts) = req.mounts.filter(|m| !m.is_empty()) {
         tokio::task::spawn_blocking(move || super::volumes::mount_all(&mounts))
             .await

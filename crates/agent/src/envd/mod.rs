@@ -18,6 +18,7 @@ mod rpc;
 #[cfg(test)]
 mod tests;
 mod time;
+mod trust;
 mod user;
 mod volumes;
 mod xattr;

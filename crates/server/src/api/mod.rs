@@ -7,6 +7,7 @@ mod extract;
 pub mod idempotency;
 mod network;
 mod sandboxes;
+mod secrets;
 mod system;
 mod templates;
 mod volumes;
@@ -88,6 +89,13 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::build_status),
         )
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/secrets", post(secrets::create).get(secrets::list))
+        .route(
+            "/secrets/{id}",
+            get(secrets::get)
+                .post(secrets::update)
+                .delete(secrets::destroy),
+        )
         .route("/volumes", post(volumes::create).get(volumes::list))
         .route("/volumes/{id}", get(volumes::get).delete(volumes::destroy))
         .route(

@@ -10,6 +10,7 @@ mod builds;
 mod events;
 mod keys;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 mod volumes;
 
@@ -22,6 +23,7 @@ pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
 pub use keys::{hash as key_hash, new_key_plaintext, valid_team, ApiKey, NewKey, DEFAULT_TEAM};
 pub use sandboxes::{ListFilter, TeamUsage};
+pub use secrets::SecretRow;
 pub use snapshots::{SnapshotKind, SnapshotRow};
 pub use volumes::VolumeRow;
 
@@ -179,6 +181,21 @@ CREATE TABLE volumes (
     // The volumes mounted into each sandbox (JSON list of VolumeMount).
     r#"
 ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
+"#,
+    // Secrets (crate::secrets): the current version, sealed.
+    r#"
+CREATE TABLE secrets (
+    id          TEXT PRIMARY KEY,
+    team        TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    version     INTEGER NOT NULL,
+    metadata    TEXT NOT NULL,
+    nonce       BLOB NOT NULL,
+    sealed      BLOB NOT NULL,
+    created_ms  INTEGER NOT NULL,
+    updated_ms  INTEGER NOT NULL,
+    UNIQUE (team, name)
+);
 "#,
 ];
 

@@ -9,12 +9,12 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tine_vmm::Guest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::policy::{Compiled, Site};
+use super::inject::Injector;
 use super::sniff::{sniff, Sniffed, MAX_HEAD};
+use super::Egress;
 
 /// How long a client may take to send its hello or request head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -31,15 +31,14 @@ pub struct EgressProxy {
 }
 
 impl EgressProxy {
-    /// Serve `listener` (in `guest`'s namespace) with `policy`.
+    /// Serve `listener` (in the sandbox's namespace) with `egress`'s
+    /// policy; connections to hosts with transforms go through `inject`.
     pub fn start(
-        sandbox: String,
         listener: tokio::net::TcpListener,
-        guest: Guest,
-        site: Arc<Site>,
-        policy: Compiled,
+        egress: Arc<Egress>,
+        inject: Option<Arc<Injector>>,
     ) -> Self {
-        let shared = Arc::new(policy);
+        let sandbox = egress.sandbox.clone();
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let task = tokio::spawn(async move {
             loop {
@@ -58,11 +57,10 @@ impl EgressProxy {
                     );
                     continue;
                 };
-                let (guest, site, policy, sandbox) =
-                    (guest.clone(), site.clone(), shared.clone(), sandbox.clone());
+                let (egress, inject, sandbox) = (egress.clone(), inject.clone(), sandbox.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
-                    if let Err(e) = serve(conn, &guest, &site, &policy).await {
+                    if let Err(e) = serve(conn, egress, inject).await {
                         tracing::debug!(sandbox, "egress proxy: {e}");
                     }
                 });
@@ -122,16 +120,17 @@ async fn read_head(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> {
 
 async fn serve(
     mut conn: TcpStream,
-    guest: &Guest,
-    site: &Site,
-    policy: &Compiled,
+    egress: Arc<Egress>,
+    inject: Option<Arc<Injector>>,
 ) -> std::io::Result<()> {
     let dst = original_dst(&conn)?;
     let mut head = Vec::new();
     let name = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut conn, &mut head))
         .await
         .unwrap_or(None);
-    let allowed = policy.allows(site, *dst.ip(), name.as_deref());
+    let allowed = egress
+        .policy
+        .allows(&egress.site, *dst.ip(), name.as_deref());
     if !allowed {
         if head.first().is_some_and(|b| *b != 0x16) {
             let body = "blocked by the sandbox's network policy\n";
@@ -146,7 +145,19 @@ async fn serve(
             name.as_deref().unwrap_or("no name")
         )));
     }
-    let mut upstream = tokio::time::timeout(DIAL_TIMEOUT, guest.connect_out(dst))
+    if egress
+        .policy
+        .transforms
+        .intercepts(*dst.ip(), name.as_deref())
+    {
+        return match inject {
+            Some(inject) => super::inject::serve(conn, head, dst, egress, inject).await,
+            None => Err(std::io::Error::other(
+                "header transforms need the egress CA, which this server has not",
+            )),
+        };
+    }
+    let mut upstream = tokio::time::timeout(DIAL_TIMEOUT, egress.guest.connect_out(dst))
         .await
         .map_err(|_| std::io::Error::other(format!("dialling {dst} timed out")))??;
     upstream.write_all(&head).await?;

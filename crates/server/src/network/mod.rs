@@ -3,19 +3,27 @@
 //! egress proxy), and the operator's settings every policy sits on.
 //!
 //! - `policy`: the E2B policy, its checks, and what it compiles to;
+//! - `transform`: `network.rules`, header transforms with secret
+//!   placeholders;
 //! - `egress`: the per-sandbox proxy that matches domains by SNI / Host;
-//! - `sniff`: reading those names from a connection's first bytes.
+//! - `inject`: the part of it that terminates HTTP(S) to apply transforms;
+//! - `ca`: the host's egress CA, which guests trust, for `inject`;
+//! - `sniff`: reading names from a connection's first bytes.
 //!
 //! The firewall itself is `tine_vmm::firewall`; this module decides what
 //! goes in it. A VM's namespace is closed until [`Network::apply`] runs.
 
+pub mod ca;
 mod egress;
+mod inject;
 pub mod policy;
 mod sniff;
+pub mod transform;
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::Deserialize;
 use tine_vmm::{Guest, Net4};
@@ -23,6 +31,42 @@ use tine_vmm::{Guest, Net4};
 pub use policy::{Compiled, NetworkPolicy, Site};
 
 use egress::EgressProxy;
+use inject::Injector;
+
+/// Where the injecting proxy reads secrets, and notes what it refused.
+pub trait Vault: Send + Sync {
+    /// The current value of `team`'s secret `name` (`None`: no such secret).
+    fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String>;
+    /// Record `detail` as an event of sandbox `sandbox`.
+    fn note(&self, sandbox: &str, detail: &str);
+}
+
+/// The vault of a server: its secrets, and its database for events.
+struct ServerVault {
+    secrets: Arc<crate::secrets::Secrets>,
+    db: Arc<crate::db::Db>,
+}
+
+impl Vault for ServerVault {
+    fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String> {
+        self.secrets.reveal(team, name).map_err(|e| e.to_string())
+    }
+    fn note(&self, sandbox: &str, detail: &str) {
+        tracing::warn!(sandbox, "{detail}");
+        if let Err(e) = self.db.add_event(sandbox, "egress_refused", detail) {
+            tracing::warn!(sandbox, "recording an egress event: {e}");
+        }
+    }
+}
+
+/// One sandbox's egress: who it is and what it may reach.
+pub struct Egress {
+    pub sandbox: String,
+    pub team: String,
+    pub guest: Guest,
+    pub site: Arc<Site>,
+    pub policy: Compiled,
+}
 
 /// The `[network]` section of the server's configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -37,6 +81,9 @@ pub struct NetworkConfig {
     /// Addresses for the veth pairs between the host and each sandbox (a
     /// /31 per sandbox); must not overlap a network the host uses.
     pub veth_pool: String,
+    /// CA certificates (PEM) trusted for destinations of header
+    /// transforms besides the host's trust store.
+    pub upstream_ca_file: Option<PathBuf>,
 }
 
 impl Default for NetworkConfig {
@@ -45,6 +92,7 @@ impl Default for NetworkConfig {
             allow_private: Vec::new(),
             dns: None,
             veth_pool: tine_vmm::netns::DEFAULT_POOL.to_string(),
+            upstream_ca_file: None,
         }
     }
 }
@@ -115,9 +163,42 @@ pub enum NetworkError {
 pub struct Network {
     site: Arc<Site>,
     proxies: Mutex<HashMap<String, EgressProxy>>,
+    /// The host's egress CA (`None` in unit tests without a data dir).
+    ca: Option<Arc<ca::EgressCa>>,
+    upstream: Option<tokio_rustls::TlsConnector>,
+    inject: OnceLock<Arc<Injector>>,
 }
 
 impl Network {
+    /// With the egress CA kept in `<data_dir>/egress-ca`.
+    pub fn with_ca(config: &NetworkConfig, data_dir: &Path) -> Result<Self, String> {
+        let mut n = Self::new(config)?;
+        let ca =
+            ca::EgressCa::load_or_create(&data_dir.join("egress-ca")).map_err(|e| e.to_string())?;
+        n.ca = Some(Arc::new(ca));
+        n.upstream = Some(Injector::upstream_connector(
+            config.upstream_ca_file.as_deref(),
+        )?);
+        Ok(n)
+    }
+
+    /// Where secrets come from; header transforms work from then on.
+    pub fn set_vault(&self, secrets: Arc<crate::secrets::Secrets>, db: Arc<crate::db::Db>) {
+        let (Some(ca), Some(upstream)) = (&self.ca, &self.upstream) else {
+            return;
+        };
+        let _ = self.inject.set(Arc::new(Injector {
+            ca: ca.clone(),
+            upstream: upstream.clone(),
+            vault: Arc::new(ServerVault { secrets, db }),
+        }));
+    }
+
+    /// The certificate guests trust for transformed HTTPS (PEM).
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.ca.as_ref().map(|c| c.pem())
+    }
+
     pub fn new(config: &NetworkConfig) -> Result<Self, String> {
         let site = config.site()?;
         if site.resolver.is_none() {
@@ -130,20 +211,31 @@ impl Network {
         Ok(Self {
             site: Arc::new(site),
             proxies: Mutex::new(HashMap::new()),
+            ca: None,
+            upstream: None,
+            inject: OnceLock::new(),
         })
     }
 
-    /// Give sandbox `id`'s VM (its network is `guest`) the firewall of
-    /// `policy`, with an egress proxy when the policy names domains.
-    /// Replaces whatever it had.
+    /// Give sandbox `id` (of `team`; its VM's network is `guest`) the
+    /// firewall of `policy`, with an egress proxy when the policy names
+    /// domains or transforms requests. Replaces whatever it had.
     pub async fn apply(
         &self,
         id: &str,
+        team: &str,
         guest: &Guest,
         policy: &NetworkPolicy,
     ) -> Result<(), NetworkError> {
         let t = std::time::Instant::now();
         let compiled = policy.compile().map_err(NetworkError::Invalid)?;
+        if !compiled.transforms.is_empty() && self.inject.get().is_none() {
+            return Err(NetworkError::Invalid(
+                "network.rules: header transforms need the egress CA and secrets, \
+                 which this server has not set up"
+                    .into(),
+            ));
+        }
         let rules = compiled.rules(&self.site);
         let old = self.take(id);
         if let Some(old) = old {
@@ -154,13 +246,14 @@ impl Network {
             let listener = guest
                 .listen(policy::PROXY_PORT)
                 .map_err(NetworkError::Proxy)?;
-            let proxy = EgressProxy::start(
-                id.to_string(),
-                listener,
-                guest.clone(),
-                self.site.clone(),
-                compiled,
-            );
+            let egress = Arc::new(Egress {
+                sandbox: id.to_string(),
+                team: team.to_string(),
+                guest: guest.clone(),
+                site: self.site.clone(),
+                policy: compiled,
+            });
+            let proxy = EgressProxy::start(listener, egress, self.inject.get().cloned());
             self.proxies
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())

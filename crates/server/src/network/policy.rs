@@ -21,6 +21,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use serde::{Deserialize, Serialize};
 use tine_vmm::{EgressRules, Net4};
 
+use super::transform::Transforms;
+
 /// Entries one list (`allowOut`, `denyOut`) may hold.
 pub const MAX_ENTRIES: usize = 256;
 /// `dnsServers` entries (the SDK documents 10).
@@ -45,7 +47,7 @@ pub struct NetworkPolicy {
     pub allow_public_traffic: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
-    /// Per-host rules; only rules without transforms are accepted.
+    /// Per-host rules: header transforms (`super::transform`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rules: Option<BTreeMap<String, Vec<serde_json::Value>>>,
     /// Sandbox ports that serve TLS themselves: the proxy speaks HTTPS to
@@ -71,7 +73,7 @@ pub struct Domain {
 }
 
 impl Domain {
-    fn parse(s: &str) -> Option<Domain> {
+    pub(super) fn parse(s: &str) -> Option<Domain> {
         let s = s.trim_end_matches('.').to_ascii_lowercase();
         let (wildcard, name) = match s.strip_prefix("*.") {
             Some(rest) => (true, rest.to_string()),
@@ -177,6 +179,8 @@ pub struct Compiled {
     pub allow: Selector,
     pub deny: Selector,
     pub dns_servers: Option<Vec<Ipv4Addr>>,
+    /// Header transforms of `rules`, applied by the injecting proxy.
+    pub transforms: Transforms,
 }
 
 impl NetworkPolicy {
@@ -228,20 +232,10 @@ impl NetworkPolicy {
                     .collect::<Result<Vec<_>, _>>()?,
             ),
         };
-        for (host, rules) in self.rules.iter().flatten() {
-            if host.trim().is_empty() {
-                return Err("network.rules has an empty host".into());
-            }
-            let transforms = rules.iter().any(|r| {
-                r.get("transform")
-                    .is_some_and(|t| !t.is_null() && t.as_object().is_none_or(|o| !o.is_empty()))
-            });
-            if transforms {
-                return Err(format!(
-                    "network.rules[{host:?}]: header transforms are not supported by tine"
-                ));
-            }
-        }
+        let transforms = match &self.rules {
+            Some(rules) => Transforms::parse(rules)?,
+            None => Transforms::default(),
+        };
         if let Some(ports) = &self.https_ports {
             if ports.len() > MAX_HTTPS_PORTS || ports.contains(&0) {
                 return Err(format!(
@@ -261,6 +255,7 @@ impl NetworkPolicy {
             allow,
             deny,
             dns_servers,
+            transforms,
         })
     }
 
@@ -274,9 +269,12 @@ impl NetworkPolicy {
 pub const PROXY_PORT: u16 = 15080;
 
 impl Compiled {
-    /// Whether any rule is by name (then ports 80/443 go to the proxy).
+    /// Whether any rule is by name, or any request is transformed (then
+    /// ports 80/443 go to the proxy).
     pub fn by_name(&self) -> bool {
-        !self.allow.domains.is_empty() || !self.deny.domains.is_empty()
+        !self.allow.domains.is_empty()
+            || !self.deny.domains.is_empty()
+            || !self.transforms.is_empty()
     }
 
     /// The egress proxy's decision for a connection to `ip` naming `name`.
@@ -428,12 +426,12 @@ mod tests {
         assert!(err(policy(&[], &refs)).contains("at most"));
         let p = NetworkPolicy {
             rules: Some(BTreeMap::from([(
-                "api.test".to_string(),
+                "api test".to_string(),
                 vec![serde_json::json!({"transform": {"headers": {"a": "b"}}})],
             )])),
             ..Default::default()
         };
-        assert!(err(p).contains("header transforms"));
+        assert!(err(p).contains("not a domain"));
         let p = NetworkPolicy {
             https_ports: Some(vec![0]),
             ..Default::default()

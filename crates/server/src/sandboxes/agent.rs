@@ -27,9 +27,11 @@ pub async fn init(
     access_token: &str,
     previous_token: Option<&str>,
     mounts: Vec<tine_agent_client::GuestMount>,
+    trust_ca: Option<&str>,
 ) -> Result<(), AgentError> {
     let mut body = InitRequest::identity(sandbox_id, env_vars, access_token)?;
     body.mounts = (!mounts.is_empty()).then_some(mounts);
+    body.trust_ca = trust_ca.map(str::to_string);
     tine_agent_client::init(guest.connect(AGENT_PORT), &body, previous_token).await
 }
 

@@ -392,6 +392,7 @@ impl Manager {
                 &rec.envd_access_token,
                 Some(&rec.envd_access_token),
                 Vec::new(),
+                None,
             ),
             async { self.db.record_capture(id, &row) }
         );

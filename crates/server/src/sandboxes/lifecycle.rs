@@ -117,14 +117,22 @@ impl Manager {
                 &rec.envd_access_token,
                 previous_token.as_deref(),
                 mounts.clone(),
+                self.network.ca_pem(),
             )
         };
         // The guest forwards nothing until its policy is in place, so the
         // firewall and the guest's identity can be set at once; a guest
         // that mounts volumes waits for the firewall that lets it.
         let (network, init) = match mounts.is_empty() {
-            true => tokio::join!(self.network.apply(&rec.id, &guest, &rec.network), init()),
-            false => match self.network.apply(&rec.id, &guest, &rec.network).await {
+            true => tokio::join!(
+                self.network.apply(&rec.id, &rec.team, &guest, &rec.network),
+                init()
+            ),
+            false => match self
+                .network
+                .apply(&rec.id, &rec.team, &guest, &rec.network)
+                .await
+            {
                 Ok(()) => (Ok(()), init().await),
                 Err(e) => (Err(e), Ok(())),
             },
@@ -408,7 +416,7 @@ impl Manager {
         policy.https_ports = rec.network.https_ports.clone();
         if let Some(live) = self.live(id) {
             self.network
-                .apply(id, &live.guest, &policy)
+                .apply(id, &rec.team, &live.guest, &policy)
                 .await
                 .map_err(|source| SandboxError::Network {
                     id: id.to_string(),

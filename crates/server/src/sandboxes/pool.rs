@@ -449,6 +449,7 @@ async fn warm(
             &token,
             None,
             Vec::new(),
+            None,
         )
         .await
         .map_err(|e| e.to_string())?;

@@ -57,7 +57,11 @@ impl Manager {
                     }
                     // The firewall lives in the namespace; the egress proxy
                     // (if any) lived in the previous process.
-                    if let Err(e) = self.network.apply(&rec.id, &guest, &rec.network).await {
+                    if let Err(e) = self
+                        .network
+                        .apply(&rec.id, &rec.team, &guest, &rec.network)
+                        .await
+                    {
                         tracing::warn!(sandbox = %rec.id, "re-applying its network policy: {e}");
                     }
                     // Its volume servers too (the guest reconnects).
@@ -153,6 +157,7 @@ impl Manager {
             token,
             Some(token),
             Vec::new(),
+            None,
         )
         .await;
         if let Err(e) = reseeded {

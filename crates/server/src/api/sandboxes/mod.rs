@@ -27,7 +27,7 @@ use crate::model::SandboxRecord;
 use crate::sandboxes::CreateRequest;
 use crate::state::AppState;
 
-pub(super) fn rfc3339(ms: i64) -> String {
+pub(crate) fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
         .format(&time::format_description::well_known::Rfc3339)
@@ -249,13 +249,38 @@ pub async fn create(
     Ok((status, Json(out)).into_response())
 }
 
+/// Secret placeholders are resolved only in `network.rules` headers, by
+/// the egress proxy: in env vars or metadata they would reach the guest
+/// (or listings) as text, so they are refused rather than left there.
+fn no_placeholders(
+    env_vars: Option<&BTreeMap<String, String>>,
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<(), ApiError> {
+    use crate::network::transform::has_placeholder;
+    for (field, map) in [("envVars", env_vars), ("metadata", metadata)] {
+        for (k, v) in map.into_iter().flatten() {
+            if has_placeholder(k) || has_placeholder(v) {
+                return Err(ApiError::bad_request(format!(
+                    "{field}[{k:?}]: secret placeholders (${{e2b.secrets.…}}) are resolved only \
+                     in network.rules header transforms; the guest never gets a secret's value"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<SandboxRecord, ApiError> {
     let req: NewSandbox = super::parse_json(body)?;
     let volume_mounts = match req.volume_mounts.as_ref().filter(|v| !is_empty_json(v)) {
         Some(m) => super::volumes::mounts_of(s, team, m)?,
         None => Vec::new(),
     };
-    for (field, value, why) in [("iam", &req.iam, "tine has no secrets or header transforms")] {
+    for (field, value, why) in [(
+        "iam",
+        &req.iam,
+        "tine has no workload identity tokens yet (secrets in network.rules work)",
+    )] {
         if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
             return Err(ApiError::bad_request(format!(
                 "{field} is not supported: {why}"
@@ -263,6 +288,7 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
         }
     }
     check_mcp(req.mcp.as_ref())?;
+    no_placeholders(req.env_vars.as_ref(), req.metadata.as_ref())?;
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
     let template_id = req

@@ -1,0 +1,366 @@
+//! The injecting proxy: for a connection whose host has header transforms
+//! (`network.rules`, [`super::transform`]), the sandbox's egress proxy
+//! speaks HTTP itself instead of splicing bytes. HTTPS is terminated with
+//! a certificate from the host's egress CA ([`super::ca`], trusted by the
+//! guest) and encrypted again to the real destination, whose certificate
+//! is verified against the host's trust store (plus
+//! `[network] upstream_ca_file`). Each request then gets its headers set,
+//! placeholders resolved from the team's secrets at that moment, so a
+//! value reaches only the destination: never the guest, its logs or
+//! tine's.
+//!
+//! HTTP/1.1 on both sides (the guest is offered only `http/1.1` by ALPN).
+//! A request whose `Host` differs from the TLS server name is refused
+//! (421), as is one to a host the policy does not allow (403). A
+//! placeholder naming a secret the team does not have refuses the request
+//! (502, and an event on the sandbox): it is never sent with the literal
+//! placeholder.
+
+use std::net::SocketAddrV4;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::rustls;
+
+use super::ca::EgressCa;
+use super::transform::Piece;
+use super::{Egress, Vault};
+
+/// How long the guest's TLS handshake with the proxy may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long dialling and the TLS handshake with the destination may take.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What every injecting connection of the host shares.
+pub struct Injector {
+    pub ca: Arc<EgressCa>,
+    /// TLS to destinations, verified against the host's trust store.
+    pub upstream: tokio_rustls::TlsConnector,
+    pub vault: Arc<dyn Vault>,
+}
+
+impl Injector {
+    /// The TLS client for destinations: the host's trust store, plus the
+    /// certificates in `extra` (PEM), if any.
+    pub fn upstream_connector(
+        extra: Option<&std::path::Path>,
+    ) -> Result<tokio_rustls::TlsConnector, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        let native = rustls_native_certs::load_native_certs();
+        for e in &native.errors {
+            tracing::warn!("the host's trust store: {e}");
+        }
+        let (_added, _ignored) = roots.add_parsable_certificates(native.certs);
+        if let Some(path) = extra {
+            use rustls::pki_types::pem::PemObject;
+            let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+                .map_err(|e| format!("network.upstream_ca_file {}: {e}", path.display()))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("network.upstream_ca_file {}: {e}", path.display()))?;
+            if certs.is_empty() {
+                return Err(format!(
+                    "network.upstream_ca_file {}: no certificate in it",
+                    path.display()
+                ));
+            }
+            for c in certs {
+                roots
+                    .add(c)
+                    .map_err(|e| format!("network.upstream_ca_file {}: {e}", path.display()))?;
+            }
+        }
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    }
+}
+
+/// A stream that first gives back bytes already read from it.
+struct Rewind {
+    head: Vec<u8>,
+    pos: usize,
+    inner: TcpStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.pos < self.head.len() {
+            let n = (self.head.len() - self.pos).min(buf.remaining());
+            let start = self.pos;
+            buf.put_slice(&self.head[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+fn text(status: StatusCode, msg: String) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(Bytes::from(format!("tine egress: {msg}\n")))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain"),
+    );
+    r.headers_mut()
+        .insert("x-tine-egress-error", HeaderValue::from_static("1"));
+    r
+}
+
+/// The destination side of one guest connection.
+enum Upstream {
+    Ready(tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Incoming>>),
+    /// Dialling or verifying the destination failed: every request gets
+    /// this as a 502.
+    Failed(String),
+}
+
+/// One guest connection being served.
+struct Conn {
+    egress: Arc<Egress>,
+    inject: Arc<Injector>,
+    dst: SocketAddrV4,
+    /// The TLS server name the guest asked for (HTTPS only).
+    sni: Option<String>,
+    upstream: Upstream,
+}
+
+/// Serve `conn` (whose first bytes, `head`, were read already) as an
+/// HTTP proxy that applies the sandbox's transforms.
+pub(super) async fn serve(
+    conn: TcpStream,
+    head: Vec<u8>,
+    dst: SocketAddrV4,
+    egress: Arc<Egress>,
+    inject: Arc<Injector>,
+) -> std::io::Result<()> {
+    let tls = head.first() == Some(&0x16);
+    let stream = Rewind {
+        head,
+        pos: 0,
+        inner: conn,
+    };
+    if !tls {
+        let upstream = dial_plain(&egress, dst).await;
+        let c = Arc::new(Conn {
+            egress,
+            inject,
+            dst,
+            sni: None,
+            upstream,
+        });
+        return http(TokioIo::new(stream), c).await;
+    }
+    let start = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream),
+    )
+    .await
+    .map_err(|_| std::io::Error::other("the guest's TLS hello timed out"))??;
+    let sni = start
+        .client_hello()
+        .server_name()
+        .map(str::to_ascii_lowercase);
+    let host = sni.clone().unwrap_or_else(|| dst.ip().to_string());
+    let config = inject
+        .ca
+        .server_config(&host)
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let guest_tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, start.into_stream(config))
+        .await
+        .map_err(|_| std::io::Error::other("the guest's TLS handshake timed out"))??;
+    let upstream = dial_tls(&egress, &inject, dst, &host).await;
+    let c = Arc::new(Conn {
+        egress,
+        inject,
+        dst,
+        sni,
+        upstream,
+    });
+    http(TokioIo::new(guest_tls), c).await
+}
+
+async fn handshake<S>(io: S, what: &str) -> Upstream
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    match hyper::client::conn::http1::handshake(TokioIo::new(io)).await {
+        Ok((sender, conn)) => {
+            tokio::spawn(conn);
+            Upstream::Ready(tokio::sync::Mutex::new(sender))
+        }
+        Err(e) => Upstream::Failed(format!("{what}: {e}")),
+    }
+}
+
+async fn dial_plain(egress: &Egress, dst: SocketAddrV4) -> Upstream {
+    match tokio::time::timeout(UPSTREAM_TIMEOUT, egress.guest.connect_out(dst)).await {
+        Ok(Ok(tcp)) => handshake(tcp, &format!("{dst}")).await,
+        Ok(Err(e)) => Upstream::Failed(format!("connecting to {dst}: {e}")),
+        Err(_) => Upstream::Failed(format!("connecting to {dst} timed out")),
+    }
+}
+
+async fn dial_tls(egress: &Egress, inject: &Injector, dst: SocketAddrV4, host: &str) -> Upstream {
+    let name = match rustls::pki_types::ServerName::try_from(host.to_string()) {
+        Ok(n) => n,
+        Err(e) => return Upstream::Failed(format!("{host:?} is not a TLS server name: {e}")),
+    };
+    let dial = async {
+        let tcp = egress
+            .guest
+            .connect_out(dst)
+            .await
+            .map_err(|e| format!("connecting to {dst}: {e}"))?;
+        inject
+            .upstream
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS to {host} ({dst}): {e}"))
+    };
+    match tokio::time::timeout(UPSTREAM_TIMEOUT, dial).await {
+        Ok(Ok(tls)) => handshake(tls, host).await,
+        Ok(Err(e)) => Upstream::Failed(e),
+        Err(_) => Upstream::Failed(format!("connecting to {host} ({dst}) timed out")),
+    }
+}
+
+async fn http<S>(io: TokioIo<S>, c: Arc<Conn>) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let c = c.clone();
+        async move { Ok::<_, std::convert::Infallible>(handle(&c, req).await) }
+    });
+    hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        .serve_connection(io, service)
+        .await
+        .map_err(std::io::Error::other)
+}
+
+/// The host a request names (`Host` without its port).
+fn host_of(req: &Request<Incoming>) -> Option<String> {
+    let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
+    let h = match h.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => h,
+    };
+    Some(h.trim_end_matches('.').to_ascii_lowercase())
+}
+
+async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
+    let host = host_of(&req).or_else(|| c.sni.clone());
+    if let (Some(sni), Some(h)) = (&c.sni, &host) {
+        if sni != h {
+            return text(
+                StatusCode::MISDIRECTED_REQUEST,
+                format!("Host {h:?} does not match the TLS server name {sni:?}"),
+            );
+        }
+    }
+    let ip = *c.dst.ip();
+    if !c.egress.policy.allows(&c.egress.site, ip, host.as_deref()) {
+        return text(
+            StatusCode::FORBIDDEN,
+            "blocked by the sandbox's network policy".into(),
+        );
+    }
+    if let Some(headers) = c.egress.policy.transforms.for_request(ip, host.as_deref()) {
+        for h in headers {
+            let mut value = String::new();
+            for piece in &h.value {
+                match piece {
+                    Piece::Text(t) => value.push_str(t),
+                    Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name) {
+                        Ok(Some(v)) => value.push_str(&v),
+                        Ok(None) => {
+                            let msg = format!(
+                                "request to {} refused: header {} names secret {name:?}, which does not exist",
+                                host.as_deref().unwrap_or("?"),
+                                h.name
+                            );
+                            c.inject.vault.note(&c.egress.sandbox, &msg);
+                            return text(StatusCode::BAD_GATEWAY, msg);
+                        }
+                        Err(e) => {
+                            tracing::error!(sandbox = %c.egress.sandbox, "egress: reading secret {name:?}: {e}");
+                            return text(
+                                StatusCode::BAD_GATEWAY,
+                                format!("secret {name:?} could not be read"),
+                            );
+                        }
+                    },
+                }
+            }
+            match HeaderValue::from_str(&value) {
+                Ok(mut v) => {
+                    v.set_sensitive(true);
+                    req.headers_mut().insert(h.name.clone(), v);
+                }
+                Err(_) => {
+                    return text(
+                        StatusCode::BAD_GATEWAY,
+                        format!("header {} would not be a valid header value", h.name),
+                    )
+                }
+            }
+        }
+    }
+    let sender = match &c.upstream {
+        Upstream::Ready(s) => s,
+        Upstream::Failed(e) => return text(StatusCode::BAD_GATEWAY, e.clone()),
+    };
+    let mut sender = sender.lock().await;
+    if sender.ready().await.is_err() {
+        return text(
+            StatusCode::BAD_GATEWAY,
+            "the destination closed the connection".into(),
+        );
+    }
+    match sender.send_request(req).await {
+        Ok(resp) => resp.map(|b| b.boxed()),
+        Err(e) => text(StatusCode::BAD_GATEWAY, format!("forwarding: {e}")),
+    }
+}

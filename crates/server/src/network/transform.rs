@@ -1,0 +1,331 @@
+//! `network.rules`: per-host header transforms, checked at create and
+//! `update_network`, and applied by the egress proxy ([`super::inject`]).
+//!
+//! A rule's key is a domain (`api.example.com`, `*.example.com`), an IPv4
+//! address or a CIDR; its transforms set or replace request headers.
+//! Header values may carry placeholders that only the proxy resolves:
+//! `${e2b.secrets.<name>}` (the team's secret, [`crate::secrets`]) and
+//! `${e2b.identity.tokens.<name>}` (workload identity, which tine does not
+//! have yet: refused). Any other `${e2b.…}` is refused, so a typo cannot
+//! reach the destination as literal text.
+
+use std::net::Ipv4Addr;
+
+use tine_vmm::Net4;
+
+use super::policy::Domain;
+
+/// Rules (hosts) one policy may hold, and headers one host may set.
+pub const MAX_RULE_HOSTS: usize = 64;
+pub const MAX_HEADERS: usize = 32;
+/// Bytes of one header value as written (placeholders unresolved).
+pub const MAX_VALUE: usize = 8192;
+
+const SECRET: &str = "${e2b.secrets.";
+const TOKEN: &str = "${e2b.identity.tokens.";
+
+/// Headers a transform may not set: they frame or route the request.
+const RESERVED: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+];
+
+/// One piece of a header value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    Text(String),
+    Secret(String),
+}
+
+/// A header to set, its value with placeholders.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderSet {
+    pub name: http::HeaderName,
+    pub value: Vec<Piece>,
+}
+
+/// What a rule's key matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostMatch {
+    Name(Domain),
+    Net(Net4),
+}
+
+/// The transforms for one host key, in the order given (a later header of
+/// the same name wins).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRule {
+    pub host: HostMatch,
+    pub headers: Vec<HeaderSet>,
+}
+
+/// The rules of a policy, checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Transforms {
+    pub rules: Vec<HostRule>,
+}
+
+impl Transforms {
+    /// Check `network.rules` (host → list of `{"transform": {"headers":
+    /// {...}}}`).
+    pub fn parse(
+        rules: &std::collections::BTreeMap<String, Vec<serde_json::Value>>,
+    ) -> Result<Self, String> {
+        if rules.len() > MAX_RULE_HOSTS {
+            return Err(format!(
+                "network.rules has {} hosts; at most {MAX_RULE_HOSTS} are allowed",
+                rules.len()
+            ));
+        }
+        let mut out = Vec::new();
+        for (key, list) in rules {
+            let host = host_match(key)?;
+            let mut headers = Vec::new();
+            for rule in list {
+                headers.extend(rule_headers(key, rule)?);
+            }
+            if headers.len() > MAX_HEADERS {
+                return Err(format!(
+                    "network.rules[{key:?}] sets {} headers; at most {MAX_HEADERS}",
+                    headers.len()
+                ));
+            }
+            if !headers.is_empty() {
+                out.push(HostRule { host, headers });
+            }
+        }
+        Ok(Self { rules: out })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
+    /// The headers to set on a request to `ip` for `host` (every matching
+    /// rule, in order), or `None` when no rule matches.
+    pub fn for_request(&self, ip: Ipv4Addr, host: Option<&str>) -> Option<Vec<&HeaderSet>> {
+        let mut matched = false;
+        let mut out: Vec<&HeaderSet> = Vec::new();
+        for r in &self.rules {
+            let hit = match &r.host {
+                HostMatch::Name(d) => host.is_some_and(|h| d.matches(h)),
+                HostMatch::Net(n) => n.contains(ip),
+            };
+            if hit {
+                matched = true;
+                for h in &r.headers {
+                    out.retain(|o| o.name != h.name);
+                    out.push(h);
+                }
+            }
+        }
+        matched.then_some(out)
+    }
+
+    /// Whether a connection to `ip` naming `host` goes through the
+    /// injecting proxy.
+    pub fn intercepts(&self, ip: Ipv4Addr, host: Option<&str>) -> bool {
+        self.for_request(ip, host).is_some()
+    }
+}
+
+fn host_match(key: &str) -> Result<HostMatch, String> {
+    let k = key.trim();
+    let numeric = !k.is_empty()
+        && k.bytes()
+            .all(|b| b.is_ascii_digit() || b == b'.' || b == b'/');
+    if numeric {
+        return Net4::parse(k)
+            .map(HostMatch::Net)
+            .ok_or_else(|| format!("network.rules: {key:?} is not a valid IPv4 address or CIDR"));
+    }
+    Domain::parse(k).map(HostMatch::Name).ok_or_else(|| {
+        format!("network.rules: {key:?} is not a domain name, an IPv4 address or a CIDR")
+    })
+}
+
+fn rule_headers(key: &str, rule: &serde_json::Value) -> Result<Vec<HeaderSet>, String> {
+    let where_ = format!("network.rules[{key:?}]");
+    let obj = rule
+        .as_object()
+        .ok_or_else(|| format!("{where_}: each rule is an object"))?;
+    if let Some(k) = obj.keys().find(|k| k.as_str() != "transform") {
+        return Err(format!(
+            "{where_}: unknown rule field {k:?} (tine knows \"transform\")"
+        ));
+    }
+    let Some(t) = obj.get("transform").filter(|t| !t.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let t = t
+        .as_object()
+        .ok_or_else(|| format!("{where_}.transform must be an object"))?;
+    if let Some(k) = t.keys().find(|k| k.as_str() != "headers") {
+        return Err(format!(
+            "{where_}.transform: {k:?} is not supported (tine transforms headers)"
+        ));
+    }
+    let Some(h) = t.get("headers").filter(|h| !h.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let h = h
+        .as_object()
+        .ok_or_else(|| format!("{where_}.transform.headers must map names to strings"))?;
+    let mut out = Vec::new();
+    for (name, value) in h {
+        let value = value
+            .as_str()
+            .ok_or_else(|| format!("{where_}.transform.headers[{name:?}] must be a string"))?;
+        if name.contains("${") {
+            return Err(format!(
+                "{where_}: header name {name:?}: placeholders go in header values only"
+            ));
+        }
+        let hn = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("{where_}: {name:?} is not a valid header name"))?;
+        if RESERVED.contains(&hn.as_str()) {
+            return Err(format!(
+                "{where_}: header {name:?} frames or routes the request; a transform cannot set it"
+            ));
+        }
+        out.push(HeaderSet {
+            name: hn,
+            value: parse_value(&format!("{where_}.transform.headers[{name:?}]"), value)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Split a header value into text and placeholders.
+pub fn parse_value(where_: &str, value: &str) -> Result<Vec<Piece>, String> {
+    if value.len() > MAX_VALUE {
+        return Err(format!(
+            "{where_}: {} bytes; at most {MAX_VALUE}",
+            value.len()
+        ));
+    }
+    if value.chars().any(|c| c.is_control() && c != '\t') {
+        return Err(format!(
+            "{where_}: control characters cannot be in a header"
+        ));
+    }
+    let mut out = Vec::new();
+    let mut rest = value;
+    while let Some(at) = rest.find("${e2b.") {
+        if at > 0 {
+            out.push(Piece::Text(rest[..at].to_string()));
+        }
+        let tail = &rest[at..];
+        let end = tail
+            .find('}')
+            .ok_or_else(|| format!("{where_}: a placeholder is not closed with '}}'"))?;
+        let inner = &tail[..end];
+        if let Some(name) = inner.strip_prefix(SECRET) {
+            if !crate::secrets::valid_name(name) || name.contains('$') {
+                return Err(format!(
+                    "{where_}: {:?} does not name a secret",
+                    &tail[..=end]
+                ));
+            }
+            out.push(Piece::Secret(name.to_string()));
+        } else if inner.starts_with(TOKEN) {
+            return Err(format!(
+                "{where_}: workload identity tokens ({:?}) are not supported by tine",
+                &tail[..=end]
+            ));
+        } else {
+            return Err(format!(
+                "{where_}: unknown placeholder {:?} (tine resolves ${{e2b.secrets.<name>}})",
+                &tail[..=end]
+            ));
+        }
+        rest = &tail[end + 1..];
+    }
+    if !rest.is_empty() {
+        out.push(Piece::Text(rest.to_string()));
+    }
+    Ok(out)
+}
+
+/// Whether `s` carries a secret placeholder (refused where it would reach
+/// the guest: env vars, metadata, commands' environments).
+pub fn has_placeholder(s: &str) -> bool {
+    s.contains(SECRET)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rules(v: serde_json::Value) -> Result<Transforms, String> {
+        let m: std::collections::BTreeMap<String, Vec<serde_json::Value>> =
+            serde_json::from_value(v).unwrap();
+        Transforms::parse(&m)
+    }
+
+    #[test]
+    fn placeholders_split_and_rules_match_by_name_or_address() {
+        let t = rules(json!({
+            "api.test": [
+                {"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.key-1}"}}},
+                {"transform": {"headers": {"authorization": "Token ${e2b.secrets.k2}!", "X-A": "${HOME}"}}}
+            ],
+            "203.0.113.0/24": [{"transform": {"headers": {"X-Net": "n"}}}],
+            "*.pkg.test": [{}]
+        }))
+        .unwrap();
+        let ip = Ipv4Addr::new(198, 51, 100, 1);
+        let got = t.for_request(ip, Some("API.test")).unwrap();
+        assert_eq!(
+            got.len(),
+            2,
+            "a later rule's header replaces an earlier one"
+        );
+        let by = |n: &str| got.iter().find(|h| h.name.as_str() == n).unwrap();
+        assert_eq!(
+            by("authorization").value,
+            vec![
+                Piece::Text("Token ".into()),
+                Piece::Secret("k2".into()),
+                Piece::Text("!".into())
+            ]
+        );
+        assert_eq!(by("x-a").value, vec![Piece::Text("${HOME}".into())]);
+        assert!(t.for_request(ip, Some("other.test")).is_none());
+        assert!(
+            t.for_request(ip, Some("a.pkg.test")).is_none(),
+            "no transform, no rule"
+        );
+        let net = t.for_request(Ipv4Addr::new(203, 0, 113, 9), None).unwrap();
+        assert_eq!(net[0].name.as_str(), "x-net");
+    }
+
+    #[test]
+    fn bad_rules_are_refused_with_a_message() {
+        let err = |v| rules(v).unwrap_err();
+        let h = |k: &str, v: &str| json!({ "api.test": [{"transform": {"headers": {k: v}}}] });
+        assert!(err(json!({"not a domain!": []})).contains("not a domain"));
+        assert!(err(json!({"10.0.0.0/40": []})).contains("IPv4"));
+        assert!(err(h("Host", "x")).contains("cannot set"));
+        assert!(err(h("Bad Name", "x")).contains("valid header name"));
+        assert!(err(h("X-${e2b.secrets.a}", "x")).contains("values only"));
+        assert!(err(h("X", "a\r\nb")).contains("control"));
+        assert!(err(h("X", "${e2b.secrets.a")).contains("not closed"));
+        assert!(err(h("X", "${e2b.secrets.}")).contains("does not name"));
+        assert!(err(h("X", "${e2b.secret.a}")).contains("unknown placeholder"));
+        assert!(err(h("X", "${e2b.identity.tokens.aws}")).contains("not supported"));
+        assert!(err(json!({"api.test": [{"transform": {"body": "x"}}]})).contains("not supported"));
+        assert!(err(json!({"api.test": [{"match": 1}]})).contains("unknown rule field"));
+        assert!(has_placeholder("x ${e2b.secrets.a}"));
+        assert!(!has_placeholder("${HOME}"));
+    }
+}
