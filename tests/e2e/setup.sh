@@ -87,7 +87,8 @@ PY
     fi
 }
 log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
-py_venv "$VENV" "${PY_PACKAGES[@]}" "mcp==2.3.0"
+# PyJWT and cryptography: the relying party of the workload identity tests.
+py_venv "$VENV" "${PY_PACKAGES[@]}" "mcp==2.3.0" "PyJWT==2.15.1" "cryptography==51.0.1"
 log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
 py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
 log "Python E2B SDK ${E2B_PY_BETWEEN} in ${VENV_BETWEEN}"

@@ -137,7 +137,15 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         db.clone(),
         crate::secrets::Cipher::load_or_create(&key_file).context("the key of secrets")?,
     ));
-    network.set_vault(secrets.clone(), db.clone());
+    let identity = Arc::new(
+        crate::identity::Identity::open(
+            &paths.data_dir.join("identity"),
+            &config.identity,
+            format!("http://{}", config.listen),
+        )
+        .context("workload identity keys")?,
+    );
+    network.set_vault(secrets.clone(), identity.clone(), db.clone());
     let manager = Arc::new(sandboxes::Manager::new(
         config, db, driver, templates, network, exports,
     ));
@@ -189,6 +197,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     let state = Arc::new(AppState {
         volumes,
         secrets,
+        identity,
         client: guest_client::client(manager.clone()),
         manager,
         metrics: Arc::new(metrics::Metrics::default()),

@@ -149,6 +149,8 @@ pub struct Config {
     /// Cluster mode (`[cluster]`): this server is a node behind gateways
     /// (docs/cluster.md).
     pub cluster: crate::cluster::ClusterConfig,
+    /// Workload identity tokens (`[identity]`, see docs/security.md).
+    pub identity: crate::identity::IdentityConfig,
 }
 
 /// What one team may hold at once; a create, resume, fork or snapshot
@@ -208,6 +210,7 @@ impl Default for Config {
             require_kvm: false,
             teams: Default::default(),
             cluster: Default::default(),
+            identity: Default::default(),
         }
     }
 }
@@ -275,6 +278,7 @@ impl Config {
         if self.max_concurrent_builds == 0 {
             return bad("max_concurrent_builds must be at least 1");
         }
+        self.identity.validate().map_err(ConfigError::Invalid)?;
         if !(self.max_sandboxes_per_core >= 0.0 && self.max_sandboxes_per_core.is_finite()) {
             return bad("max_sandboxes_per_core must be a number, at least 0 (0: no bound)");
         }

@@ -20,6 +20,7 @@ pub mod gateway;
 pub use tine_vmm::failpoint;
 pub mod guest_client;
 mod guest_tls;
+pub mod identity;
 pub mod ids;
 pub mod metrics;
 pub mod model;

@@ -113,6 +113,8 @@ pub struct SandboxRecord {
     /// Volumes mounted into it (children of a fork and sandboxes from its
     /// snapshots keep them: their guests have them mounted).
     pub volume_mounts: Vec<crate::volumes::VolumeMount>,
+    /// Workload identity tokens it may use (`iam.tokens`).
+    pub iam: crate::identity::Iam,
 }
 
 #[cfg(test)]

@@ -30,4 +30,6 @@ pub struct AppState {
     pub volumes: Arc<crate::volumes::Volumes>,
     /// Secrets (written here, read only by egress proxies).
     pub secrets: Arc<crate::secrets::Secrets>,
+    /// Workload identity: its keys are published at `/.well-known/`.
+    pub identity: Arc<crate::identity::Identity>,
 }

@@ -4,7 +4,8 @@ every address of the namespace. Each answer names the address it arrived
 at and the Host it was sent with; `/bytes?n=N` streams N zero bytes;
 `/headers` answers the request's headers as JSON, each value replaced by
 its SHA-256 (so a test sees what arrived without the sandbox seeing a
-secret). A DNS server on UDP port 53 answers every A query with
+secret), and records it in full in seen.jsonl beside CERT, for the test on
+the host. A DNS server on UDP port 53 answers every A query with
 203.0.113.10.
 
 Usage: inet_server.py CERT KEY
@@ -13,12 +14,16 @@ Usage: inet_server.py CERT KEY
 import hashlib
 import http.server
 import json
+import os
 import socket
 import socketserver
 import ssl
 import sys
 import threading
 import urllib.parse
+
+
+SEEN = None  # where /headers requests are recorded in full (main sets it)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -38,6 +43,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 n -= k
             return
         if url.path == "/headers":
+            # The relying party's side: what arrived, in clear, for the
+            # test on the host only (the answer carries hashes).
+            with open(SEEN, "a") as log:
+                log.write(json.dumps({"path": self.path, "headers": dict(self.headers.items())}) + "\n")
             seen = {}
             for k, v in self.headers.items():
                 seen.setdefault(k.lower(), []).append(hashlib.sha256(v.encode()).hexdigest())
@@ -97,7 +106,9 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 def main():
+    global SEEN
     cert, key = sys.argv[1], sys.argv[2]
+    SEEN = os.path.join(os.path.dirname(os.path.abspath(cert)), "seen.jsonl")
     plain = Server(("0.0.0.0", 80), Handler)
     tls = Server(("0.0.0.0", 443), Handler)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

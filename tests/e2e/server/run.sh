@@ -96,6 +96,10 @@ upstream_ca_file = "/run/tine-e2e-inet/ca.pem"
 # Small, so a test can fill and rotate it quickly.
 console_max_bytes = 65536
 
+# Short-lived workload identity tokens, so a test sees one expire.
+[identity]
+token_ttl_secs = 8
+
 # test_isolation.py's team with limits (the default team has none).
 [teams.limited]
 max_sandboxes = 1

@@ -37,6 +37,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(system::metrics))
         .route("/openapi.yaml", get(system::openapi))
         .route(
+            "/.well-known/openid-configuration",
+            get(system::oidc_discovery),
+        )
+        .route("/.well-known/jwks.json", get(system::jwks))
+        .route(
             "/sandboxes",
             post(sandboxes::create).get(sandboxes::list_v1),
         )

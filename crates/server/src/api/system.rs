@@ -62,3 +62,19 @@ pub async fn method_not_allowed(req: Request) -> ApiError {
         format!("{} is not allowed on {}", req.method(), req.uri().path()),
     )
 }
+
+/// `GET /.well-known/openid-configuration`: where relying parties find the
+/// keys of workload identity tokens (no key needed: they are public).
+pub async fn oidc_discovery(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    axum::Json(state.identity.discovery())
+}
+
+/// `GET /.well-known/jwks.json`: the keys workload identity tokens are
+/// signed with (the current one and those retired while their tokens
+/// live).
+pub async fn jwks(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    (
+        [(header::CACHE_CONTROL, "max-age=60")],
+        axum::Json(state.identity.jwks()),
+    )
+}

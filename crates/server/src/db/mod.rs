@@ -182,6 +182,10 @@ CREATE TABLE volumes (
     r#"
 ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';
 "#,
+    // Workload identity tokens of each sandbox (JSON map, crate::identity).
+    r#"
+ALTER TABLE sandboxes ADD COLUMN iam TEXT NOT NULL DEFAULT '{}';
+"#,
     // Secrets (crate::secrets): the current version, sealed.
     r#"
 CREATE TABLE secrets (

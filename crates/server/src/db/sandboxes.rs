@@ -10,7 +10,7 @@ use crate::model::{SandboxRecord, SandboxState};
 const COLUMNS: &str =
     "id, template_id, alias, client_id, state, metadata, env_vars, cpu_count, memory_mb, \
      disk_size_mb, envd_version, envd_access_token, started_at_ms, end_at_ms, auto_pause, error, \
-     network, traffic_token, lifecycle, team, volume_mounts";
+     network, traffic_token, lifecycle, team, volume_mounts, iam";
 
 fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord, DbError>> {
     let state: String = row.get(4)?;
@@ -19,6 +19,7 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
     let network: String = row.get(16)?;
     let lifecycle: String = row.get(18)?;
     let volume_mounts: String = row.get(20)?;
+    let iam: String = row.get(21)?;
     let id: String = row.get(0)?;
     let parse_map = |s: &str, what: &str| {
         serde_json::from_str::<BTreeMap<String, String>>(s)
@@ -51,6 +52,8 @@ fn from_row(row: &Row<'_>) -> rusqlite::Result<std::result::Result<SandboxRecord
             team: row.get(19)?,
             volume_mounts: serde_json::from_str(&volume_mounts)
                 .map_err(|_| DbError::Corrupt(format!("volume_mounts of {id}")))?,
+            iam: serde_json::from_str(&iam)
+                .map_err(|_| DbError::Corrupt(format!("iam of {id}")))?,
         })
     };
     Ok(build())
@@ -429,7 +432,7 @@ impl Db {
 /// One sandbox row, on a connection or in a transaction.
 fn insert_sandbox_on(conn: &rusqlite::Connection, s: &SandboxRecord) -> Result<()> {
     conn.execute(
-        &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21)"),
+        &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15,?16,?17,?18,?19,?20,?21,?22)"),
         params![
             s.id,
             s.template_id,
@@ -452,6 +455,7 @@ fn insert_sandbox_on(conn: &rusqlite::Connection, s: &SandboxRecord) -> Result<(
             serde_json::to_string(&s.lifecycle).expect("a lifecycle serializes"),
             s.team,
             serde_json::to_string(&s.volume_mounts).expect("mounts serialize"),
+            serde_json::to_string(&s.iam).expect("iam serializes"),
         ],
     )?;
     Ok(())
@@ -485,6 +489,7 @@ mod tests {
             lifecycle: Default::default(),
             team: "default".into(),
             volume_mounts: Vec::new(),
+            iam: Default::default(),
         }
     }
 

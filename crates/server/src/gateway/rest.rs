@@ -20,6 +20,18 @@ pub async fn route(g: &Gateway, key: ClusterKey, req: Request) -> Result<Respons
         (Method::GET, "/sandboxes") => list(g, &key, query_of(&req), false).await,
         (Method::GET, "/v2/sandboxes") => list(g, &key, query_of(&req), true).await,
         (_, p) if super::volumes::handles(p) => super::volumes::route(g, &key, req).await,
+        // Each node keeps its secrets in its own database under its own
+        // key: stored through a gateway, a secret would be on one node
+        // only, and sandboxes elsewhere would not find it.
+        (_, p) if p == "/secrets" || p.starts_with("/secrets/") => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "secrets are not shared across a cluster yet: use them with a single tine server",
+        )),
+        // Each node signs with keys of its own.
+        (_, p) if p.starts_with("/.well-known/") => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "workload identity keys are per node: a cluster does not publish them yet",
+        )),
         _ => match sandbox_of(&path) {
             Some(id) => by_id(g, &key, id.to_string(), req).await,
             None => elsewhere(g, &key, req).await,

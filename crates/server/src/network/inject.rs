@@ -332,6 +332,31 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
                             );
                         }
                     },
+                    Piece::Token(name) => {
+                        let Some(spec) = c.egress.iam.get(name) else {
+                            let msg = format!(
+                                "request to {} refused: header {} names workload identity token {name:?}, which the sandbox did not register",
+                                host.as_deref().unwrap_or("?"),
+                                h.name
+                            );
+                            c.inject.vault.note(&c.egress.sandbox, &msg);
+                            return text(StatusCode::BAD_GATEWAY, msg);
+                        };
+                        match c
+                            .inject
+                            .vault
+                            .mint(&c.egress.team, &c.egress.sandbox, &spec.audience)
+                        {
+                            Ok(t) => value.push_str(&t),
+                            Err(e) => {
+                                tracing::error!(sandbox = %c.egress.sandbox, "egress: minting token {name:?}: {e}");
+                                return text(
+                                    StatusCode::BAD_GATEWAY,
+                                    format!("token {name:?} could not be minted"),
+                                );
+                            }
+                        }
+                    }
                 }
             }
             match HeaderValue::from_str(&value) {

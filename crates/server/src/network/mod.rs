@@ -39,11 +39,14 @@ pub trait Vault: Send + Sync {
     fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String>;
     /// Record `detail` as an event of sandbox `sandbox`.
     fn note(&self, sandbox: &str, detail: &str);
+    /// A workload identity token for `sandbox` of `team`, for `audience`.
+    fn mint(&self, team: &str, sandbox: &str, audience: &str) -> Result<String, String>;
 }
 
 /// The vault of a server: its secrets, and its database for events.
 struct ServerVault {
     secrets: Arc<crate::secrets::Secrets>,
+    identity: Arc<crate::identity::Identity>,
     db: Arc<crate::db::Db>,
 }
 
@@ -57,12 +60,19 @@ impl Vault for ServerVault {
             tracing::warn!(sandbox, "recording an egress event: {e}");
         }
     }
+    fn mint(&self, team: &str, sandbox: &str, audience: &str) -> Result<String, String> {
+        self.identity
+            .mint(team, sandbox, audience)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// One sandbox's egress: who it is and what it may reach.
 pub struct Egress {
     pub sandbox: String,
     pub team: String,
+    /// Its workload identity tokens, by name.
+    pub iam: crate::identity::Iam,
     pub guest: Guest,
     pub site: Arc<Site>,
     pub policy: Compiled,
@@ -183,14 +193,23 @@ impl Network {
     }
 
     /// Where secrets come from; header transforms work from then on.
-    pub fn set_vault(&self, secrets: Arc<crate::secrets::Secrets>, db: Arc<crate::db::Db>) {
+    pub fn set_vault(
+        &self,
+        secrets: Arc<crate::secrets::Secrets>,
+        identity: Arc<crate::identity::Identity>,
+        db: Arc<crate::db::Db>,
+    ) {
         let (Some(ca), Some(upstream)) = (&self.ca, &self.upstream) else {
             return;
         };
         let _ = self.inject.set(Arc::new(Injector {
             ca: ca.clone(),
             upstream: upstream.clone(),
-            vault: Arc::new(ServerVault { secrets, db }),
+            vault: Arc::new(ServerVault {
+                secrets,
+                identity,
+                db,
+            }),
         }));
     }
 
@@ -217,16 +236,16 @@ impl Network {
         })
     }
 
-    /// Give sandbox `id` (of `team`; its VM's network is `guest`) the
-    /// firewall of `policy`, with an egress proxy when the policy names
-    /// domains or transforms requests. Replaces whatever it had.
+    /// Give sandbox `rec` (its VM's network is `guest`) the firewall of
+    /// `policy`, with an egress proxy when the policy names domains or
+    /// transforms requests. Replaces whatever it had.
     pub async fn apply(
         &self,
-        id: &str,
-        team: &str,
+        rec: &crate::model::SandboxRecord,
         guest: &Guest,
         policy: &NetworkPolicy,
     ) -> Result<(), NetworkError> {
+        let id = rec.id.as_str();
         let t = std::time::Instant::now();
         let compiled = policy.compile().map_err(NetworkError::Invalid)?;
         if !compiled.transforms.is_empty() && self.inject.get().is_none() {
@@ -248,7 +267,8 @@ impl Network {
                 .map_err(NetworkError::Proxy)?;
             let egress = Arc::new(Egress {
                 sandbox: id.to_string(),
-                team: team.to_string(),
+                team: rec.team.clone(),
+                iam: rec.iam.clone(),
                 guest: guest.clone(),
                 site: self.site.clone(),
                 policy: compiled,

@@ -259,6 +259,11 @@ impl NetworkPolicy {
         })
     }
 
+    /// Every workload identity token the rules name is in `iam`.
+    pub fn check_tokens(&self, iam: &crate::identity::Iam) -> Result<(), String> {
+        self.compile()?.transforms.check_tokens(iam)
+    }
+
     /// Whether `get_host` traffic needs the traffic access token.
     pub fn private_traffic(&self) -> bool {
         self.allow_public_traffic == Some(false)

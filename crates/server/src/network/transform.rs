@@ -5,8 +5,8 @@
 //! address or a CIDR; its transforms set or replace request headers.
 //! Header values may carry placeholders that only the proxy resolves:
 //! `${e2b.secrets.<name>}` (the team's secret, [`crate::secrets`]) and
-//! `${e2b.identity.tokens.<name>}` (workload identity, which tine does not
-//! have yet: refused). Any other `${e2b.…}` is refused, so a typo cannot
+//! `${e2b.identity.tokens.<name>}` (a workload identity token the sandbox
+//! registered in `iam`, [`crate::identity`]). Any other `${e2b.…}` is refused, so a typo cannot
 //! reach the destination as literal text.
 
 use std::net::Ipv4Addr;
@@ -43,6 +43,8 @@ const RESERVED: &[&str] = &[
 pub enum Piece {
     Text(String),
     Secret(String),
+    /// A workload identity token the sandbox registered (`iam.tokens`).
+    Token(String),
 }
 
 /// A header to set, its value with placeholders.
@@ -107,6 +109,27 @@ impl Transforms {
 
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
+    }
+
+    /// Every workload identity token a header names must be registered
+    /// in the sandbox's `iam`.
+    pub fn check_tokens(&self, iam: &crate::identity::Iam) -> Result<(), String> {
+        for r in &self.rules {
+            for h in &r.headers {
+                for p in &h.value {
+                    if let Piece::Token(name) = p {
+                        if !iam.contains_key(name) {
+                            return Err(format!(
+                                "network.rules: header {} names workload identity token {name:?}, \
+                                 which the sandbox's iam.tokens does not register",
+                                h.name
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The headers to set on a request to `ip` for `host` (every matching
@@ -236,11 +259,14 @@ pub fn parse_value(where_: &str, value: &str) -> Result<Vec<Piece>, String> {
                 ));
             }
             out.push(Piece::Secret(name.to_string()));
-        } else if inner.starts_with(TOKEN) {
-            return Err(format!(
-                "{where_}: workload identity tokens ({:?}) are not supported by tine",
-                &tail[..=end]
-            ));
+        } else if let Some(name) = inner.strip_prefix(TOKEN) {
+            if !crate::secrets::valid_name(name) || name.contains('$') {
+                return Err(format!(
+                    "{where_}: {:?} does not name a token",
+                    &tail[..=end]
+                ));
+            }
+            out.push(Piece::Token(name.to_string()));
         } else {
             return Err(format!(
                 "{where_}: unknown placeholder {:?} (tine resolves ${{e2b.secrets.<name>}})",
@@ -322,7 +348,17 @@ mod tests {
         assert!(err(h("X", "${e2b.secrets.a")).contains("not closed"));
         assert!(err(h("X", "${e2b.secrets.}")).contains("does not name"));
         assert!(err(h("X", "${e2b.secret.a}")).contains("unknown placeholder"));
-        assert!(err(h("X", "${e2b.identity.tokens.aws}")).contains("not supported"));
+        assert!(err(h("X", "${e2b.identity.tokens.}")).contains("does not name a token"));
+        let t = rules(h("X", "Bearer ${e2b.identity.tokens.aws}")).unwrap();
+        assert!(t
+            .check_tokens(&Default::default())
+            .unwrap_err()
+            .contains("does not register"));
+        let iam = crate::identity::parse_iam(
+            &json!({"tokens": {"aws": {"audience": "a", "tokenType": "JWT-SVID"}}}),
+        )
+        .unwrap();
+        t.check_tokens(&iam).unwrap();
         assert!(err(json!({"api.test": [{"transform": {"body": "x"}}]})).contains("not supported"));
         assert!(err(json!({"api.test": [{"match": 1}]})).contains("unknown rule field"));
         assert!(has_placeholder("x ${e2b.secrets.a}"));

@@ -546,6 +546,7 @@ impl Manager {
             team: source_rec.team.clone(),
             // Their guests have the source's volumes mounted.
             volume_mounts: source_rec.volume_mounts.clone(),
+            iam: source_rec.iam.clone(),
             ..Default::default()
         };
         let machine = source.snapshot.info().machine;

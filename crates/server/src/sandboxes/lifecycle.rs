@@ -28,6 +28,8 @@ pub struct CreateRequest {
     pub team: String,
     /// Volumes to mount (checked already: each the team's, paths apart).
     pub volume_mounts: Vec<crate::volumes::VolumeMount>,
+    /// Workload identity tokens (checked already).
+    pub iam: crate::identity::Iam,
 }
 
 impl Manager {
@@ -124,15 +126,8 @@ impl Manager {
         // firewall and the guest's identity can be set at once; a guest
         // that mounts volumes waits for the firewall that lets it.
         let (network, init) = match mounts.is_empty() {
-            true => tokio::join!(
-                self.network.apply(&rec.id, &rec.team, &guest, &rec.network),
-                init()
-            ),
-            false => match self
-                .network
-                .apply(&rec.id, &rec.team, &guest, &rec.network)
-                .await
-            {
+            true => tokio::join!(self.network.apply(rec, &guest, &rec.network), init()),
+            false => match self.network.apply(rec, &guest, &rec.network).await {
                 Ok(()) => (Ok(()), init().await),
                 Err(e) => (Err(e), Ok(())),
             },
@@ -249,6 +244,7 @@ impl Manager {
             },
             team: req.team.clone(),
             volume_mounts: req.volume_mounts.clone(),
+            iam: req.iam.clone(),
         }
     }
 
@@ -273,6 +269,9 @@ impl Manager {
         if !source.template {
             if let Some(from) = self.snapshot_source(source.snapshot_id.as_deref())? {
                 req.network = req.network.or(Some(from.network));
+                if req.iam.is_empty() {
+                    req.iam = from.iam;
+                }
                 // Its guest has the snapshot's volumes mounted: they stay
                 // first (their ports), the request's others follow.
                 let mut mounts = from.volume_mounts;
@@ -414,9 +413,12 @@ impl Manager {
         policy.allow_public_traffic = rec.network.allow_public_traffic;
         policy.mask_request_host = rec.network.mask_request_host.clone();
         policy.https_ports = rec.network.https_ports.clone();
+        policy
+            .check_tokens(&rec.iam)
+            .map_err(SandboxError::InvalidArgument)?;
         if let Some(live) = self.live(id) {
             self.network
-                .apply(id, &rec.team, &live.guest, &policy)
+                .apply(&rec, &live.guest, &policy)
                 .await
                 .map_err(|source| SandboxError::Network {
                     id: id.to_string(),

@@ -57,11 +57,7 @@ impl Manager {
                     }
                     // The firewall lives in the namespace; the egress proxy
                     // (if any) lived in the previous process.
-                    if let Err(e) = self
-                        .network
-                        .apply(&rec.id, &rec.team, &guest, &rec.network)
-                        .await
-                    {
+                    if let Err(e) = self.network.apply(&rec, &guest, &rec.network).await {
                         tracing::warn!(sandbox = %rec.id, "re-applying its network policy: {e}");
                     }
                     // Its volume servers too (the guest reconnects).

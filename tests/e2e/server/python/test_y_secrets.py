@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import time
 import uuid
 
 import pytest
@@ -22,6 +23,8 @@ from e2b import Secret, SecretException, SecretNotFoundException
 from conftest import assert_error, http, new_sandbox
 
 HOST = "api.inet.test"
+SEEN = "/run/tine-e2e-inet/seen.jsonl"  # what the stand-in received, in full
+TOKEN_TTL = 8  # [identity] token_ttl_secs in ../run.sh
 OTHER = "other.inet.test"
 DATA = os.environ["TINE_DATA_DIR"]
 
@@ -217,6 +220,80 @@ def test_an_unknown_secret_refuses_the_request_and_records_why(fresh):
     assert any(missing in d for (d,) in rows), rows
 
 
+def arrived(mark):
+    """The headers of the stand-in's request whose path carries `mark`."""
+    with open(SEEN) as f:
+        for line in f:
+            doc = json.loads(line)
+            if mark in doc["path"]:
+                return {k.lower(): v for k, v in doc["headers"].items()}
+    raise AssertionError(f"no request with {mark} reached the stand-in")
+
+
+def test_workload_identity_tokens_verify_with_the_published_keys_and_expire(fresh):
+    import jwt  # PyJWT: the relying party
+
+    aud = f"https://relying.test/{uuid.uuid4().hex[:8]}"
+    s = fresh(
+        iam={"tokens": {"svc": Secret.iam_token(audience=aud, token_type="JWT-SVID")}},
+        network={
+            "rules": {
+                HOST: [
+                    {"transform": lambda ctx: {"headers": {"Authorization": f"Bearer {ctx.iam.tokens['svc']}"}}}
+                ]
+            }
+        },
+    )
+    mark = uuid.uuid4().hex
+    seen = headers_seen(s, f"https://{HOST}/headers?m={mark}")
+    token = arrived(mark)["authorization"].removeprefix("Bearer ")
+    assert seen["authorization"] == [sha("Bearer " + token)]
+    # Discovery and keys are public: no API key.
+    status, _, body = http("GET", "/.well-known/openid-configuration", key=None)
+    assert status == 200, body
+    doc = json.loads(body)
+    status, _, body = http("GET", "/" + doc["jwks_uri"].split("/", 3)[3], key=None)
+    assert status == 200, body
+    jwks = jwt.PyJWKSet.from_dict(json.loads(body))
+    kid = jwt.get_unverified_header(token)["kid"]
+    key = next(k for k in jwks.keys if k.key_id == kid)
+    claims = jwt.decode(token, key.key, algorithms=["ES256"], audience=aud, issuer=doc["issuer"])
+    assert claims["sub"].endswith(f"/sandbox/{s.sandbox_id}"), claims
+    assert claims["sub"].startswith("spiffe://")
+    assert claims["exp"] - claims["iat"] == TOKEN_TTL
+    with pytest.raises(jwt.InvalidAudienceError):
+        jwt.decode(token, key.key, algorithms=["ES256"], audience="https://someone-else.test")
+    # A second request gets a fresh token.
+    mark2 = uuid.uuid4().hex
+    headers_seen(s, f"http://{HOST}/headers?m={mark2}")
+    assert arrived(mark2)["authorization"] != "Bearer " + token
+    assert_nowhere_in_guest(s, token)
+    # Expired: refused by the same relying party.
+    time.sleep(max(0, claims["exp"] - time.time()) + 1)
+    with pytest.raises(jwt.ExpiredSignatureError):
+        jwt.decode(token, key.key, algorithms=["ES256"], audience=aud, leeway=0)
+
+
+def test_tokens_must_be_registered_and_of_a_known_type(fresh):
+    rule = {HOST: [{"transform": {"headers": {"Authorization": "Bearer ${e2b.identity.tokens.svc}"}}}]}
+    doc = assert_error(http("POST", "/sandboxes", {"templateID": "base", "network": {"rules": rule}}), 400)
+    assert "does not register" in doc["message"], doc
+    doc = assert_error(
+        http(
+            "POST",
+            "/sandboxes",
+            {"templateID": "base", "iam": {"tokens": {"svc": {"audience": "a", "tokenType": "X509-SVID"}}}},
+        ),
+        400,
+    )
+    assert "JWT-SVID" in doc["message"], doc
+    s = fresh()
+    doc = assert_error(
+        http("PUT", f"/sandboxes/{s.sandbox_id}/network", {"rules": rule}), 400
+    )
+    assert "does not register" in doc["message"], doc
+
+
 @pytest.mark.parametrize(
     "network, needle",
     [
@@ -224,7 +301,7 @@ def test_an_unknown_secret_refuses_the_request_and_records_why(fresh):
         ({"rules": {HOST: [{"transform": {"headers": {"X-${e2b.secrets.a}": "y"}}}]}}, "values only"),
         ({"rules": {HOST: [{"transform": {"headers": {"X": "${e2b.secret.a}"}}}]}}, "unknown placeholder"),
         ({"rules": {HOST: [{"transform": {"headers": {"Host": "${e2b.secrets.a}"}}}]}}, "cannot set"),
-        ({"rules": {HOST: [{"transform": {"headers": {"X": "${e2b.identity.tokens.aws}"}}}]}}, "not supported"),
+        ({"rules": {HOST: [{"transform": {"headers": {"X": "${e2b.identity.tokens.}"}}}]}}, "does not name a token"),
     ],
 )
 def test_bad_rules_are_refused_clearly(network, needle):

@@ -327,6 +327,7 @@ mod tests {
             lifecycle: Default::default(),
             team: "default".into(),
             volume_mounts: Vec::new(),
+            iam: Default::default(),
         }
     }
 }

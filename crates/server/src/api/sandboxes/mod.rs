@@ -276,21 +276,17 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
         Some(m) => super::volumes::mounts_of(s, team, m)?,
         None => Vec::new(),
     };
-    for (field, value, why) in [(
-        "iam",
-        &req.iam,
-        "tine has no workload identity tokens yet (secrets in network.rules work)",
-    )] {
-        if value.as_ref().is_some_and(|v| !is_empty_json(v)) {
-            return Err(ApiError::bad_request(format!(
-                "{field} is not supported: {why}"
-            )));
-        }
-    }
+    let iam = match req.iam.as_ref().filter(|v| !v.is_null()) {
+        Some(v) => crate::identity::parse_iam(v).map_err(ApiError::bad_request)?,
+        None => Default::default(),
+    };
     check_mcp(req.mcp.as_ref())?;
     no_placeholders(req.env_vars.as_ref(), req.metadata.as_ref())?;
     let lifecycle = lifecycle_of(&req)?;
     let network = super::network::from_create(req.network, req.allow_internet_access)?;
+    if let Some(n) = &network {
+        n.check_tokens(&iam).map_err(ApiError::bad_request)?;
+    }
     let template_id = req
         .template_id
         .unwrap_or_else(|| crate::templates::DEFAULT_TEMPLATE.into());
@@ -320,6 +316,7 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
             network,
             team: team.to_string(),
             volume_mounts,
+            iam,
         })
         .await?)
 }
