@@ -52,9 +52,11 @@ disk_report() {
         [[ -d "$d" ]] && dirs+=("$d")
     done
     info "disk: $(df -h --output=avail,used,size . | tail -1 | awk '{print $1 " free, " $2 " used of " $3}')"
+    # (du counts a file once per call: the totals and the biggest parts apart.)
+    du -sh "${dirs[@]}" 2>/dev/null | sed 's/^/      /' >&2 || true
     # shellcheck disable=SC2046
-    du -sh "${dirs[@]}" $(find "${dirs[@]}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null) 2>/dev/null \
-        | sort -h | tail -6 | sed 's/^/      /' >&2 || true
+    du -sh $(find "${dirs[@]}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null) 2>/dev/null \
+        | sort -h | tail -5 | sed 's/^/      /' >&2 || true
 }
 
 # recipe_hash FILE... [-- STRING...]

@@ -120,6 +120,9 @@ pub struct EgressRules {
     /// New TCP connections to [`INTERCEPTED_PORTS`] go to this port of the
     /// gateway, where an egress proxy decides by name.
     pub proxy_port: Option<u16>,
+    /// With `proxy_port`: every new TCP connection goes there, not only
+    /// those to the intercepted ports (the proxy tunnels them).
+    pub tunnel_all: bool,
 }
 
 impl EgressRules {
@@ -133,6 +136,7 @@ impl EgressRules {
             deny: vec![Net4::ALL],
             resolver: None,
             proxy_port: None,
+            tunnel_all: false,
         }
     }
 }
@@ -174,13 +178,22 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
             );
         }
     }
-    if let Some(port) = r.proxy_port {
-        let ports: Vec<String> = INTERCEPTED_PORTS.iter().map(|p| p.to_string()).collect();
-        let _ = writeln!(
-            o,
-            "    iifname \"{tap}\" ip daddr != {gw} tcp dport {{ {} }} redirect to :{port}",
-            ports.join(", ")
-        );
+    match r.proxy_port {
+        Some(port) if r.tunnel_all => {
+            let _ = writeln!(
+                o,
+                "    iifname \"{tap}\" ip daddr != {gw} meta l4proto tcp redirect to :{port}"
+            );
+        }
+        Some(port) => {
+            let ports: Vec<String> = INTERCEPTED_PORTS.iter().map(|p| p.to_string()).collect();
+            let _ = writeln!(
+                o,
+                "    iifname \"{tap}\" ip daddr != {gw} tcp dport {{ {} }} redirect to :{port}",
+                ports.join(", ")
+            );
+        }
+        None => {}
     }
     o.push_str("  }\n");
     let _ = writeln!(
@@ -385,6 +398,10 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("iifname \"tap0\" tcp dport 15080 accept"), "{s}");
+        r.tunnel_all = true;
+        let t = render(&r, true);
+        assert!(t.contains("meta l4proto tcp redirect to :15080"), "{t}");
+        assert!(!t.contains("dport { 80, 443 }"), "{t}");
         assert!(s.contains("ct status dnat accept"));
         // Blocked ranges come before the allow list.
         assert!(s.find("@blocked").unwrap() < s.find("@allow accept").unwrap());

@@ -1,12 +1,14 @@
 """The stand-in "internet" host of the network tests, run inside the test's
-own network namespace: HTTP on port 80 and HTTPS (self-signed) on 443, on
-every address of the namespace. Each answer names the address it arrived
-at and the Host it was sent with; `/bytes?n=N` streams N zero bytes;
-`/headers` answers the request's headers as JSON, each value replaced by
-its SHA-256 (so a test sees what arrived without the sandbox seeing a
-secret), and records it in full in seen.jsonl beside CERT, for the test on
-the host. A DNS server on UDP port 53 answers every A query with
-203.0.113.10.
+own network namespace, on every address of the namespace:
+
+- HTTP on port 80 and HTTPS on 443 (a certificate for *.inet.test from the
+  test CA). Each answer names the address it arrived at and the Host it
+  was sent with; `/bytes?n=N` streams N zero bytes; `/headers` answers the
+  request's headers as JSON, each value replaced by its SHA-256 (a test
+  sees what arrived without the sandbox seeing a secret), and records them
+  in full in seen.jsonl beside CERT, for the test on the host;
+- TCP port 2222, whose server speaks first: "banner <address>";
+- DNS on UDP port 53, answering every A query with 203.0.113.10.
 
 Usage: inet_server.py CERT KEY
 """
@@ -105,6 +107,20 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
+def serve_banner(port):
+    """A TCP port whose server speaks first: "banner <local address>\\n"."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))
+    sock.listen(64)
+    while True:
+        conn, _ = sock.accept()
+        try:
+            conn.sendall(f"banner {conn.getsockname()[0]}\n".encode())
+        finally:
+            conn.close()
+
+
 def main():
     global SEEN
     cert, key = sys.argv[1], sys.argv[2]
@@ -116,6 +132,7 @@ def main():
     tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
     threading.Thread(target=tls.serve_forever, daemon=True).start()
     threading.Thread(target=serve_dns, daemon=True).start()
+    threading.Thread(target=serve_banner, args=(2222,), daemon=True).start()
     print("ready", flush=True)
     plain.serve_forever()
 

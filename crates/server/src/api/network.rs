@@ -10,12 +10,13 @@ use http::StatusCode;
 use serde::Deserialize;
 
 use super::{json_body, ApiError, Owned};
-use crate::network::policy::{NetworkPolicy, Unsupported};
+use crate::network::policy::NetworkPolicy;
 use crate::state::AppState;
 
 /// The policy a create request states, checked; `None` when it states
 /// none.
-pub(super) fn from_create(
+pub(super) async fn from_create(
+    s: &AppState,
     network: Option<serde_json::Value>,
     allow_internet_access: Option<bool>,
 ) -> Result<Option<NetworkPolicy>, ApiError> {
@@ -25,18 +26,29 @@ pub(super) fn from_create(
     let value = network
         .filter(|v| !v.is_null())
         .unwrap_or_else(|| serde_json::json!({}));
-    let (policy, unsupported) = parse(value)?;
-    let (policy, _) = policy
-        .from_request(allow_internet_access, &unsupported)
+    let (policy, _) = parse(value)?
+        .from_request(allow_internet_access)
         .map_err(ApiError::bad_request)?;
+    check_proxy(s, &policy).await?;
     Ok(Some(policy))
 }
 
-fn parse(value: serde_json::Value) -> Result<(NetworkPolicy, Unsupported), ApiError> {
-    let bad = |e: serde_json::Error| ApiError::bad_request(format!("invalid network: {e}"));
-    let policy: NetworkPolicy = serde_json::from_value(value.clone()).map_err(bad)?;
-    let unsupported: Unsupported = serde_json::from_value(value).map_err(bad)?;
-    Ok((policy, unsupported))
+fn parse(value: serde_json::Value) -> Result<NetworkPolicy, ApiError> {
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("invalid network: {e}")))
+}
+
+/// An egress proxy must resolve, to the internet, before the sandbox
+/// (or its new policy) exists.
+async fn check_proxy(s: &AppState, policy: &NetworkPolicy) -> Result<(), ApiError> {
+    if let Some(p) = &policy.egress_proxy {
+        s.manager
+            .network()
+            .check_proxy(p)
+            .await
+            .map_err(ApiError::bad_request)?;
+    }
+    Ok(())
 }
 
 /// `SandboxNetworkUpdateConfig`.
@@ -56,14 +68,15 @@ pub async fn update(
     body: axum::body::Body,
 ) -> Result<StatusCode, ApiError> {
     let b: UpdateBody = json_body(body, s.manager.config.max_body_bytes).await?;
-    let (mut policy, unsupported) = parse(serde_json::Value::Object(b.rest))?;
+    let mut policy = parse(serde_json::Value::Object(b.rest))?;
     // Inbound settings are not part of an update.
     policy.allow_public_traffic = None;
     policy.mask_request_host = None;
     policy.https_ports = None;
     let (policy, _) = policy
-        .from_request(b.allow_internet_access, &unsupported)
+        .from_request(b.allow_internet_access)
         .map_err(ApiError::bad_request)?;
+    check_proxy(&s, &policy).await?;
     s.manager.update_network(&id, policy).await?;
     Ok(StatusCode::NO_CONTENT)
 }

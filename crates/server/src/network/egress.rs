@@ -125,9 +125,15 @@ async fn serve(
 ) -> std::io::Result<()> {
     let dst = original_dst(&conn)?;
     let mut head = Vec::new();
-    let name = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut conn, &mut head))
-        .await
-        .unwrap_or(None);
+    // Only connections to ports 80 and 443 name their host; others (sent
+    // here to be tunnelled) may wait for the server to speak first.
+    let name = if tine_vmm::firewall::INTERCEPTED_PORTS.contains(&dst.port()) {
+        tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut conn, &mut head))
+            .await
+            .unwrap_or(None)
+    } else {
+        None
+    };
     let allowed = egress
         .policy
         .allows(&egress.site, *dst.ip(), name.as_deref());
@@ -157,7 +163,7 @@ async fn serve(
             )),
         };
     }
-    let mut upstream = tokio::time::timeout(DIAL_TIMEOUT, egress.guest.connect_out(dst))
+    let mut upstream = tokio::time::timeout(DIAL_TIMEOUT, egress.dial(dst))
         .await
         .map_err(|_| std::io::Error::other(format!("dialling {dst} timed out")))??;
     upstream.write_all(&head).await?;

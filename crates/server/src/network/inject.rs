@@ -49,11 +49,23 @@ pub struct Injector {
 }
 
 impl Injector {
-    /// The TLS client for destinations: the host's trust store, plus the
-    /// certificates in `extra` (PEM), if any.
+    /// The TLS client for destinations, trusting `roots`.
     pub fn upstream_connector(
-        extra: Option<&std::path::Path>,
+        roots: Arc<rustls::RootCertStore>,
     ) -> Result<tokio_rustls::TlsConnector, String> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    }
+
+    /// The host's trust store, plus the certificates in `extra` (PEM), if
+    /// any.
+    pub fn host_roots(extra: Option<&std::path::Path>) -> Result<rustls::RootCertStore, String> {
         let mut roots = rustls::RootCertStore::empty();
         let native = rustls_native_certs::load_native_certs();
         for e in &native.errors {
@@ -78,14 +90,7 @@ impl Injector {
                     .map_err(|e| format!("network.upstream_ca_file {}: {e}", path.display()))?;
             }
         }
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+        Ok(roots)
     }
 }
 
@@ -234,7 +239,7 @@ where
 }
 
 async fn dial_plain(egress: &Egress, dst: SocketAddrV4) -> Upstream {
-    match tokio::time::timeout(UPSTREAM_TIMEOUT, egress.guest.connect_out(dst)).await {
+    match tokio::time::timeout(UPSTREAM_TIMEOUT, egress.dial(dst)).await {
         Ok(Ok(tcp)) => handshake(tcp, &format!("{dst}")).await,
         Ok(Err(e)) => Upstream::Failed(format!("connecting to {dst}: {e}")),
         Err(_) => Upstream::Failed(format!("connecting to {dst} timed out")),
@@ -248,8 +253,7 @@ async fn dial_tls(egress: &Egress, inject: &Injector, dst: SocketAddrV4, host: &
     };
     let dial = async {
         let tcp = egress
-            .guest
-            .connect_out(dst)
+            .dial(dst)
             .await
             .map_err(|e| format!("connecting to {dst}: {e}"))?;
         inject

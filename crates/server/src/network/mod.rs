@@ -19,6 +19,7 @@ mod inject;
 pub mod policy;
 mod sniff;
 pub mod transform;
+pub mod tunnel;
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -76,6 +77,19 @@ pub struct Egress {
     pub guest: Guest,
     pub site: Arc<Site>,
     pub policy: Compiled,
+    /// The SOCKS5 proxy its TCP goes through (`network.egress_proxy`).
+    pub tunnel: Option<tunnel::Tunnel>,
+}
+
+impl Egress {
+    /// A stream to `dst`: from the sandbox's namespace, through its
+    /// egress proxy when it has one.
+    pub async fn dial(&self, dst: std::net::SocketAddrV4) -> std::io::Result<tunnel::Stream> {
+        match &self.tunnel {
+            Some(t) => t.dial(&self.guest, &self.site, dst).await,
+            None => Ok(Box::pin(self.guest.connect_out(dst).await?)),
+        }
+    }
 }
 
 /// The `[network]` section of the server's configuration.
@@ -176,6 +190,8 @@ pub struct Network {
     /// The host's egress CA (`None` in unit tests without a data dir).
     ca: Option<Arc<ca::EgressCa>>,
     upstream: Option<tokio_rustls::TlsConnector>,
+    /// The host's trust store (and `upstream_ca_file`).
+    roots: Arc<tokio_rustls::rustls::RootCertStore>,
     inject: OnceLock<Arc<Injector>>,
 }
 
@@ -186,10 +202,18 @@ impl Network {
         let ca =
             ca::EgressCa::load_or_create(&data_dir.join("egress-ca")).map_err(|e| e.to_string())?;
         n.ca = Some(Arc::new(ca));
-        n.upstream = Some(Injector::upstream_connector(
-            config.upstream_ca_file.as_deref(),
-        )?);
+        n.roots = Arc::new(Injector::host_roots(config.upstream_ca_file.as_deref())?);
+        n.upstream = Some(Injector::upstream_connector(n.roots.clone())?);
         Ok(n)
+    }
+
+    /// Whether `proxy` can be used: checked, resolving to the internet.
+    pub async fn check_proxy(&self, proxy: &tunnel::EgressProxyConfig) -> Result<(), String> {
+        let t = tunnel::Tunnel::new(proxy, &self.roots)?;
+        t.resolve(&self.site)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("network.egress_proxy: {e}"))
     }
 
     /// Where secrets come from; header transforms work from then on.
@@ -232,6 +256,7 @@ impl Network {
             proxies: Mutex::new(HashMap::new()),
             ca: None,
             upstream: None,
+            roots: Arc::new(tokio_rustls::rustls::RootCertStore::empty()),
             inject: OnceLock::new(),
         })
     }
@@ -265,6 +290,12 @@ impl Network {
             let listener = guest
                 .listen(policy::PROXY_PORT)
                 .map_err(NetworkError::Proxy)?;
+            let tunnel = match &compiled.egress_proxy {
+                Some(p) => {
+                    Some(tunnel::Tunnel::new(p, &self.roots).map_err(NetworkError::Invalid)?)
+                }
+                None => None,
+            };
             let egress = Arc::new(Egress {
                 sandbox: id.to_string(),
                 team: rec.team.clone(),
@@ -272,6 +303,7 @@ impl Network {
                 guest: guest.clone(),
                 site: self.site.clone(),
                 policy: compiled,
+                tunnel,
             });
             let proxy = EgressProxy::start(listener, egress, self.inject.get().cloned());
             self.proxies

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use tine_vmm::{EgressRules, Net4};
 
 use super::transform::Transforms;
+use super::tunnel::EgressProxyConfig;
 
 /// Entries one list (`allowOut`, `denyOut`) may hold.
 pub const MAX_ENTRIES: usize = 256;
@@ -54,15 +55,20 @@ pub struct NetworkPolicy {
     /// them (without verifying their certificates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub https_ports: Option<Vec<u16>>,
+    /// A SOCKS5 proxy all outbound TCP goes through (`super::tunnel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<EgressProxyConfig>,
 }
 
-/// What a create or update request may carry besides the policy fields we
-/// keep; each is refused with a message naming it.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Unsupported {
-    #[serde(default)]
-    pub egress_proxy: Option<serde_json::Value>,
+impl NetworkPolicy {
+    /// The policy as the API shows it: the proxy without its password or
+    /// CA.
+    pub fn shown(&self) -> Self {
+        Self {
+            egress_proxy: self.egress_proxy.as_ref().map(EgressProxyConfig::shown),
+            ..self.clone()
+        }
+    }
 }
 
 /// A domain pattern: `example.com`, or `*.example.com` for its subdomains.
@@ -165,6 +171,11 @@ pub struct Site {
 }
 
 impl Site {
+    /// Not on the internet, and not opened by the operator.
+    pub fn is_blocked(&self, ip: Ipv4Addr) -> bool {
+        self.blocked(ip)
+    }
+
     fn blocked(&self, ip: Ipv4Addr) -> bool {
         tine_vmm::firewall::NOT_INTERNET
             .iter()
@@ -181,6 +192,8 @@ pub struct Compiled {
     pub dns_servers: Option<Vec<Ipv4Addr>>,
     /// Header transforms of `rules`, applied by the injecting proxy.
     pub transforms: Transforms,
+    /// Where outbound TCP is tunnelled (checked).
+    pub egress_proxy: Option<EgressProxyConfig>,
 }
 
 impl NetworkPolicy {
@@ -189,17 +202,7 @@ impl NetworkPolicy {
     pub fn from_request(
         mut self,
         allow_internet_access: Option<bool>,
-        unsupported: &Unsupported,
     ) -> Result<(NetworkPolicy, Compiled), String> {
-        if unsupported
-            .egress_proxy
-            .as_ref()
-            .is_some_and(|v| !v.is_null())
-        {
-            return Err(
-                "network.egress_proxy (a SOCKS5 proxy for egress) is not supported by tine".into(),
-            );
-        }
         if allow_internet_access == Some(false) {
             let deny = self.deny_out.get_or_insert_with(Vec::new);
             if !deny.iter().any(|d| d == ALL_TRAFFIC) {
@@ -251,11 +254,15 @@ impl NetworkPolicy {
                 );
             }
         }
+        if let Some(p) = &self.egress_proxy {
+            p.check()?;
+        }
         Ok(Compiled {
             allow,
             deny,
             dns_servers,
             transforms,
+            egress_proxy: self.egress_proxy.clone(),
         })
     }
 
@@ -280,6 +287,7 @@ impl Compiled {
         !self.allow.domains.is_empty()
             || !self.deny.domains.is_empty()
             || !self.transforms.is_empty()
+            || self.egress_proxy.is_some()
     }
 
     /// The egress proxy's decision for a connection to `ip` naming `name`.
@@ -319,6 +327,7 @@ impl Compiled {
             deny: self.deny.nets.clone(),
             resolver: resolver.map(|r| SocketAddrV4::new(r, 53)),
             proxy_port: self.by_name().then_some(PROXY_PORT),
+            tunnel_all: self.egress_proxy.is_some(),
         }
     }
 }
@@ -409,9 +418,7 @@ mod tests {
 
     #[test]
     fn internet_access_false_denies_all_traffic() {
-        let (p, c) = NetworkPolicy::default()
-            .from_request(Some(false), &Unsupported::default())
-            .unwrap();
+        let (p, c) = NetworkPolicy::default().from_request(Some(false)).unwrap();
         assert_eq!(p.deny_out.as_deref(), Some(&[ALL_TRAFFIC.to_string()][..]));
         assert!(!c.allows(&site(), INET, None));
     }
@@ -442,12 +449,17 @@ mod tests {
             ..Default::default()
         };
         assert!(err(p).contains("https_ports"));
-        let unsupported = Unsupported {
-            egress_proxy: Some(serde_json::json!({"address": "p:1080"})),
-        };
-        assert!(NetworkPolicy::default()
-            .from_request(None, &unsupported)
-            .unwrap_err()
-            .contains("egress_proxy"));
+        let p: NetworkPolicy =
+            serde_json::from_value(serde_json::json!({"egressProxy": {"address": "p"}})).unwrap();
+        assert!(err(p).contains("host:port"));
+        let p: NetworkPolicy = serde_json::from_value(serde_json::json!({
+            "egressProxy": {"address": "p:1080", "username": "u", "password": "secret"}
+        }))
+        .unwrap();
+        let c = p.compile().unwrap();
+        assert!(c.by_name() && c.rules(&site()).tunnel_all);
+        assert!(!serde_json::to_string(&p.shown())
+            .unwrap()
+            .contains("secret"));
     }
 }

@@ -429,7 +429,7 @@ impl Manager {
         self.event(
             id,
             "network",
-            &serde_json::to_string(&policy).unwrap_or_default(),
+            &serde_json::to_string(&policy.shown()).unwrap_or_default(),
         );
         Ok(())
     }

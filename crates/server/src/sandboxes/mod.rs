@@ -274,6 +274,11 @@ impl Manager {
         }
     }
 
+    /// Sandboxes' networking (policies, egress proxies).
+    pub fn network(&self) -> &crate::network::Network {
+        &self.network
+    }
+
     pub fn templates(&self) -> &Templates {
         &self.templates
     }

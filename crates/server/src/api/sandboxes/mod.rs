@@ -128,7 +128,7 @@ fn detail(r: SandboxRecord, with_secrets: Option<&str>) -> DetailOut {
             .iter()
             .flatten()
             .any(|d| d == crate::network::policy::ALL_TRAFFIC),
-        network: r.network,
+        network: r.network.shown(),
         lifecycle: LifecycleOut {
             on_timeout: if r.auto_pause { "pause" } else { "kill" },
             auto_resume: r.lifecycle.auto_resume,
@@ -283,7 +283,7 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
     check_mcp(req.mcp.as_ref())?;
     no_placeholders(req.env_vars.as_ref(), req.metadata.as_ref())?;
     let lifecycle = lifecycle_of(&req)?;
-    let network = super::network::from_create(req.network, req.allow_internet_access)?;
+    let network = super::network::from_create(s, req.network, req.allow_internet_access).await?;
     if let Some(n) = &network {
         n.check_tokens(&iam).map_err(ApiError::bad_request)?;
     }
