@@ -41,6 +41,7 @@ pub async fn floor_once(
             &token,
             None,
             Vec::new(),
+            None,
         )
         .await
         {

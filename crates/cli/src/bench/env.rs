@@ -74,6 +74,10 @@ pub(super) fn link_artifacts(base: &Paths, paths: &Paths) -> anyhow::Result<()> 
     std::os::unix::fs::symlink(&src, &link).with_context(|| format!("linking {}", link.display()))
 }
 
+/// Where, in the bench server's data dir, P10's stand-in internet keeps
+/// the CA of its HTTPS certificates.
+pub const INET_CA_DIR: &str = "bench-inet-ca";
+
 /// The bench server's `max_sandboxes` (every scenario but P15's density).
 pub const BENCH_MAX_SANDBOXES: usize = 128;
 
@@ -89,6 +93,10 @@ fn write_config(
     jail: bool,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("bench-server.toml");
+    // P10's stand-in internet serves HTTPS with certificates of this CA,
+    // which the server trusts for destinations of header transforms.
+    let inet_ca = dir.join(INET_CA_DIR);
+    tine_server::network::ca::EgressCa::load_or_create(&inet_ca)?;
     let text = format!(
         "listen = \"127.0.0.1:{port}\"\n\
          pool_size = {pool_size}\n\
@@ -99,8 +107,11 @@ fn write_config(
          max_fork_count = 64\n\
          {max}\
          [jail]\n\
-         enabled = {jail}\n",
+         enabled = {jail}\n\
+         [network]\n\
+         upstream_ca_file = \"{ca}\"\n",
         max = max_sandboxes.map_or(String::new(), |m| format!("max_sandboxes = {m}\n")),
+        ca = inet_ca.join("ca.crt").display(),
     );
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)

@@ -1,11 +1,18 @@
 //! P10: a 100 MiB download from a stand-in internet host through a
 //! sandbox's egress path (guest → tap → its namespace's firewall and NAT →
 //! veth → the host's NAT), against the same download made by the host
-//! itself. The stand-in is a namespace the bench makes (`tbench-inet`,
+//! itself; and HTTPS requests through the injecting proxy (a header
+//! transform with a secret: TLS terminated on the host and made again to
+//! the destination) against the same requests through the plain egress
+//! path. The stand-in is a namespace the bench makes (`tbench-inet`,
 //! 198.51.100.10, TEST-NET-2, reached through a veth) serving zeros over
-//! HTTP; no traffic leaves the machine.
+//! HTTP and small answers over HTTPS (a certificate from the CA the bench
+//! server trusts, [`super::env::INET_CA_DIR`]); no traffic leaves the
+//! machine.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -34,13 +41,24 @@ fn ip(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Bytes of each HTTPS answer.
+const SMALL: usize = 1024;
+/// HTTPS requests a sandbox makes per iteration.
+const REQUESTS: usize = 20;
+
 /// The stand-in internet host; removed on drop.
 struct StandIn {
     server: tokio::task::JoinHandle<()>,
+    tls: Option<tokio::task::JoinHandle<()>>,
+    /// HTTPS requests that arrived with an `Authorization: Bearer` header.
+    authorized: Arc<AtomicU64>,
+    /// The CA of its HTTPS certificate (PEM).
+    ca_pem: Option<String>,
 }
 
 impl StandIn {
-    fn up() -> anyhow::Result<Self> {
+    /// With HTTPS when `ca_dir` holds the CA to sign its certificate.
+    fn up(ca_dir: Option<&std::path::Path>) -> anyhow::Result<Self> {
         Self::remove();
         ip(&["netns", "add", NS])?;
         ip(&[
@@ -64,10 +82,37 @@ impl StandIn {
         let listener = ns.listen_at(SocketAddr::from(([198, 51, 100, 10], 80)))?;
         let server = tokio::spawn(async move {
             while let Ok((conn, _)) = listener.accept().await {
-                tokio::spawn(serve_zeros(conn));
+                tokio::spawn(serve(conn, None));
             }
         });
-        Ok(Self { server })
+        let authorized = Arc::new(AtomicU64::new(0));
+        let (mut tls, mut ca_pem) = (None, None);
+        if let Some(dir) = ca_dir {
+            let ca = tine_server::network::ca::EgressCa::load_or_create(dir)?;
+            let acceptor = tokio_rustls::TlsAcceptor::from(ca.server_config(SERVER)?);
+            ca_pem = Some(ca.pem().to_string());
+            let listener = ns.listen_at(SocketAddr::from(([198, 51, 100, 10], 443)))?;
+            let seen = authorized.clone();
+            tls = Some(tokio::spawn(async move {
+                while let Ok((conn, _)) = listener.accept().await {
+                    let (acceptor, seen) = (acceptor.clone(), seen.clone());
+                    tokio::spawn(async move {
+                        if let Ok(Ok(s)) =
+                            tokio::time::timeout(Duration::from_secs(10), acceptor.accept(conn))
+                                .await
+                        {
+                            serve(s, Some(seen)).await;
+                        }
+                    });
+                }
+            }));
+        }
+        Ok(Self {
+            server,
+            tls,
+            authorized,
+            ca_pem,
+        })
     }
 
     fn remove() {
@@ -79,12 +124,19 @@ impl StandIn {
 impl Drop for StandIn {
     fn drop(&mut self) {
         self.server.abort();
+        if let Some(t) = &self.tls {
+            t.abort();
+        }
         Self::remove();
     }
 }
 
-/// Answer one `GET /bytes?n=N` with N zero bytes.
-async fn serve_zeros(mut conn: tokio::net::TcpStream) {
+/// Answer one `GET /bytes?n=N` with N zero bytes; any other path with
+/// [`SMALL`] bytes. `authorized` counts requests with a bearer token.
+async fn serve<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut conn: S,
+    authorized: Option<Arc<AtomicU64>>,
+) {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
@@ -94,11 +146,22 @@ async fn serve_zeros(mut conn: tokio::net::TcpStream) {
         }
     }
     let text = String::from_utf8_lossy(&head);
-    let n: u64 = text
-        .split_once("n=")
-        .and_then(|(_, r)| r.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|d| d.parse().ok())
-        .unwrap_or(0);
+    if let Some(seen) = &authorized {
+        if text
+            .lines()
+            .any(|l| l.to_ascii_lowercase().starts_with("authorization: bearer "))
+        {
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let n: u64 = match text.split_once("n=") {
+        Some((_, r)) => r
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(0),
+        None => SMALL as u64,
+    };
     let header = format!("HTTP/1.1 200 OK\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n");
     if conn.write_all(header.as_bytes()).await.is_err() {
         return;
@@ -112,6 +175,128 @@ async fn serve_zeros(mut conn: tokio::net::TcpStream) {
         }
         left -= k as u64;
     }
+    let _ = conn.shutdown().await;
+}
+
+/// The guest's HTTPS client: REQUESTS requests, each on a new connection,
+/// verified (against CAFILE, else the guest's trust store); prints their
+/// latencies in ms as JSON.
+const HTTPS_CLIENT: &str = r#"
+import http.client, json, ssl, sys, time
+n, ca = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else None)
+ctx = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+out = []
+for _ in range(n):
+    t = time.perf_counter()
+    c = http.client.HTTPSConnection("198.51.100.10", 443, context=ctx, timeout=20)
+    c.request("GET", "/small")
+    r = c.getresponse()
+    body = r.read()
+    c.close()
+    assert r.status == 200 and len(body) == 1024, (r.status, len(body))
+    out.append((time.perf_counter() - t) * 1e3)
+print(json.dumps(out))
+"#;
+
+/// Write `text` to `path` in the sandbox.
+async fn put(ctx: &Ctx, sb: &crate::client::Sandbox, path: &str, text: &str) -> anyhow::Result<()> {
+    let cmd = format!("cat > {path} <<'TINE_EOF'\n{text}\nTINE_EOF");
+    let r = ctx.api.exec(sb, &cmd, Duration::from_secs(60)).await?;
+    anyhow::ensure!(r.exit_code == 0, "writing {path} in the sandbox failed");
+    Ok(())
+}
+
+/// One round of the HTTPS client in `sb`: its latencies, ms.
+async fn https_round(
+    ctx: &Ctx,
+    sb: &crate::client::Sandbox,
+    ca: Option<&str>,
+) -> anyhow::Result<Vec<f64>> {
+    let cmd = format!("python3 /tmp/p10-https.py {REQUESTS} {}", ca.unwrap_or(""));
+    let r = ctx.api.exec(sb, &cmd, Duration::from_secs(600)).await?;
+    if r.exit_code != 0 {
+        bail!(
+            "the HTTPS client failed (exit {}): {}",
+            r.exit_code,
+            String::from_utf8_lossy(&r.stderr).trim()
+        );
+    }
+    Ok(serde_json::from_slice(&r.stdout).context("the HTTPS client's output")?)
+}
+
+/// HTTPS through the injecting proxy (a transform setting a secret in
+/// `Authorization`) vs. the plain egress path, in one run.
+async fn injected_https(ctx: &Ctx, inet: &StandIn, out: &mut Out) -> anyhow::Result<()> {
+    let n = ctx.iterations(3);
+    let ca = inet
+        .ca_pem
+        .as_deref()
+        .context("the stand-in has no HTTPS (the bench did not start the server)")?;
+    let secret = format!("tine-bench-p10-{}", std::process::id());
+    ctx.api
+        .call(
+            hyper::Method::POST,
+            "/secrets",
+            Some(serde_json::json!({"name": secret, "value": "bench-token"})),
+        )
+        .await?;
+    let rules = serde_json::json!({"network": {"rules": {SERVER: [{"transform": {"headers": {
+        "Authorization": format!("Bearer ${{e2b.secrets.{secret}}}")}}}]}}});
+    let result = async {
+        let plain = ctx.api.create(ctx.args.cpus, ctx.args.memory_mb).await?;
+        let injected = ctx
+            .api
+            .create_with(ctx.args.cpus, ctx.args.memory_mb, rules)
+            .await?;
+        for sb in [&plain, &injected] {
+            put(ctx, sb, "/tmp/p10-https.py", HTTPS_CLIENT).await?;
+        }
+        put(ctx, &plain, "/tmp/p10-ca.pem", ca).await?;
+        // Warm both (the proxy's certificate for the host, Python's pages).
+        https_round(ctx, &plain, Some("/tmp/p10-ca.pem")).await?;
+        https_round(ctx, &injected, None).await?;
+        let before = inet.authorized.load(Ordering::Relaxed);
+        let (mut via, mut direct) = (Vec::new(), Vec::new());
+        for i in 1..=n {
+            ctx.step(format!("HTTPS {i}/{n}"));
+            via.extend(https_round(ctx, &injected, None).await?);
+            direct.extend(https_round(ctx, &plain, Some("/tmp/p10-ca.pem")).await?);
+        }
+        let carried = inet.authorized.load(Ordering::Relaxed) - before;
+        if carried != via.len() as u64 {
+            bail!(
+                "{carried} of {} requests through the injecting proxy arrived with the header",
+                via.len()
+            );
+        }
+        let rate = |v: &[f64]| v.len() as f64 / (v.iter().sum::<f64>() / 1e3);
+        let (via_rate, direct_rate) = (rate(&via), rate(&direct));
+        let mut row = Row::new(
+            "P10",
+            "HTTPS request (new connection) through the injecting proxy",
+            "ms",
+        )
+        .samples(via)
+        .floor("the same requests through the plain egress path", direct)
+        .param("requests_per_round", REQUESTS as u64);
+        row.target = "reported (no target)".into();
+        if let (Some(s), Some(f)) = (row.summary, row.floor) {
+            row.ratio = Some(s.p50 / f.p50);
+            row = row
+                .param("injected_req_s", via_rate)
+                .param("plain_req_s", direct_rate);
+        }
+        out.rows.push(row);
+        ctx.api.kill(&plain.id).await?;
+        ctx.api.kill(&injected.id).await?;
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = ctx
+        .api
+        .call(hyper::Method::DELETE, &format!("/secrets/{secret}"), None)
+        .await;
+    result
 }
 
 fn curl_cmd(bytes: u64) -> String {
@@ -141,7 +326,11 @@ async fn from_host() -> anyhow::Result<f64> {
 
 pub async fn p10(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     let n = ctx.iterations(3);
-    let _inet = StandIn::up().context("setting up the stand-in internet host")?;
+    let ca_dir = ctx
+        .own
+        .is_some()
+        .then(|| ctx.paths.data_dir.join(super::env::INET_CA_DIR));
+    let inet = StandIn::up(ca_dir.as_deref()).context("setting up the stand-in internet host")?;
     let sb = ctx.api.create(ctx.args.cpus, ctx.args.memory_mb).await?;
     let timeout = Duration::from_secs(300);
     // Warm both (curl's pages, TCP paths, conntrack).
@@ -181,6 +370,15 @@ pub async fn p10(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {
     }
     out.rows.push(row);
     ctx.api.kill(&sb.id).await?;
+    if let Err(e) = injected_https(ctx, &inet, out).await {
+        let mut row = Row::new(
+            "P10",
+            "HTTPS request (new connection) through the injecting proxy",
+            "ms",
+        );
+        row.error = Some(format!("{e:#}"));
+        out.rows.push(row);
+    }
     Ok(())
 }
 

@@ -124,8 +124,21 @@ impl Api {
 
     /// `POST /v2/sandboxes` from the base template with this machine shape.
     pub async fn create(&self, cpus: u32, memory_mb: u32) -> anyhow::Result<Sandbox> {
-        let body = json!({ "templateID": "base", "timeout": 1800, "cpuCount": cpus, "memoryMB": memory_mb,
+        self.create_with(cpus, memory_mb, json!({})).await
+    }
+
+    /// [`Api::create`] with more fields of the create body (`network`…).
+    pub async fn create_with(
+        &self,
+        cpus: u32,
+        memory_mb: u32,
+        extra: Value,
+    ) -> anyhow::Result<Sandbox> {
+        let mut body = json!({ "templateID": "base", "timeout": 1800, "cpuCount": cpus, "memoryMB": memory_mb,
                            "metadata": { "tine-bench": "1" } });
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
         let v = self.call(Method::POST, "/v2/sandboxes", Some(body)).await?;
         let sb = Sandbox::from_json(&v)?;
         self.track(&sb.id);
