@@ -10,7 +10,8 @@
 //!   Python's `ssl`, requests, httpx: certifi's own bundle is bypassed)
 //!   and `NODE_EXTRA_CA_CERTS` (Node), unless `/init` set them.
 //!
-//! A guest that has it already (restored from a capture) is left as is.
+//! A guest that has it already (restored from a capture) is left as is:
+//! one small file is read.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -61,6 +62,10 @@ fn install_at(pem: &str, root: &Path) -> std::io::Result<BTreeMap<String, String
         }
         seen.push(real.clone());
         first.get_or_insert_with(|| b.to_string());
+        // Installed already (the file above matched): bundles are not read.
+        if !fresh {
+            continue;
+        }
         let has = std::fs::read_to_string(&real).is_ok_and(|t| t.contains(pem));
         if !has {
             let mut f = std::fs::OpenOptions::new().append(true).open(&real)?;

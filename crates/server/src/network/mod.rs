@@ -237,9 +237,12 @@ impl Network {
         }));
     }
 
-    /// The certificate guests trust for transformed HTTPS (PEM).
-    pub fn ca_pem(&self) -> Option<&str> {
-        self.ca.as_ref().map(|c| c.pem())
+    /// The certificate a guest with `policy` must trust (PEM): the egress
+    /// CA when the policy transforms requests (others are spared the
+    /// install at every start).
+    pub fn trust_for(&self, policy: &NetworkPolicy) -> Option<&str> {
+        let transforms = policy.compile().is_ok_and(|c| !c.transforms.is_empty());
+        self.ca.as_ref().filter(|_| transforms).map(|c| c.pem())
     }
 
     pub fn new(config: &NetworkConfig) -> Result<Self, String> {

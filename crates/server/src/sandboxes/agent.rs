@@ -35,6 +35,16 @@ pub async fn init(
     tine_agent_client::init(guest.connect(AGENT_PORT), &body, previous_token).await
 }
 
+/// `/init` with only the CA the guest should add to its trust stores (a
+/// running sandbox whose new policy transforms HTTPS).
+pub async fn trust_ca(guest: &Guest, access_token: &str, pem: &str) -> Result<(), AgentError> {
+    let body = InitRequest {
+        trust_ca: Some(pem.to_string()),
+        ..Default::default()
+    };
+    tine_agent_client::init(guest.connect(AGENT_PORT), &body, Some(access_token)).await
+}
+
 /// One usage sample, in the shape of E2B's `SandboxMetric`.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -119,7 +119,7 @@ impl Manager {
                 &rec.envd_access_token,
                 previous_token.as_deref(),
                 mounts.clone(),
-                self.network.ca_pem(),
+                self.network.trust_for(&rec.network),
             )
         };
         // The guest forwards nothing until its policy is in place, so the
@@ -424,6 +424,12 @@ impl Manager {
                     id: id.to_string(),
                     source: Box::new(source),
                 })?;
+            // HTTPS it now transforms must verify in the guest.
+            if let Some(pem) = self.network.trust_for(&policy) {
+                agent::trust_ca(&live.guest, &rec.envd_access_token, pem)
+                    .await
+                    .map_err(SandboxError::agent(id, "installing the egress CA"))?;
+            }
         }
         self.db.set_network(id, &policy)?;
         self.event(
