@@ -284,6 +284,55 @@ where
         .map_err(std::io::Error::other)
 }
 
+/// Why a header value could not be made.
+enum Unresolved {
+    /// A placeholder names what the sandbox does not have.
+    Missing(String),
+    /// Reading or minting failed (the detail is logged, not sent).
+    Failed { what: String, error: String },
+}
+
+/// A header value with its placeholders resolved, now.
+fn resolve(c: &Conn, pieces: &[Piece]) -> Result<String, Unresolved> {
+    let mut value = String::new();
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => value.push_str(t),
+            Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name) {
+                Ok(Some(v)) => value.push_str(&v),
+                Ok(None) => {
+                    return Err(Unresolved::Missing(format!(
+                        "secret {name:?}, which does not exist"
+                    )))
+                }
+                Err(error) => {
+                    return Err(Unresolved::Failed {
+                        what: format!("reading secret {name:?}"),
+                        error,
+                    })
+                }
+            },
+            Piece::Token(name) => {
+                let spec = c.egress.iam.get(name).ok_or_else(|| {
+                    Unresolved::Missing(format!(
+                        "workload identity token {name:?}, which the sandbox did not register"
+                    ))
+                })?;
+                let token = c
+                    .inject
+                    .vault
+                    .mint(&c.egress.team, &c.egress.sandbox, &spec.audience)
+                    .map_err(|error| Unresolved::Failed {
+                        what: format!("minting token {name:?}"),
+                        error,
+                    })?;
+                value.push_str(&token);
+            }
+        }
+    }
+    Ok(value)
+}
+
 /// The host a request names (`Host` without its port).
 fn host_of(req: &Request<Incoming>) -> Option<String> {
     let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
@@ -313,56 +362,22 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
     }
     if let Some(headers) = c.egress.policy.transforms.for_request(ip, host.as_deref()) {
         for h in headers {
-            let mut value = String::new();
-            for piece in &h.value {
-                match piece {
-                    Piece::Text(t) => value.push_str(t),
-                    Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name) {
-                        Ok(Some(v)) => value.push_str(&v),
-                        Ok(None) => {
-                            let msg = format!(
-                                "request to {} refused: header {} names secret {name:?}, which does not exist",
-                                host.as_deref().unwrap_or("?"),
-                                h.name
-                            );
-                            c.inject.vault.note(&c.egress.sandbox, &msg);
-                            return text(StatusCode::BAD_GATEWAY, msg);
-                        }
-                        Err(e) => {
-                            tracing::error!(sandbox = %c.egress.sandbox, "egress: reading secret {name:?}: {e}");
-                            return text(
-                                StatusCode::BAD_GATEWAY,
-                                format!("secret {name:?} could not be read"),
-                            );
-                        }
-                    },
-                    Piece::Token(name) => {
-                        let Some(spec) = c.egress.iam.get(name) else {
-                            let msg = format!(
-                                "request to {} refused: header {} names workload identity token {name:?}, which the sandbox did not register",
-                                host.as_deref().unwrap_or("?"),
-                                h.name
-                            );
-                            c.inject.vault.note(&c.egress.sandbox, &msg);
-                            return text(StatusCode::BAD_GATEWAY, msg);
-                        };
-                        match c
-                            .inject
-                            .vault
-                            .mint(&c.egress.team, &c.egress.sandbox, &spec.audience)
-                        {
-                            Ok(t) => value.push_str(&t),
-                            Err(e) => {
-                                tracing::error!(sandbox = %c.egress.sandbox, "egress: minting token {name:?}: {e}");
-                                return text(
-                                    StatusCode::BAD_GATEWAY,
-                                    format!("token {name:?} could not be minted"),
-                                );
-                            }
-                        }
-                    }
+            let value = match resolve(c, &h.value) {
+                Ok(v) => v,
+                Err(Unresolved::Missing(what)) => {
+                    let msg = format!(
+                        "request to {} refused: header {} names {what}",
+                        host.as_deref().unwrap_or("?"),
+                        h.name
+                    );
+                    c.inject.vault.note(&c.egress.sandbox, &msg);
+                    return text(StatusCode::BAD_GATEWAY, msg);
                 }
-            }
+                Err(Unresolved::Failed { what, error }) => {
+                    tracing::error!(sandbox = %c.egress.sandbox, "egress: {what}: {error}");
+                    return text(StatusCode::BAD_GATEWAY, format!("{what} failed"));
+                }
+            };
             match HeaderValue::from_str(&value) {
                 Ok(mut v) => {
                     v.set_sensitive(true);

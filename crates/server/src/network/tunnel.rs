@@ -9,7 +9,7 @@
 //! fails closed: no proxy, no connection. UDP (DNS, QUIC) is not
 //! tunnelled. The guest sees none of it.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{SocketAddr, SocketAddrV4};
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -227,57 +227,35 @@ impl Tunnel {
     ) -> std::io::Result<Stream> {
         let addr = self.resolve(site).await?;
         let tcp = guest.connect_out(addr).await?;
-        let target = (Ipv4Addr::to_string(dst.ip()), dst.port());
+        let target = (dst.ip().to_string(), dst.port());
+        let target = (target.0.as_str(), target.1);
         let err =
             |e: tokio_socks::Error| std::io::Error::other(format!("egress proxy {addr}: {e}"));
-        Ok(match &self.tls {
+        match &self.tls {
             Some((connector, name)) => {
                 let tls = connector.connect(name.clone(), tcp).await.map_err(|e| {
                     std::io::Error::other(format!("TLS to egress proxy {addr}: {e}"))
                 })?;
-                match &self.auth {
-                    Some((u, p)) => Box::pin(
-                        tokio_socks::tcp::Socks5Stream::connect_with_password_and_socket(
-                            tls,
-                            (target.0.as_str(), target.1),
-                            u,
-                            p,
-                        )
-                        .await
-                        .map_err(err)?,
-                    ),
-                    None => Box::pin(
-                        tokio_socks::tcp::Socks5Stream::connect_with_socket(
-                            tls,
-                            (target.0.as_str(), target.1),
-                        )
-                        .await
-                        .map_err(err)?,
-                    ),
-                }
+                socks(tls, target, self.auth.as_ref()).await.map_err(err)
             }
-            None => match &self.auth {
-                Some((u, p)) => Box::pin(
-                    tokio_socks::tcp::Socks5Stream::connect_with_password_and_socket(
-                        tcp,
-                        (target.0.as_str(), target.1),
-                        u,
-                        p,
-                    )
-                    .await
-                    .map_err(err)?,
-                ),
-                None => Box::pin(
-                    tokio_socks::tcp::Socks5Stream::connect_with_socket(
-                        tcp,
-                        (target.0.as_str(), target.1),
-                    )
-                    .await
-                    .map_err(err)?,
-                ),
-            },
-        })
+            None => socks(tcp, target, self.auth.as_ref()).await.map_err(err),
+        }
     }
+}
+
+/// The SOCKS5 handshake over `s` for a CONNECT to `target`.
+async fn socks<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    s: S,
+    target: (&str, u16),
+    auth: Option<&(String, String)>,
+) -> Result<Stream, tokio_socks::Error> {
+    use tokio_socks::tcp::Socks5Stream;
+    Ok(match auth {
+        Some((u, p)) => {
+            Box::pin(Socks5Stream::connect_with_password_and_socket(s, target, u, p).await?)
+        }
+        None => Box::pin(Socks5Stream::connect_with_socket(s, target).await?),
+    })
 }
 
 #[cfg(test)]
