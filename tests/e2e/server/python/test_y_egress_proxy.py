@@ -70,8 +70,9 @@ def test_tcp_goes_through_the_proxy_after_the_policy_and_fails_closed(fresh, soc
     assert f"CONNECT {INET}:2222" in lines(log)
     # Filtering comes first: a denied address never reaches the proxy.
     before = len(lines(log))
-    code, _ = run(s, "curl -sS -m 5 http://203.0.113.20/")
-    assert code != 0 and len(lines(log)) == before
+    code, body = run(s, "curl -sS -m 5 http://203.0.113.20/")
+    assert "blocked by the sandbox's network policy" in body, body
+    assert len(lines(log)) == before
     # Shown without what was not asked back (no password here anyway).
     status, _, raw = http("GET", f"/sandboxes/{s.sandbox_id}")
     assert b'"egressProxy":{"address":"203.0.113.20:1080"}' in raw.replace(b" ", b""), raw
