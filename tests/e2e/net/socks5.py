@@ -4,12 +4,14 @@ Each CONNECT's target is appended to the log file; prints "ready" once
 listening.
 
 Usage: socks5.py --listen ADDR:PORT --log FILE [--user U --password P]
+                 [--tls-cert CERT --tls-key KEY]   (SOCKS5 inside TLS)
 """
 
 import argparse
 import asyncio
 import ipaddress
 import socket
+import ssl
 
 
 async def pipe(r, w):
@@ -82,9 +84,15 @@ async def main():
     p.add_argument("--log", required=True)
     p.add_argument("--user")
     p.add_argument("--password")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
     args = p.parse_args()
     host, port = args.listen.rsplit(":", 1)
-    server = await asyncio.start_server(lambda r, w: handle(r, w, args), host, int(port))
+    tls = None
+    if args.tls_cert:
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    server = await asyncio.start_server(lambda r, w: handle(r, w, args), host, int(port), ssl=tls)
     print("ready", flush=True)
     async with server:
         await server.serve_forever()

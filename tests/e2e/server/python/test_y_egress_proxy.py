@@ -20,6 +20,7 @@ from conftest import assert_error, http
 INET = "203.0.113.10"
 PROXY_ADDR = "203.0.113.20"
 SOCKS = os.path.join(os.path.dirname(__file__), "..", "..", "net", "socks5.py")
+INET_STATE = "/run/tine-e2e-inet"  # the stand-in's test CA and certificate
 
 
 def run(s, cmd):
@@ -34,11 +35,13 @@ def socks():
     """start(port, user=None, password=None) -> (its CONNECT log, its process)."""
     procs = []
 
-    def start(port, user=None, password=None):
+    def start(port, user=None, password=None, tls=False):
         log = f"/run/tine-e2e-inet/socks-{port}-{uuid.uuid4().hex[:6]}.log"
         cmd = ["ip", "netns", "exec", "e2e-inet", "python3", SOCKS, "--listen", f"{PROXY_ADDR}:{port}", "--log", log]
         if user:
             cmd += ["--user", user, "--password", password]
+        if tls:
+            cmd += ["--tls-cert", f"{INET_STATE}/cert.pem", "--tls-key", f"{INET_STATE}/key.pem"]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(p)
         assert p.stdout.readline().strip() == "ready", "the SOCKS5 proxy did not start"
@@ -102,6 +105,28 @@ def test_credentials_and_update_network_on_a_running_sandbox(fresh, socks):
     before = len(lines(log))
     code, _ = run(s, f"curl -sS -m 10 http://{INET}/")
     assert code == 0 and len(lines(log)) == before
+
+
+def test_tls_to_the_proxy_is_verified_and_never_falls_back(fresh, socks):
+    log, _ = socks(1082, tls=True)
+    ca = open(f"{INET_STATE}/ca.pem").read()
+    # The proxy's certificate (from the stand-in's test CA) names its address.
+    s = fresh(network={"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": {"ca_cert": ca}}})
+    code, body = run(s, f"curl -sS -m 10 http://{INET}/")
+    assert code == 0 and body.startswith(f"inet {INET} "), body
+    assert f"CONNECT {INET}:80" in lines(log)
+    # Verified against the host's store (which lacks the test CA): refused,
+    # and not sent in clear instead.
+    s.update_network({"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": True}})
+    before = len(lines(log))
+    code, _ = run(s, f"curl -sS -m 5 http://{INET}/")
+    assert code != 0 and len(lines(log)) == before
+    # A name the certificate does not carry: refused too.
+    s.update_network(
+        {"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": {"ca_cert": ca, "server_name": "proxy.elsewhere.test"}}}
+    )
+    code, _ = run(s, f"curl -sS -m 5 http://{INET}/")
+    assert code != 0 and len(lines(log)) == before
 
 
 @pytest.mark.parametrize(
