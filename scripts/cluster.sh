@@ -167,6 +167,8 @@ domain = "$DOMAIN"
 default_cpu_count = 1
 default_memory_mb = 256
 ${TINE_CLUSTER_NODE_CONFIG:-}
+# One key for the cluster's secrets (in the catalog): the same on every node.
+secrets_key_file = "$CLUSTER_DIR/secrets.key"
 
 [network]
 veth_pool = "10.$((240 + i)).0.0/16"

@@ -163,6 +163,11 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
                     .context("joining the cluster ([cluster] in the config)")?,
             );
             tracing::info!(node = %link.id, "cluster node: API calls only from gateways");
+            // Secrets are the cluster's, in its catalog.
+            secrets
+                .share(link.catalog().clone())
+                .await
+                .context("sharing secrets through the catalog")?;
             tokio::spawn(link.clone().run(manager.clone()));
             Some(link)
         }

@@ -40,6 +40,7 @@ finish() {
     set +e
     [[ $rc -ne 0 ]] && status=1
     "$CLUSTER" down
+    "$ROOT/tests/e2e/net/inet.sh" down
     sleep 0.5
     local left
     left="$(pgrep -f "$TINE_CLUSTER_DIR" || true)"
@@ -66,6 +67,9 @@ trap 'status=130; exit' INT TERM
 "$CLUSTER" down >/dev/null 2>&1 || true
 # The registry starts empty (a run damages a chunk in it on purpose).
 rm -rf "$TINE_CLUSTER_DIR/registry"
+# The stand-in internet (tests/e2e/net/inet.sh): the secrets test's
+# destination.
+"$ROOT/tests/e2e/net/inet.sh" up
 "$CLUSTER" up --nodes 3 --gateways 2
 # The catalog's captures name what the emptied registry held.
 psql -h 127.0.0.1 -p "$TINE_CLUSTER_PG_PORT" -U postgres -d tine -tAqc "DELETE FROM tine_captures" >/dev/null

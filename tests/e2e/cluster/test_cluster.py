@@ -284,6 +284,56 @@ def test_volumes_through_either_gateway():
         Volume.get_info(vol.volume_id, api_url=g1)
 
 
+def test_secrets_are_the_clusters_and_every_node_fills_them_in():
+    """A secret made through one gateway is read, updated and destroyed
+    through the other, and the egress proxy of a sandbox on any node fills
+    it into a header (plain HTTP to the stand-in internet by address, see
+    tests/e2e/net/inet.sh: its /headers answers each header's SHA-256). The
+    gateways' key set for workload identity holds every node's keys."""
+    from e2b import Secret
+
+    g1, g2 = GATEWAYS
+    name, value = f"cl-sec-{RUN}", "sk-" + uuid.uuid4().hex
+    sha = lambda v: hashlib.sha256(v.encode()).hexdigest()  # noqa: E731
+    info = Secret.create(name, value, api_url=g1)
+    made = []
+    try:
+        assert Secret.get_info(name, api_url=g2).secret_id == info.secret_id
+        r = api("GET", f"/secrets/{name}", gateway=g2)
+        assert r.status_code == 200 and value not in r.text, r.text
+        assert name not in [s["name"] for s in api("GET", "/secrets", key=OTHER_KEY).json()]
+        rule = {"203.0.113.10/32": [{"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}]}
+        nodes = set()
+        for _ in range(8):
+            made.append(create(network={"rules": rule}))
+            nodes.add(node_of(made[-1].sandbox_id))
+            if len(nodes) >= 2:
+                break
+        assert len(nodes) >= 2, nodes
+
+        def seen(s):
+            out = s.commands.run("curl -sS -m 20 http://203.0.113.10/headers", timeout=60).stdout
+            return json.loads(out)["authorization"]
+
+        for s in made:
+            assert seen(s) == [sha("Bearer " + value)], node_of(s.sandbox_id)
+        assert Secret.update(name, value + "-2", api_url=g2).version == 2
+        for s in made:
+            assert seen(s) == [sha("Bearer " + value + "-2")], node_of(s.sandbox_id)
+    finally:
+        for s in made:
+            s.kill()
+        assert Secret.destroy(name, api_url=g2) is True
+    assert not Secret.exists(name, api_url=g1)
+    # Identity: no key needed, and every node's keys are there.
+    gateway_kids = {k["kid"] for k in httpx.get(f"{g2}/.well-known/jwks.json", timeout=30).json()["keys"]}
+    for n in NODES:
+        for k in httpx.get(f"{n}/.well-known/jwks.json", timeout=30).json()["keys"]:
+            assert k["kid"] in gateway_kids, (n, k["kid"])
+    r = httpx.get(f"{g1}/.well-known/openid-configuration", timeout=30)
+    assert r.status_code == 200 and r.json()["jwks_uri"].endswith("/.well-known/jwks.json"), r.text
+
+
 def test_a_killed_node_answers_503_creates_go_elsewhere_and_it_comes_back(spread):
     victim = spread[2]
     n = node_of(victim.sandbox_id)

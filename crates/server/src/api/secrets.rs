@@ -31,8 +31,9 @@ impl From<SecretError> for ApiError {
                 StatusCode::BAD_REQUEST
             }
             SecretError::Db(_) | SecretError::Cipher(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            SecretError::Catalog(_) | SecretError::OtherKey => StatusCode::SERVICE_UNAVAILABLE,
         };
-        if status == StatusCode::INTERNAL_SERVER_ERROR {
+        if status.is_server_error() {
             tracing::error!("secrets: {e}");
         }
         ApiError::new(status, e.to_string())
@@ -89,12 +90,15 @@ pub async fn create(
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let req: NewSecret = super::json_body(body, s.manager.config.max_body_bytes).await?;
-    let row = s.secrets.create(
-        &key.team,
-        &req.name,
-        &req.value,
-        req.metadata.unwrap_or_default(),
-    )?;
+    let row = s
+        .secrets
+        .create(
+            &key.team,
+            &req.name,
+            &req.value,
+            req.metadata.unwrap_or_default(),
+        )
+        .await?;
     tracing::info!(secret = %row.id, name = %row.name, team = %row.team, "secret created");
     Ok((StatusCode::CREATED, Json(out(row))).into_response())
 }
@@ -107,7 +111,10 @@ pub async fn update(
     body: axum::body::Body,
 ) -> Result<Json<SecretOut>, ApiError> {
     let req: SecretUpdate = super::json_body(body, s.manager.config.max_body_bytes).await?;
-    let row = s.secrets.update(&key.team, &id, &req.value, req.metadata)?;
+    let row = s
+        .secrets
+        .update(&key.team, &id, &req.value, req.metadata)
+        .await?;
     tracing::info!(secret = %row.id, version = row.version, team = %row.team, "secret updated");
     Ok(Json(out(row)))
 }
@@ -118,7 +125,7 @@ pub async fn get(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<Json<SecretOut>, ApiError> {
-    Ok(Json(out(s.secrets.get(&key.team, &id)?)))
+    Ok(Json(out(s.secrets.get(&key.team, &id).await?)))
 }
 
 #[derive(Deserialize)]
@@ -161,11 +168,14 @@ pub async fn list(
         ),
         None => None,
     };
-    let mut rows = s.secrets.list(
-        &key.team,
-        after.as_ref().map(|(ms, id)| (*ms, id.as_str())),
-        limit + 1,
-    )?;
+    let mut rows = s
+        .secrets
+        .list(
+            &key.team,
+            after.as_ref().map(|(ms, id)| (*ms, id.as_str())),
+            limit + 1,
+        )
+        .await?;
     let mut headers = HeaderMap::new();
     if rows.len() > limit {
         rows.truncate(limit);
@@ -186,7 +196,7 @@ pub async fn destroy(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    if !s.secrets.destroy(&key.team, &id)? {
+    if !s.secrets.destroy(&key.team, &id).await? {
         return Err(SecretError::NotFound(id).into());
     }
     tracing::info!(secret = %id, team = %key.team, "secret destroyed");

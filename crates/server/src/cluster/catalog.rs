@@ -190,6 +190,22 @@ CREATE TABLE IF NOT EXISTS tine_volumes (
     created_ms BIGINT NOT NULL,
     UNIQUE (team, name)
 );
+CREATE TABLE IF NOT EXISTS tine_secrets (
+    id TEXT PRIMARY KEY,
+    team TEXT NOT NULL,
+    name TEXT NOT NULL,
+    version BIGINT NOT NULL,
+    metadata TEXT NOT NULL,
+    nonce BYTEA NOT NULL,
+    sealed BYTEA NOT NULL,
+    created_ms BIGINT NOT NULL,
+    updated_ms BIGINT NOT NULL,
+    UNIQUE (team, name)
+);
+CREATE TABLE IF NOT EXISTS tine_secrets_key (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    fingerprint TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS tine_api_keys (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,

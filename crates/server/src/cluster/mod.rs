@@ -13,6 +13,7 @@
 pub mod captures;
 pub mod catalog;
 pub mod node;
+pub mod secrets;
 pub mod spread;
 pub mod trash;
 pub mod volumes;

@@ -11,6 +11,7 @@
 
 mod fork;
 mod forward;
+mod identity;
 pub mod place;
 mod rest;
 mod volumes;
@@ -192,6 +193,9 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
     }
     if path == "/health" {
         return (StatusCode::OK, "ok").into_response();
+    }
+    if path.starts_with("/.well-known/") {
+        return identity::well_known(&g, req).await;
     }
     // Volume content calls carry the volume's token, not an API key.
     if let Some(id) = volumes::content_volume(&path) {

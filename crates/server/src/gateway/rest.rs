@@ -20,18 +20,8 @@ pub async fn route(g: &Gateway, key: ClusterKey, req: Request) -> Result<Respons
         (Method::GET, "/sandboxes") => list(g, &key, query_of(&req), false).await,
         (Method::GET, "/v2/sandboxes") => list(g, &key, query_of(&req), true).await,
         (_, p) if super::volumes::handles(p) => super::volumes::route(g, &key, req).await,
-        // Each node keeps its secrets in its own database under its own
-        // key: stored through a gateway, a secret would be on one node
-        // only, and sandboxes elsewhere would not find it.
-        (_, p) if p == "/secrets" || p.starts_with("/secrets/") => Err(ApiError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            "secrets are not shared across a cluster yet: use them with a single tine server",
-        )),
-        // Each node signs with keys of its own.
-        (_, p) if p.starts_with("/.well-known/") => Err(ApiError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            "workload identity keys are per node: a cluster does not publish them yet",
-        )),
+        // A cluster's secrets are in the catalog: any node serves them.
+        (_, p) if p == "/secrets" || p.starts_with("/secrets/") => any_up(g, &key, req).await,
         _ => match sandbox_of(&path) {
             Some(id) => by_id(g, &key, id.to_string(), req).await,
             None => elsewhere(g, &key, req).await,
@@ -50,6 +40,18 @@ fn sandbox_of(path: &str) -> Option<&str> {
         .or_else(|| path.strip_prefix("/sandboxes/"))?;
     let id = rest.split('/').next()?;
     (!id.is_empty()).then_some(id)
+}
+
+/// `req` to the first up node (for what every node serves alike).
+async fn any_up(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response, ApiError> {
+    let nodes = g.nodes().await;
+    let n = nodes
+        .iter()
+        .find(|n| place::healthy(n, g.grace_ms()))
+        .ok_or_else(|| unavailable("no node of the cluster is up"))?;
+    Ok(g.to_node(n, &key.team, req)
+        .await
+        .unwrap_or_else(ForwardError::into_response))
 }
 
 pub(super) fn unavailable(message: impl Into<String>) -> ApiError {

@@ -293,12 +293,12 @@ enum Unresolved {
 }
 
 /// A header value with its placeholders resolved, now.
-fn resolve(c: &Conn, pieces: &[Piece]) -> Result<String, Unresolved> {
+async fn resolve(c: &Conn, pieces: &[Piece]) -> Result<String, Unresolved> {
     let mut value = String::new();
     for piece in pieces {
         match piece {
             Piece::Text(t) => value.push_str(t),
-            Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name) {
+            Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name).await {
                 Ok(Some(v)) => value.push_str(&v),
                 Ok(None) => {
                     return Err(Unresolved::Missing(format!(
@@ -362,7 +362,7 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
     }
     if let Some(headers) = c.egress.policy.transforms.for_request(ip, host.as_deref()) {
         for h in headers {
-            let value = match resolve(c, &h.value) {
+            let value = match resolve(c, &h.value).await {
                 Ok(v) => v,
                 Err(Unresolved::Missing(what)) => {
                     let msg = format!(

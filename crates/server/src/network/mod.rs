@@ -35,9 +35,10 @@ use egress::EgressProxy;
 use inject::Injector;
 
 /// Where the injecting proxy reads secrets, and notes what it refused.
+#[async_trait::async_trait]
 pub trait Vault: Send + Sync {
     /// The current value of `team`'s secret `name` (`None`: no such secret).
-    fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String>;
+    async fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String>;
     /// Record `detail` as an event of sandbox `sandbox`.
     fn note(&self, sandbox: &str, detail: &str);
     /// A workload identity token for `sandbox` of `team`, for `audience`.
@@ -51,9 +52,13 @@ struct ServerVault {
     db: Arc<crate::db::Db>,
 }
 
+#[async_trait::async_trait]
 impl Vault for ServerVault {
-    fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String> {
-        self.secrets.reveal(team, name).map_err(|e| e.to_string())
+    async fn reveal(&self, team: &str, name: &str) -> Result<Option<String>, String> {
+        self.secrets
+            .reveal(team, name)
+            .await
+            .map_err(|e| e.to_string())
     }
     fn note(&self, sandbox: &str, detail: &str) {
         tracing::warn!(sandbox, "{detail}");

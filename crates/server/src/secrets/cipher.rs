@@ -101,6 +101,25 @@ impl Cipher {
         })
     }
 
+    /// A fingerprint of the key (not the key): SHA-256 of a fixed text
+    /// sealed under it with a zero nonce, which only the same key yields.
+    pub fn fingerprint(&self) -> String {
+        let mut data = b"tine secrets key fingerprint".to_vec();
+        let nonce = Nonce::assume_unique_for_key([0u8; NONCE_LEN]);
+        if self
+            .key
+            .seal_in_place_append_tag(nonce, Aad::empty(), &mut data)
+            .is_err()
+        {
+            return String::new();
+        }
+        use sha2::Digest;
+        sha2::Sha256::digest(&data)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// Seal `value` for row `id` at `version`.
     pub fn seal(&self, id: &str, version: i64, value: &[u8]) -> Result<Sealed, CipherError> {
         let mut nonce = [0u8; NONCE_LEN];

@@ -5,12 +5,16 @@
 //! request header whose transform names it (`${e2b.secrets.<name>}`,
 //! `crate::network::inject`), so an update applies to every sandbox at its
 //! next request.
+//!
+//! A single server keeps them in its SQLite file; a cluster's nodes in the
+//! catalog (`crate::cluster::secrets`), all under one key.
 
 pub mod cipher;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use crate::cluster::catalog::Catalog;
 use crate::db::{Db, SecretRow};
 pub use cipher::Cipher;
 
@@ -41,6 +45,12 @@ pub enum SecretError {
     Db(#[from] crate::db::DbError),
     #[error("{0}")]
     Cipher(#[from] cipher::CipherError),
+    #[error("the cluster's catalog: {0}")]
+    Catalog(#[from] crate::cluster::catalog::CatalogError),
+    #[error(
+        "this node's secrets key is not the cluster's: give every node the same secrets_key_file"
+    )]
+    OtherKey,
 }
 
 pub type Result<T> = std::result::Result<T, SecretError>;
@@ -86,18 +96,76 @@ fn check_metadata(m: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
+/// Where a cluster node keeps secrets: the catalog, if this node's key
+/// is the cluster's.
+struct Shared {
+    catalog: Catalog,
+    key_matches: bool,
+}
+
 /// Teams' secrets.
 pub struct Secrets {
     db: Arc<Db>,
+    shared: OnceLock<Shared>,
     cipher: Cipher,
 }
 
 impl Secrets {
     pub fn new(db: Arc<Db>, cipher: Cipher) -> Self {
-        Self { db, cipher }
+        Self {
+            db,
+            shared: OnceLock::new(),
+            cipher,
+        }
     }
 
-    pub fn create(
+    /// Keep secrets in the cluster's catalog from now on. A node whose key
+    /// differs from the one the cluster's first node recorded serves no
+    /// secret (each call says why) rather than values it cannot open.
+    pub async fn share(&self, catalog: Catalog) -> Result<()> {
+        let key_matches = catalog
+            .secrets_key_matches(&self.cipher.fingerprint())
+            .await?;
+        if !key_matches {
+            tracing::error!("{}", SecretError::OtherKey);
+        }
+        let _ = self.shared.set(Shared {
+            catalog,
+            key_matches,
+        });
+        Ok(())
+    }
+
+    fn catalog(&self) -> Result<Option<&Catalog>> {
+        match self.shared.get() {
+            Some(s) if s.key_matches => Ok(Some(&s.catalog)),
+            Some(_) => Err(SecretError::OtherKey),
+            None => Ok(None),
+        }
+    }
+
+    async fn insert(&self, row: &SecretRow) -> Result<bool> {
+        Ok(match self.catalog()? {
+            Some(c) => c.insert_secret(row).await?,
+            None => self.db.insert_secret(row)?,
+        })
+    }
+
+    async fn store_update(&self, row: &SecretRow) -> Result<bool> {
+        Ok(match self.catalog()? {
+            Some(c) => c.update_secret(row).await?,
+            None => self.db.update_secret(row)?,
+        })
+    }
+
+    async fn find(&self, team: &str, id_or_name: &str) -> Result<Option<SecretRow>> {
+        Ok(match self.catalog()? {
+            Some(c) => c.secret(team, id_or_name).await?,
+            None => self.db.get_secret(team, id_or_name)?,
+        })
+    }
+
+    pub async fn create(
         &self,
         team: &str,
         name: &str,
@@ -123,7 +191,7 @@ impl Secrets {
             created_ms: now,
             updated_ms: now,
         };
-        if !self.db.insert_secret(&row)? {
+        if !self.insert(&row).await? {
             return Err(SecretError::Exists(name.into()));
         }
         Ok(row)
@@ -131,7 +199,7 @@ impl Secrets {
 
     /// Store `value` as the next version of `id_or_name`; `metadata`, when
     /// given, replaces the stored one.
-    pub fn update(
+    pub async fn update(
         &self,
         team: &str,
         id_or_name: &str,
@@ -142,7 +210,7 @@ impl Secrets {
         if let Some(m) = &metadata {
             check_metadata(m)?;
         }
-        let mut row = self.get(team, id_or_name)?;
+        let mut row = self.get(team, id_or_name).await?;
         row.version += 1;
         let sealed = self.cipher.seal(&row.id, row.version, value.as_bytes())?;
         row.nonce = sealed.nonce;
@@ -151,40 +219,46 @@ impl Secrets {
         if let Some(m) = metadata {
             row.metadata = m;
         }
-        if !self.db.update_secret(&row)? {
+        if !self.store_update(&row).await? {
             return Err(SecretError::Conflict(id_or_name.into()));
         }
         Ok(row)
     }
 
-    pub fn get(&self, team: &str, id_or_name: &str) -> Result<SecretRow> {
-        self.db
-            .get_secret(team, id_or_name)?
+    pub async fn get(&self, team: &str, id_or_name: &str) -> Result<SecretRow> {
+        self.find(team, id_or_name)
+            .await?
             .ok_or_else(|| SecretError::NotFound(id_or_name.into()))
     }
 
     /// A page of `team`'s secrets after `after` (a row's `(created_ms, id)`).
-    pub fn list(
+    pub async fn list(
         &self,
         team: &str,
         after: Option<(i64, &str)>,
         limit: usize,
     ) -> Result<Vec<SecretRow>> {
-        Ok(self.db.list_secrets(team, after, limit)?)
+        Ok(match self.catalog()? {
+            Some(c) => c.secrets(team, after, limit).await?,
+            None => self.db.list_secrets(team, after, limit)?,
+        })
     }
 
     /// Forget `id_or_name`; false when there was none.
-    pub fn destroy(&self, team: &str, id_or_name: &str) -> Result<bool> {
-        match self.db.get_secret(team, id_or_name)? {
-            Some(row) => Ok(self.db.delete_secret(team, &row.id)?),
-            None => Ok(false),
-        }
+    pub async fn destroy(&self, team: &str, id_or_name: &str) -> Result<bool> {
+        let Some(row) = self.find(team, id_or_name).await? else {
+            return Ok(false);
+        };
+        Ok(match self.catalog()? {
+            Some(c) => c.delete_secret(team, &row.id).await?,
+            None => self.db.delete_secret(team, &row.id)?,
+        })
     }
 
     /// The current value of `team`'s secret `name` (`None`: no such
     /// secret). Only the egress proxy calls this.
-    pub fn reveal(&self, team: &str, name: &str) -> Result<Option<String>> {
-        let Some(row) = self.db.get_secret(team, name)? else {
+    pub async fn reveal(&self, team: &str, name: &str) -> Result<Option<String>> {
+        let Some(row) = self.find(team, name).await? else {
             return Ok(None);
         };
         if row.name != name {
@@ -213,8 +287,8 @@ mod tests {
         (dir, Secrets::new(db, c))
     }
 
-    #[test]
-    fn values_are_write_only_and_versions_count_up() {
+    #[tokio::test]
+    async fn values_are_write_only_and_versions_count_up() {
         let (dir, s) = store();
         let row = s
             .create(
@@ -223,26 +297,31 @@ mod tests {
                 "v1-value",
                 BTreeMap::from([("a".into(), "b".into())]),
             )
+            .await
             .unwrap();
         assert_eq!(row.version, 1);
         assert!(matches!(
-            s.create("t", "api-key", "x", BTreeMap::new()),
+            s.create("t", "api-key", "x", BTreeMap::new()).await,
             Err(SecretError::Exists(_))
         ));
         assert_eq!(
-            s.reveal("t", "api-key").unwrap().as_deref(),
+            s.reveal("t", "api-key").await.unwrap().as_deref(),
             Some("v1-value")
         );
-        assert_eq!(s.reveal("other", "api-key").unwrap(), None, "team scoped");
         assert_eq!(
-            s.reveal("t", &row.id).unwrap(),
+            s.reveal("other", "api-key").await.unwrap(),
+            None,
+            "team scoped"
+        );
+        assert_eq!(
+            s.reveal("t", &row.id).await.unwrap(),
             None,
             "placeholders name secrets"
         );
-        let up = s.update("t", &row.id, "v2-value", None).unwrap();
+        let up = s.update("t", &row.id, "v2-value", None).await.unwrap();
         assert_eq!((up.version, up.metadata.len()), (2, 1));
         assert_eq!(
-            s.reveal("t", "api-key").unwrap().as_deref(),
+            s.reveal("t", "api-key").await.unwrap().as_deref(),
             Some("v2-value")
         );
         // The value is nowhere in the database file in clear.
@@ -255,31 +334,36 @@ mod tests {
         }
     }
 
-    #[test]
-    fn bad_names_values_and_metadata_are_refused() {
+    #[tokio::test]
+    async fn bad_names_values_and_metadata_are_refused() {
         let (_dir, s) = store();
         for name in ["", "a{b", "a}b", "a\nb", &"n".repeat(256)] {
             assert!(matches!(
-                s.create("t", name, "v", BTreeMap::new()),
+                s.create("t", name, "v", BTreeMap::new()).await,
                 Err(SecretError::BadName(_))
             ));
         }
         assert!(matches!(
-            s.create("t", "n", "a\r\nX-Evil: 1", BTreeMap::new()),
+            s.create("t", "n", "a\r\nX-Evil: 1", BTreeMap::new()).await,
             Err(SecretError::BadValue(_))
         ));
         assert!(matches!(
-            s.create("t", "n", &"v".repeat(MAX_VALUE_BYTES + 1), BTreeMap::new()),
+            s.create("t", "n", &"v".repeat(MAX_VALUE_BYTES + 1), BTreeMap::new())
+                .await,
             Err(SecretError::BadValue(_))
         ));
         assert!(matches!(
-            s.create("t", "n", "v", BTreeMap::from([(String::new(), "x".into())])),
+            s.create("t", "n", "v", BTreeMap::from([(String::new(), "x".into())]))
+                .await,
             Err(SecretError::BadMetadata(_))
         ));
-        assert!(matches!(s.get("t", "nope"), Err(SecretError::NotFound(_))));
-        assert!(!s.destroy("t", "nope").unwrap());
-        s.create("t", "n", "v", BTreeMap::new()).unwrap();
-        assert!(s.destroy("t", "n").unwrap());
-        assert_eq!(s.reveal("t", "n").unwrap(), None);
+        assert!(matches!(
+            s.get("t", "nope").await,
+            Err(SecretError::NotFound(_))
+        ));
+        assert!(!s.destroy("t", "nope").await.unwrap());
+        s.create("t", "n", "v", BTreeMap::new()).await.unwrap();
+        assert!(s.destroy("t", "n").await.unwrap());
+        assert_eq!(s.reveal("t", "n").await.unwrap(), None);
     }
 }
