@@ -179,6 +179,10 @@ mod tests {
         assert!(c.open("sec_a", 1, &bent).is_err());
         let other = Cipher::from_key(&[8u8; KEY_LEN]).unwrap();
         assert!(other.open("sec_a", 1, &s).is_err());
+        let same = Cipher::from_key(&[7u8; KEY_LEN]).unwrap();
+        assert_eq!(c.fingerprint(), same.fingerprint());
+        assert_ne!(c.fingerprint(), other.fingerprint());
+        assert_eq!(c.fingerprint().len(), 64);
         assert_ne!(c.seal("sec_a", 1, b"hunter2").unwrap().nonce, s.nonce);
     }
 
