@@ -189,7 +189,10 @@ fn ca_params() -> rcgen::CertificateParams {
 pub(crate) fn write_private(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
+    // (Not `with_extension`: ca.crt and ca.key would share one.)
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)

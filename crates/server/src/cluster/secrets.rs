@@ -105,6 +105,18 @@ impl Catalog {
         Ok(r.as_ref().map(row))
     }
 
+    /// Secret `name` of `team`, by name only.
+    pub async fn secret_by_name(&self, team: &str, name: &str) -> Result<Option<SecretRow>> {
+        let db = self.pool.get().await?;
+        let r = db
+            .query_opt(
+                &format!("SELECT {COLUMNS} FROM tine_secrets WHERE team = $1 AND name = $2"),
+                &[&team, &name],
+            )
+            .await?;
+        Ok(r.as_ref().map(row))
+    }
+
     pub async fn secrets(
         &self,
         team: &str,

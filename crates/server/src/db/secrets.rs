@@ -97,6 +97,18 @@ impl Db {
             .optional()?)
     }
 
+    /// Secret `name` of `team` (by name only: placeholders name secrets).
+    pub fn secret_by_name(&self, team: &str, name: &str) -> Result<Option<SecretRow>> {
+        Ok(self
+            .conn()
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM secrets WHERE team = ?1 AND name = ?2"),
+                params![team, name],
+                row,
+            )
+            .optional()?)
+    }
+
     /// Up to `limit` of `team`'s secrets after id `after`, oldest first.
     pub fn list_secrets(
         &self,

@@ -31,6 +31,8 @@ pub const JWT_SVID: &str = "JWT-SVID";
 /// Tokens one sandbox may register, and bytes of an audience.
 pub const MAX_TOKENS: usize = 16;
 pub const MAX_AUDIENCE: usize = 1024;
+/// How long a new key is published before it signs (JWKS caches).
+const PUBLISH_AHEAD_MS: i64 = 10 * 60 * 1000;
 
 /// `[identity]` in the server's config.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -226,19 +228,18 @@ impl Identity {
     /// Make a new key when the newest is due, and forget keys no token
     /// still valid was signed with.
     fn rotate(&self, now_ms: i64) -> Result<(), IdentityError> {
+        // The next key is made ahead of its turn, so it is published
+        // before it signs.
+        let due_at = (self.rotate_ms - PUBLISH_AHEAD_MS).max(PUBLISH_AHEAD_MS);
         let due = {
             let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
-            keys.last()
-                .is_none_or(|k| now_ms - k.created_ms >= self.rotate_ms)
+            keys.last().is_none_or(|k| now_ms - k.created_ms >= due_at)
         };
         if !due {
             return Ok(());
         }
         let mut keys = self.keys.write().unwrap_or_else(|e| e.into_inner());
-        if keys
-            .last()
-            .is_some_and(|k| now_ms - k.created_ms < self.rotate_ms)
-        {
+        if keys.last().is_some_and(|k| now_ms - k.created_ms < due_at) {
             return Ok(()); // another caller rotated
         }
         let err = |detail: String| IdentityError::Keys {
@@ -263,7 +264,7 @@ impl Identity {
         });
         // A key retired (a newer one exists) longer ago than a token lives
         // verifies nothing any more.
-        let ttl_ms = self.ttl_secs * 1000;
+        let ttl_ms = self.ttl_secs * 1000 + PUBLISH_AHEAD_MS;
         let mut i = 0;
         while i + 1 < keys.len() {
             let retired_at = keys[i + 1].created_ms;
@@ -296,7 +297,14 @@ impl Identity {
         self.rotate(now_ms)?;
         let now = now_ms / 1000;
         let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
-        let key = keys.last().ok_or(IdentityError::Sign)?;
+        // The newest key that relying parties have had time to fetch (the
+        // only one, on a first start).
+        let key = keys
+            .iter()
+            .rev()
+            .find(|k| now_ms - k.created_ms >= PUBLISH_AHEAD_MS)
+            .or_else(|| keys.last())
+            .ok_or(IdentityError::Sign)?;
         let header = json!({"alg": "ES256", "typ": "JWT", "kid": key.kid});
         let claims = json!({
             "iss": self.issuer,

@@ -157,7 +157,7 @@ async fn serve(
         .intercepts(*dst.ip(), name.as_deref())
     {
         return match inject {
-            Some(inject) => super::inject::serve(conn, head, dst, egress, inject).await,
+            Some(inject) => super::inject::serve(conn, head, dst, name, egress, inject).await,
             None => Err(std::io::Error::other(
                 "header transforms need the egress CA, which this server has not",
             )),

@@ -10,11 +10,17 @@
 //! tine's.
 //!
 //! HTTP/1.1 on both sides (the guest is offered only `http/1.1` by ALPN).
-//! A request whose `Host` differs from the TLS server name is refused
-//! (421), as is one to a host the policy does not allow (403). A
-//! placeholder naming a secret the team does not have refuses the request
-//! (502, and an event on the sandbox): it is never sent with the literal
-//! placeholder.
+//! Where a request goes is fixed when its connection is: over HTTPS by the
+//! TLS server name (the destination must prove it with its certificate);
+//! over plain HTTP, for a rule by name, the address the sandboxes'
+//! resolver gives for that name (never the address the guest dialled,
+//! which it could have pointed anywhere), for a rule by address the
+//! address dialled. A request that names another host (`Host`, or an
+//! absolute URI; 421), carries two `Host` headers (400), is a `TRACE`,
+//! `TRACK` or `CONNECT` (405, a `TRACE` echoes headers back), or goes to a
+//! host the policy does not allow (403) is refused. A placeholder naming a
+//! secret the team does not have refuses the request (502, and an event
+//! on the sandbox): it is never sent with the literal placeholder.
 
 use std::net::SocketAddrV4;
 use std::pin::Pin;
@@ -39,6 +45,11 @@ use super::{Egress, Vault};
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long dialling and the TLS handshake with the destination may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long the guest may take to send a request's head (and to start the
+/// next one on a kept-alive connection).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes one header value may have once its placeholders are resolved.
+const MAX_RESOLVED: usize = 16 * 1024;
 
 /// What every injecting connection of the host shares.
 pub struct Injector {
@@ -164,9 +175,13 @@ enum Upstream {
 struct Conn {
     egress: Arc<Egress>,
     inject: Arc<Injector>,
+    /// Where its requests go.
     dst: SocketAddrV4,
-    /// The TLS server name the guest asked for (HTTPS only).
-    sni: Option<String>,
+    /// The host every request on it must name: the TLS server name, or the
+    /// first request's `Host` over plain HTTP (`None`: no name; then only
+    /// rules by address apply).
+    host: Option<String>,
+    tls: bool,
     upstream: Upstream,
 }
 
@@ -176,6 +191,7 @@ pub(super) async fn serve(
     conn: TcpStream,
     head: Vec<u8>,
     dst: SocketAddrV4,
+    name: Option<String>,
     egress: Arc<Egress>,
     inject: Arc<Injector>,
 ) -> std::io::Result<()> {
@@ -186,12 +202,17 @@ pub(super) async fn serve(
         inner: conn,
     };
     if !tls {
-        let upstream = dial_plain(&egress, dst).await;
+        let host = name.map(|n| n.trim_end_matches('.').to_ascii_lowercase());
+        let (dst, upstream) = match plain_destination(&egress, dst, host.as_deref()).await {
+            Ok(to) => (to, dial_plain(&egress, to).await),
+            Err(e) => (dst, Upstream::Failed(e)),
+        };
         let c = Arc::new(Conn {
             egress,
             inject,
             dst,
-            sni: None,
+            host,
+            tls: false,
             upstream,
         });
         return http(TokioIo::new(stream), c).await;
@@ -219,10 +240,36 @@ pub(super) async fn serve(
         egress,
         inject,
         dst,
-        sni,
+        host: sni,
+        tls: true,
         upstream,
     });
     http(TokioIo::new(guest_tls), c).await
+}
+
+/// Where plain HTTP naming `host` goes: for a rule by name, an address the
+/// sandboxes' resolver gives for it that the policy allows; otherwise the
+/// address the guest dialled.
+async fn plain_destination(
+    egress: &Egress,
+    dst: SocketAddrV4,
+    host: Option<&str>,
+) -> Result<SocketAddrV4, String> {
+    let Some(name) = host.filter(|h| egress.policy.transforms.by_name(h)) else {
+        return Ok(dst);
+    };
+    let resolver = egress
+        .site
+        .resolver
+        .ok_or_else(|| format!("no resolver is configured to find {name} (network.dns)"))?;
+    let addrs = super::dns::resolve_a(SocketAddrV4::new(resolver, 53), name)
+        .await
+        .map_err(|e| format!("resolving {name}: {e}"))?;
+    addrs
+        .into_iter()
+        .find(|ip| egress.policy.allows(&egress.site, *ip, Some(name)))
+        .map(|ip| SocketAddrV4::new(ip, dst.port()))
+        .ok_or_else(|| format!("{name} resolves to no address the sandbox's policy allows"))
 }
 
 async fn handshake<S>(io: S, what: &str) -> Upstream
@@ -278,6 +325,8 @@ where
         async move { Ok::<_, std::convert::Infallible>(handle(&c, req).await) }
     });
     hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
         .keep_alive(true)
         .serve_connection(io, service)
         .await
@@ -298,6 +347,7 @@ async fn resolve(c: &Conn, pieces: &[Piece]) -> Result<String, Unresolved> {
     for piece in pieces {
         match piece {
             Piece::Text(t) => value.push_str(t),
+            _ if value.len() > MAX_RESOLVED => break,
             Piece::Secret(name) => match c.inject.vault.reveal(&c.egress.team, name).await {
                 Ok(Some(v)) => value.push_str(&v),
                 Ok(None) => {
@@ -330,6 +380,12 @@ async fn resolve(c: &Conn, pieces: &[Piece]) -> Result<String, Unresolved> {
             }
         }
     }
+    if value.len() > MAX_RESOLVED {
+        return Err(Unresolved::Failed {
+            what: "a header value over 16 KiB".into(),
+            error: format!("{} bytes", value.len()),
+        });
+    }
     Ok(value)
 }
 
@@ -344,15 +400,48 @@ fn host_of(req: &Request<Incoming>) -> Option<String> {
 }
 
 async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
-    let host = host_of(&req).or_else(|| c.sni.clone());
-    if let (Some(sni), Some(h)) = (&c.sni, &host) {
-        if sni != h {
+    if matches!(req.method().as_str(), "TRACE" | "TRACK" | "CONNECT") {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!(
+                "{} is not forwarded to a host with header transforms",
+                req.method()
+            ),
+        );
+    }
+    if req.headers().get_all(http::header::HOST).iter().count() > 1 {
+        return text(StatusCode::BAD_REQUEST, "more than one Host header".into());
+    }
+    let named = host_of(&req);
+    // An absolute URI names the host too (and wins over Host upstream).
+    let in_uri = req
+        .uri()
+        .host()
+        .map(|h| h.trim_end_matches('.').to_ascii_lowercase());
+    // HTTPS without a server name is for the address dialled (rules by
+    // address only).
+    let expected = c
+        .host
+        .clone()
+        .or_else(|| c.tls.then(|| c.dst.ip().to_string()));
+    for h in [&named, &in_uri].into_iter().flatten() {
+        if let Some(e) = expected.as_ref().filter(|e| *e != h) {
             return text(
                 StatusCode::MISDIRECTED_REQUEST,
-                format!("Host {h:?} does not match the TLS server name {sni:?}"),
+                format!("this connection is for {e}, not {h:?}"),
             );
         }
     }
+    // Origin-form upstream, whatever the guest sent.
+    let origin: http::Uri = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .parse()
+        .unwrap_or_else(|_| http::Uri::from_static("/"));
+    *req.uri_mut() = origin;
+    let host = c.host.clone();
     let ip = *c.dst.ip();
     if !c.egress.policy.allows(&c.egress.site, ip, host.as_deref()) {
         return text(
@@ -370,7 +459,7 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
                         host.as_deref().unwrap_or("?"),
                         h.name
                     );
-                    c.inject.vault.note(&c.egress.sandbox, &msg);
+                    c.egress.note(&*c.inject.vault, &msg);
                     return text(StatusCode::BAD_GATEWAY, msg);
                 }
                 Err(Unresolved::Failed { what, error }) => {
@@ -397,14 +486,19 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
         Upstream::Failed(e) => return text(StatusCode::BAD_GATEWAY, e.clone()),
     };
     let mut sender = sender.lock().await;
+    // The destination closed its side: so does this connection, and the
+    // guest's client opens another.
+    let closing = |msg: String| {
+        let mut r = text(StatusCode::BAD_GATEWAY, msg);
+        r.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        r
+    };
     if sender.ready().await.is_err() {
-        return text(
-            StatusCode::BAD_GATEWAY,
-            "the destination closed the connection".into(),
-        );
+        return closing("the destination closed the connection".into());
     }
     match sender.send_request(req).await {
         Ok(resp) => resp.map(|b| b.boxed()),
-        Err(e) => text(StatusCode::BAD_GATEWAY, format!("forwarding: {e}")),
+        Err(e) => closing(format!("forwarding: {e}")),
     }
 }

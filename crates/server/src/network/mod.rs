@@ -14,6 +14,7 @@
 //! goes in it. A VM's namespace is closed until [`Network::apply`] runs.
 
 pub mod ca;
+mod dns;
 mod egress;
 mod inject;
 pub mod policy;
@@ -84,9 +85,25 @@ pub struct Egress {
     pub policy: Compiled,
     /// The SOCKS5 proxy its TCP goes through (`network.egress_proxy`).
     pub tunnel: Option<tunnel::Tunnel>,
+    /// Refusals recorded as events so far (a guest could make millions).
+    pub notes: std::sync::atomic::AtomicU32,
 }
 
+/// Refusals of one egress proxy recorded as events; later ones are only
+/// logged at debug level.
+const MAX_NOTES: u32 = 100;
+
 impl Egress {
+    /// Record a refusal on the sandbox (the first [`MAX_NOTES`]).
+    pub fn note(&self, vault: &dyn Vault, detail: &str) {
+        use std::sync::atomic::Ordering;
+        if self.notes.fetch_add(1, Ordering::Relaxed) < MAX_NOTES {
+            vault.note(&self.sandbox, detail);
+        } else {
+            tracing::debug!(sandbox = %self.sandbox, "{detail}");
+        }
+    }
+
     /// A stream to `dst`: from the sandbox's namespace, through its
     /// egress proxy when it has one.
     pub async fn dial(&self, dst: std::net::SocketAddrV4) -> std::io::Result<tunnel::Stream> {
@@ -312,6 +329,7 @@ impl Network {
                 site: self.site.clone(),
                 policy: compiled,
                 tunnel,
+                notes: Default::default(),
             });
             let proxy = EgressProxy::start(listener, egress, self.inject.get().cloned());
             self.proxies

@@ -153,6 +153,13 @@ impl Transforms {
         matched.then_some(out)
     }
 
+    /// Whether a rule by name matches `host`.
+    pub fn by_name(&self, host: &str) -> bool {
+        self.rules
+            .iter()
+            .any(|r| matches!(&r.host, HostMatch::Name(d) if d.matches(host)))
+    }
+
     /// Whether a connection to `ip` naming `host` goes through the
     /// injecting proxy.
     pub fn intercepts(&self, ip: Ipv4Addr, host: Option<&str>) -> bool {

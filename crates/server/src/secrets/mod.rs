@@ -258,13 +258,14 @@ impl Secrets {
     /// The current value of `team`'s secret `name` (`None`: no such
     /// secret). Only the egress proxy calls this.
     pub async fn reveal(&self, team: &str, name: &str) -> Result<Option<String>> {
-        let Some(row) = self.find(team, name).await? else {
+        // Placeholders name secrets, not ids.
+        let found = match self.catalog()? {
+            Some(c) => c.secret_by_name(team, name).await?,
+            None => self.db.secret_by_name(team, name)?,
+        };
+        let Some(row) = found else {
             return Ok(None);
         };
-        if row.name != name {
-            // Placeholders name secrets, not ids.
-            return Ok(None);
-        }
         let sealed = cipher::Sealed {
             nonce: row.nonce,
             data: row.sealed,

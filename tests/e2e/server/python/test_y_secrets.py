@@ -162,6 +162,19 @@ def test_a_transform_sets_the_header_over_https_and_http_and_the_guest_never_see
             timeout=60,
         )
         assert json.loads(r.stdout)["authorization"] == [sha("Bearer " + value)]
+        # Where a request goes is the connection's: another Host, an
+        # absolute URI naming another host, or TRACE (which echoes headers)
+        # are refused; plain HTTP dialled to another address with the
+        # rule's Host goes where the sandboxes' resolver says, not there.
+        for extra, status in [
+            (f"-H 'Host: {OTHER}' https://{HOST}/headers", "421"),
+            (f"--request-target http://{OTHER}/headers https://{HOST}/headers", "421"),
+            (f"-X TRACE https://{HOST}/", "405"),
+        ]:
+            r = s.commands.run(f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' {extra}", timeout=60)
+            assert r.stdout == status, (extra, r.stdout)
+        r = s.commands.run(f"curl -sS -m 20 -H 'Host: {HOST}' http://203.0.113.20/", timeout=60)
+        assert r.stdout == f"inet 203.0.113.10 host={HOST}\n", r.stdout
         # A host without a rule is spliced as before: its own certificate
         # (the guest does not trust the stand-in's CA), nothing added.
         seen = headers_seen(s, f"https://{OTHER}/headers", "-k -H 'Authorization: from-the-guest'")
