@@ -115,9 +115,10 @@ def test_tls_to_the_proxy_is_verified_and_never_falls_back(fresh, socks):
     code, body = run(s, f"curl -sS -m 10 http://{INET}/")
     assert code == 0 and body.startswith(f"inet {INET} "), body
     assert f"CONNECT {INET}:80" in lines(log)
-    # Verified against the host's store (which lacks the test CA): refused,
-    # and not sent in clear instead.
-    s.update_network({"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": True}})
+    # Another CA (the server's own egress CA did not sign the proxy's
+    # certificate): refused, and not sent in clear instead.
+    other_ca = open(os.path.join(os.environ["TINE_DATA_DIR"], "egress-ca", "ca.crt")).read()
+    s.update_network({"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": {"ca_cert": other_ca}}})
     before = len(lines(log))
     code, _ = run(s, f"curl -sS -m 5 http://{INET}/")
     assert code != 0 and len(lines(log)) == before
@@ -127,6 +128,11 @@ def test_tls_to_the_proxy_is_verified_and_never_falls_back(fresh, socks):
     )
     code, _ = run(s, f"curl -sS -m 5 http://{INET}/")
     assert code != 0 and len(lines(log)) == before
+    # `tls: True` trusts the host's store and `[network] upstream_ca_file`
+    # (which holds the stand-in's CA here).
+    s.update_network({"egress_proxy": {"address": f"{PROXY_ADDR}:1082", "tls": True}})
+    code, body = run(s, f"curl -sS -m 10 http://{INET}/")
+    assert code == 0 and body.startswith(f"inet {INET} "), body
 
 
 @pytest.mark.parametrize(
