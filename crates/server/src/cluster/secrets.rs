@@ -76,8 +76,8 @@ impl Catalog {
         let db = self.pool.get().await?;
         let n = db
             .execute(
-                "UPDATE tine_secrets SET version = $2, metadata = $3, nonce = $4, sealed = $5,
-                 updated_ms = $6 WHERE id = $1 AND version = $2 - 1",
+                "UPDATE tine_secrets SET version = $2::bigint, metadata = $3, nonce = $4,
+                 sealed = $5, updated_ms = $6 WHERE id = $1 AND version = $2::bigint - 1",
                 &[
                     &s.id,
                     &s.version,
