@@ -8,7 +8,6 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
@@ -137,18 +136,6 @@ pub struct ListQuery {
     next_token: Option<String>,
 }
 
-fn page_token(r: &SecretRow) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}:{}", r.created_ms, r.id))
-}
-
-fn after_token(t: &str) -> Option<(i64, String)> {
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(t)
-        .ok()?;
-    let (ms, id) = std::str::from_utf8(&raw).ok()?.split_once(':')?;
-    Some((ms.parse().ok()?, id.to_string()))
-}
-
 /// `GET /secrets`: a page, oldest first; `x-next-token` when more follow.
 pub async fn list(
     Authed(key): Authed,
@@ -163,7 +150,7 @@ pub async fn list(
     }
     let after = match q.next_token.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => Some(
-            after_token(t)
+            super::sandboxes::decode_token(t)
                 .ok_or_else(|| ApiError::bad_request(format!("invalid nextToken {t:?}")))?,
         ),
         None => None,
@@ -182,7 +169,8 @@ pub async fn list(
         if let Some(last) = rows.last() {
             headers.insert(
                 "x-next-token",
-                HeaderValue::from_str(&page_token(last)).expect("base64 is a valid header"),
+                HeaderValue::from_str(&super::sandboxes::page_token(last.created_ms, &last.id))
+                    .expect("base64 is a valid header"),
             );
         }
     }

@@ -100,7 +100,8 @@ fn encode_token(r: &SandboxRecord) -> String {
     page_token(r.started_at_ms, &r.id)
 }
 
-/// The `x-next-token` after the sandbox `(started_ms, id)`.
+/// The `x-next-token` after the row `(created or started ms, id)` (sandbox
+/// and secret lists page alike).
 pub fn page_token(started_ms: i64, id: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{started_ms}:{id}"))
 }
@@ -115,7 +116,8 @@ pub fn list_filter(query: &str, paged: bool) -> Result<ListFilter, ApiError> {
     parse_filter(&q, if paged { &defaults } else { &defaults[..1] })
 }
 
-fn decode_token(t: &str) -> Option<(i64, String)> {
+/// What [`page_token`] made.
+pub(crate) fn decode_token(t: &str) -> Option<(i64, String)> {
     let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(t)
         .ok()?;
