@@ -88,7 +88,8 @@ PY
 }
 log "Python E2B SDK ${E2B_PY_VERSION} in ${VENV}"
 # PyJWT and cryptography: the relying party of the workload identity tests.
-py_venv "$VENV" "${PY_PACKAGES[@]}" "mcp==2.3.0" "PyJWT==2.15.1" "cryptography==51.0.1"
+# selenium: drives Debian's chromium through the console tests.
+py_venv "$VENV" "${PY_PACKAGES[@]}" "mcp==2.3.0" "PyJWT==2.15.1" "cryptography==51.0.1" "selenium==4.45.0"
 log "Python E2B SDK ${E2B_PY_OLDEST} (the oldest 2.x) in ${VENV_OLDEST}"
 py_venv "$VENV_OLDEST" "e2b==${E2B_PY_OLDEST}" "${PY_PACKAGES[@]:1}"
 log "Python E2B SDK ${E2B_PY_BETWEEN} in ${VENV_BETWEEN}"
@@ -109,6 +110,33 @@ else
     if command -v systemctl >/dev/null 2>&1 && systemctl is-system-running >/dev/null 2>&1; then
         systemctl disable --now docker-registry >/dev/null 2>&1 || true
     fi
+fi
+
+# ---- a browser for the console tests ----
+log "chromium and chromium-driver (headless, driven by Selenium in test_y_console.py)"
+if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
+    info "already installed ($(chromium --version 2>/dev/null | head -1))"
+else
+    apt_install chromium chromium-driver
+fi
+
+# ---- promtool: checks deploy/prometheus's rules ----
+# From Debian's prometheus package, unpacked into the data dir: only the
+# tool, not the server the package would start.
+PROMTOOL="$TINE_DATA_DIR/tools/prometheus/usr/bin/promtool"
+log "promtool (deploy/prometheus/alerts.yml is checked with it)"
+if [[ -x "$PROMTOOL" ]]; then
+    info "already unpacked: $("$PROMTOOL" --version 2>&1 | head -1)"
+else
+    tmp="$(mktemp -d)"
+    chmod 0755 "$tmp" # (apt's _apt user downloads into it)
+    apt-get update -qq >/dev/null 2>&1 || true
+    (cd "$tmp" && apt-get download -qq prometheus >/dev/null) || { echo "error: apt-get download prometheus failed" >&2; exit 1; }
+    mkdir -p "$TINE_DATA_DIR/tools/prometheus"
+    dpkg-deb -x "$tmp"/prometheus_*.deb "$TINE_DATA_DIR/tools/prometheus"
+    rm -rf "$tmp"
+    [[ -x "$PROMTOOL" ]] || { echo "error: no promtool in Debian's prometheus package" >&2; exit 1; }
+    info "unpacked: $("$PROMTOOL" --version 2>&1 | head -1)"
 fi
 
 # ---- names under *.localhost (the domain-mode tests) ----

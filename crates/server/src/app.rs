@@ -9,7 +9,7 @@ use axum::middleware;
 use axum::Router;
 
 use crate::state::AppState;
-use crate::{api, builds, db, guest_client, metrics, proxy, sandboxes, templates, Config};
+use crate::{api, builds, db, guest_client, proxy, sandboxes, templates, Config};
 
 /// The whole HTTP app: the proxy sees every request first, so sandbox
 /// traffic never meets a REST route; the rest goes to the REST router.
@@ -199,13 +199,14 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
     tokio::spawn(manager.clone().sample_loop());
     tokio::spawn(manager.clone().compaction_loop());
     manager.warm_up();
+    let telemetry = manager.telemetry();
     let state = Arc::new(AppState {
         volumes,
         secrets,
         identity,
         client: guest_client::client(manager.clone()),
         manager,
-        metrics: Arc::new(metrics::Metrics::default()),
+        metrics: telemetry,
         domain,
         data_dir: paths.data_dir.clone(),
         builds,

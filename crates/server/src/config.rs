@@ -66,6 +66,8 @@ pub struct Config {
     pub domain: Option<String>,
     /// Domain mode over HTTPS (`[tls]`).
     pub tls: crate::tls::TlsConfig,
+    /// Serve the web console under `/console` (on by default).
+    pub console: bool,
     pub default_timeout_secs: u64,
     pub max_timeout_secs: u64,
     pub default_cpu_count: u32,
@@ -177,6 +179,7 @@ impl Default for Config {
             listen: ([127, 0, 0, 1], 3000).into(),
             domain: None,
             tls: Default::default(),
+            console: true,
             default_timeout_secs: 300,
             max_timeout_secs: 24 * 3600,
             default_cpu_count: 2,

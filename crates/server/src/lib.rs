@@ -5,7 +5,8 @@
 //! Where a request goes: [`app`] composes [`proxy`] (sandbox traffic,
 //! chosen by headers or Host) in front of [`api`] (REST routes); both are
 //! thin over [`sandboxes::Manager`] (lifecycle), which drives VMs through
-//! `tine_vmm::Driver`; [`network`] decides what each sandbox may reach.
+//! `tine_vmm::Driver`; [`network`] decides what each sandbox may reach;
+//! [`console`] serves the web console, a client of those same routes.
 //! The import arrows run one way:
 //! `app` → `api`/`proxy` → [`state`] → [`guest_client`] → [`sandboxes`] →
 //! [`templates`] → [`db`] → [`model`] → `tine_vmm`.
@@ -15,6 +16,7 @@ pub mod app;
 pub mod builds;
 pub mod cluster;
 pub mod config;
+pub mod console;
 pub mod db;
 pub mod gateway;
 pub use tine_vmm::failpoint;

@@ -1,5 +1,8 @@
 //! The server's own Prometheus metrics (`GET /metrics`): sandboxes by
-//! state, API latency by route, bytes through the proxy.
+//! state, API latency by route, create latency and failures, capture
+//! durations, host headroom, bytes through the proxy. Durations are
+//! histograms, so dashboards read quantiles, not averages
+//! (`deploy/grafana/tine.json`, `deploy/prometheus/alerts.yml`).
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -32,6 +35,11 @@ pub struct KindLabel {
     pub kind: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
 pub type ByteCounter = Family<DirectionLabel, Counter>;
 
 pub struct Metrics {
@@ -50,6 +58,15 @@ pub struct Metrics {
     /// Captures through a cluster's registry, since the node started.
     pub captures: Family<KindLabel, Gauge>,
     pub capture_bytes: Family<KindLabel, Gauge>,
+    /// Creates that gave a sandbox, from the call to a guest that answers.
+    pub create_duration: Histogram,
+    /// Creates refused or failed, by [`crate::sandboxes::SandboxError::reason`].
+    pub create_failures: Family<ReasonLabel, Counter>,
+    /// Captures of running sandboxes by kind (pause, snapshot, fork).
+    pub capture_duration: Family<KindLabel, Histogram>,
+    /// The host's headroom, read at each scrape.
+    pub host_memory_available: Gauge,
+    pub host_disk_available: Gauge,
 }
 
 impl Default for Metrics {
@@ -113,8 +130,45 @@ impl Default for Metrics {
             "Bytes of capture chunks since the node started: pushed (sent; the registry had the rest), pulled (fetched)",
             capture_bytes.clone(),
         );
+        let create_duration = Histogram::new(exponential_buckets(0.01, 2.0, 14));
+        registry.register(
+            "sandbox_create_duration_seconds",
+            "Sandbox creates that succeeded, from the call to a guest that answers",
+            create_duration.clone(),
+        );
+        let create_failures = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "sandbox_create_failures",
+            "Sandbox creates that failed, by reason (capacity, team_limit, host_memory, host_disk, not_found, invalid, network, volumes, guest, vm, internal)",
+            create_failures.clone(),
+        );
+        let capture_duration = Family::<KindLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.01, 2.0, 14))
+        });
+        registry.register(
+            "capture_duration_seconds",
+            "Captures of running sandboxes by kind (pause, snapshot, fork): memory and disk written",
+            capture_duration.clone(),
+        );
+        let host_memory_available = Gauge::default();
+        registry.register(
+            "host_memory_available_bytes",
+            "The host's available memory (MemAvailable)",
+            host_memory_available.clone(),
+        );
+        let host_disk_available = Gauge::default();
+        registry.register(
+            "host_disk_available_bytes",
+            "Free space of the data directory's file system",
+            host_disk_available.clone(),
+        );
         Self {
             registry,
+            create_duration,
+            create_failures,
+            capture_duration,
+            host_memory_available,
+            host_disk_available,
             captures,
             capture_bytes,
             capacity,
@@ -202,6 +256,19 @@ impl Metrics {
                 .set(as_i64(v));
         }
         self.host_cores.set(as_i64(c.cores));
+    }
+
+    /// Read the host's free memory and the free space under `data_dir`.
+    pub fn set_host(&self, data_dir: &std::path::Path) {
+        let mib = |v: u64| i64::try_from(v.saturating_mul(1 << 20)).unwrap_or(i64::MAX);
+        if let Some(mb) = crate::sandboxes::limits::mem_available_mb() {
+            self.host_memory_available.set(mib(mb));
+        }
+        if let Ok(s) = nix::sys::statvfs::statvfs(data_dir) {
+            let free = s.blocks_available().saturating_mul(s.fragment_size());
+            self.host_disk_available
+                .set(i64::try_from(free).unwrap_or(i64::MAX));
+        }
     }
 
     pub fn render(&self) -> String {

@@ -71,6 +71,8 @@ TINE_E2E_STATE="$(mktemp -d -t tine-e2e-server.XXXXXX)"
 export TINE_E2E_PORT="$PORT"
 export TINE_E2E_MAX_BODY=65536
 export TINE_FUZZ_VENV="$VENV_FUZZ"
+# Checks deploy/prometheus/alerts.yml (test_y_console.py); setup.sh unpacks it.
+export TINE_PROMTOOL="$BASE_DATA_DIR/tools/prometheus/usr/bin/promtool"
 cat >"$TINE_E2E_STATE/config.toml" <<EOF
 default_cpu_count = 1
 default_memory_mb = 256

@@ -32,7 +32,14 @@ use crate::state::AppState;
 
 /// Every REST route.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let mut routes = Router::new();
+    if state.manager.config.console {
+        routes = routes
+            .route(crate::console::PREFIX, axum::routing::any(console))
+            .route("/console/", axum::routing::any(console))
+            .route("/console/{*rest}", axum::routing::any(console));
+    }
+    routes
         .route("/health", get(system::health))
         .route("/metrics", get(system::metrics))
         .route("/openapi.yaml", get(system::openapi))
@@ -61,6 +68,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
         .route("/sandboxes/{id}/logs", get(sandboxes::logs))
+        .route("/sandboxes/{id}/events", get(sandboxes::events))
+        .route("/hosts", get(system::hosts))
         .route("/v2/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
@@ -77,6 +86,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::get_template).delete(sandboxes::delete_snapshot),
         )
         .route("/v3/templates", post(templates::request_build))
+        .route("/builds", get(templates::recent_builds))
         .route("/templates/aliases/{alias}", get(templates::alias))
         .route(
             "/templates/tags",
@@ -121,6 +131,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(system::method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         .with_state(state)
+}
+
+/// The web console's page and assets ([`crate::console`]).
+async fn console(req: Request) -> Response {
+    crate::console::respond(req.method(), req.uri().path())
 }
 
 /// Records the latency of every REST call by route.

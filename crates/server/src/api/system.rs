@@ -7,7 +7,7 @@ use axum::extract::{Request, State};
 use axum::response::IntoResponse;
 use http::{header, StatusCode};
 
-use super::ApiError;
+use super::{ApiError, Authed};
 use crate::metrics::StateLabel;
 use crate::state::AppState;
 
@@ -31,6 +31,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         admitted,
         pooled,
     );
+    m.set_host(&state.data_dir);
     if let Some(stats) = tine_image::nbd::daemon::read_stats(&state.data_dir) {
         m.set_image_cache(&stats);
     }
@@ -77,4 +78,32 @@ pub async fn jwks(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         [(header::CACHE_CONTROL, "max-age=60")],
         axum::Json(state.identity.jwks()),
     )
+}
+
+/// `GET /hosts` (tine's own route; the console's host page): this server
+/// as a host. A gateway answers with every node of its cluster. Any key
+/// may read it: it names no sandbox.
+pub async fn hosts(Authed(_): Authed, State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let config = &state.manager.config;
+    let (capacity, admitted, _) = state.manager.capacity();
+    let id = if config.cluster.enabled() {
+        config.cluster.node_id_for(config.listen)
+    } else {
+        "local".to_string()
+    };
+    let disk_free_mb = nix::sys::statvfs::statvfs(&state.data_dir)
+        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()) >> 20)
+        .unwrap_or(0);
+    axum::Json(serde_json::json!([{
+        "nodeID": id,
+        "address": format!("http://{}", config.listen),
+        "up": true,
+        "heartbeatAgeMs": 0,
+        "cores": capacity.cores,
+        "capacity": capacity.sandboxes,
+        "live": admitted,
+        "memoryFreeMB": crate::sandboxes::limits::mem_available_mb().unwrap_or(0),
+        "diskFreeMB": disk_free_mb,
+        "version": env!("CARGO_PKG_VERSION"),
+    }]))
 }

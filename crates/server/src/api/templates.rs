@@ -292,6 +292,37 @@ fn build_out(b: &BuildRow) -> serde_json::Value {
     })
 }
 
+#[derive(Deserialize)]
+pub struct RecentQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /builds?limit=` (tine's own route; the console's build list):
+/// the team's newest builds of every template, failed ones included.
+pub async fn recent_builds(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<RecentQuery>,
+) -> Result<Response, ApiError> {
+    let limit = q.limit.unwrap_or(50).clamp(1, 500);
+    let builds = s
+        .builds
+        .db()
+        .recent_builds(&key.team, limit)
+        .map_err(db_err)?;
+    let out: Vec<_> = builds
+        .iter()
+        .map(|b| {
+            let mut v = build_out(b);
+            v["templateID"] = b.template.clone().into();
+            v["reason"] = b.reason.clone().into();
+            v["reasonStep"] = b.reason_step.clone().into();
+            v
+        })
+        .collect();
+    Ok(Json(out).into_response())
+}
+
 /// `GET /templates/{id}`: a template and its builds.
 pub async fn get_template(
     Authed(key): Authed,

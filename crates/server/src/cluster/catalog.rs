@@ -451,7 +451,10 @@ impl Catalog {
     pub async fn list(&self, q: &ListQuery) -> Result<Vec<SandboxRow>> {
         let db = self.pool.get().await?;
         let mut sql = String::from(
-            "SELECT id, team, state, template_id, started_ms, metadata, detail
+            // (The node rides along in the detail, as `GET
+            // /sandboxes/{id}` through a gateway names it.)
+            "SELECT id, team, state, template_id, started_ms, metadata,
+                    detail || jsonb_build_object('nodeID', node_id)
                FROM tine_sandboxes WHERE team = $1 AND state = ANY($2)",
         );
         let metadata = serde_json::to_value(&q.metadata).unwrap_or_default();

@@ -169,6 +169,23 @@ impl Db {
         Ok(out)
     }
 
+    /// The newest `limit` builds team `team` may see: its own and those
+    /// of no team (made with the CLI), newest first.
+    pub fn recent_builds(&self, team: &str, limit: usize) -> Result<Vec<BuildRow>> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM builds WHERE team = ?1 OR team IS NULL \
+             ORDER BY created_ms DESC, id LIMIT ?2"
+        ))?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = stmt.query_map(params![team, limit], from_row)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
+    }
+
     /// The template capture of the newest ready build of `template` whose
     /// steps had key `key`, while that capture is a live template.
     pub fn ready_build_with_key(&self, template: &str, key: &str) -> Result<Option<String>> {

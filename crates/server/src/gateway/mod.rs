@@ -60,6 +60,8 @@ pub struct GatewayConfig {
     /// certificate (`<data_dir>/tls/ca.crt`): gateways sharing it serve
     /// certificates of one CA.
     pub data_dir: PathBuf,
+    /// Serve the web console under `/console` (on by default).
+    pub console: bool,
 }
 
 impl Default for GatewayConfig {
@@ -74,6 +76,7 @@ impl Default for GatewayConfig {
             teams: BTreeMap::new(),
             tls: Default::default(),
             data_dir: PathBuf::from("/var/lib/tine-gateway"),
+            console: true,
         }
     }
 }
@@ -193,6 +196,9 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
     }
     if path == "/health" {
         return (StatusCode::OK, "ok").into_response();
+    }
+    if g.cfg.console && crate::console::handles(&path) {
+        return crate::console::respond(req.method(), &path);
     }
     if path.starts_with("/.well-known/") {
         return identity::well_known(&g, req).await;

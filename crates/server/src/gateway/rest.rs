@@ -19,6 +19,7 @@ pub async fn route(g: &Gateway, key: ClusterKey, req: Request) -> Result<Respons
         (Method::POST, "/sandboxes" | "/v2/sandboxes") => create(g, &key, req).await,
         (Method::GET, "/sandboxes") => list(g, &key, query_of(&req), false).await,
         (Method::GET, "/v2/sandboxes") => list(g, &key, query_of(&req), true).await,
+        (Method::GET, "/hosts") => Ok(hosts(g).await),
         (_, p) if super::volumes::handles(p) => super::volumes::route(g, &key, req).await,
         // A cluster's secrets are in the catalog: any node serves them.
         (_, p) if p == "/secrets" || p.starts_with("/secrets/") => any_up(g, &key, req).await,
@@ -40,6 +41,31 @@ fn sandbox_of(path: &str) -> Option<&str> {
         .or_else(|| path.strip_prefix("/sandboxes/"))?;
     let id = rest.split('/').next()?;
     (!id.is_empty()).then_some(id)
+}
+
+/// `GET /hosts`: every node of the cluster as the catalog knows it (the
+/// console's host page).
+async fn hosts(g: &Gateway) -> Response {
+    let out: Vec<_> = g
+        .nodes()
+        .await
+        .iter()
+        .map(|n| {
+            serde_json::json!({
+                "nodeID": n.id,
+                "address": n.status.address,
+                "up": place::healthy(n, g.grace_ms()),
+                "heartbeatAgeMs": n.silent_ms,
+                "cores": n.status.cores,
+                "capacity": n.status.capacity,
+                "live": n.status.live,
+                "memoryFreeMB": n.status.memory_free_mb,
+                "diskFreeMB": n.status.disk_free_mb,
+                "version": n.status.version,
+            })
+        })
+        .collect();
+    axum::Json(out).into_response()
 }
 
 /// `req` to the first up node (for what every node serves alike).

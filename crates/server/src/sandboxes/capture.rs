@@ -147,6 +147,7 @@ impl Manager {
         let snapshot = match captured {
             Ok(snapshot) => {
                 self.remove_live(id);
+                self.timed_capture(SnapshotKind::Pause, t);
                 snapshot
             }
             Err(failed) if failed.vm.is_some() => {
@@ -377,6 +378,7 @@ impl Manager {
             }
         };
         crate::failpoint::hit(&format!("{}.after_capture", kind.as_str()));
+        self.timed_capture(kind, t);
         if vm.process_id() != pid {
             // A new process: connections to the old one are gone.
             live.renew();
@@ -415,6 +417,16 @@ impl Manager {
         );
         self.maybe_compact(&capture.snapshot);
         Ok((row, capture.snapshot))
+    }
+
+    /// Count a capture that took from `since` until now.
+    fn timed_capture(&self, kind: SnapshotKind, since: Instant) {
+        self.metrics
+            .capture_duration
+            .get_or_create(&crate::metrics::KindLabel {
+                kind: kind.as_str(),
+            })
+            .observe(since.elapsed().as_secs_f64());
     }
 
     /// A user snapshot of a running sandbox, restorable by its id.

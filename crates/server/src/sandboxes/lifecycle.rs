@@ -251,7 +251,25 @@ impl Manager {
     /// Create a sandbox: restore the template (or snapshot), give the guest
     /// its env vars, access token, clock and fresh entropy, and start its
     /// timeout.
-    pub async fn create(&self, mut req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
+    pub async fn create(&self, req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
+        let started = std::time::Instant::now();
+        let made = self.create_once(req).await;
+        match &made {
+            Ok(_) => self
+                .metrics
+                .create_duration
+                .observe(started.elapsed().as_secs_f64()),
+            Err(e) => {
+                self.metrics
+                    .create_failures
+                    .get_or_create(&crate::metrics::ReasonLabel { reason: e.reason() })
+                    .inc();
+            }
+        }
+        made
+    }
+
+    async fn create_once(&self, mut req: CreateRequest) -> Result<SandboxRecord, SandboxError> {
         let machine = limits::machine(&self.config, req.cpu_count, req.memory_mb)?;
         let timeout = limits::optional_timeout(&self.config, req.timeout_secs)?;
         if req.team.is_empty() {

@@ -138,6 +138,26 @@ pub enum SandboxError {
 }
 
 impl SandboxError {
+    /// A short label for metrics (`tine_sandbox_create_failures_total`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SandboxError::NotFound(_) => "not_found",
+            SandboxError::Template(_) => "template",
+            SandboxError::InvalidArgument(_) => "invalid",
+            SandboxError::Network { .. } => "network",
+            SandboxError::Volumes { .. } => "volumes",
+            SandboxError::Conflict(_) => "conflict",
+            SandboxError::Capacity(_) => "capacity",
+            SandboxError::HostMemory(_) => "host_memory",
+            SandboxError::HostDisk(_) => "host_disk",
+            SandboxError::TeamLimit(_) => "team_limit",
+            SandboxError::GuestUnresponsive { .. } | SandboxError::Agent { .. } => "guest",
+            SandboxError::Vm { .. } => "vm",
+            SandboxError::Unreadable { .. } => "registry",
+            SandboxError::Inconsistent { .. } | SandboxError::Db(_) => "internal",
+        }
+    }
+
     /// A driver error of sandbox `id` while doing `context`.
     fn vm<'a>(id: &'a str, context: &'static str) -> impl FnOnce(tine_vmm::Error) -> Self + 'a {
         move |source| SandboxError::Vm {
@@ -224,6 +244,8 @@ pub struct Manager {
     samples: samples::Samples,
     /// Starts admitted under the capacity and team limits, not yet live.
     admission: limits::Admission,
+    /// Create and capture timings for `/metrics` (the app serves these).
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Where a new sandbox's VM comes from.
@@ -270,6 +292,7 @@ impl Manager {
             gc_pending: Default::default(),
             samples: Default::default(),
             admission: Default::default(),
+            metrics: Default::default(),
             config,
         }
     }
@@ -285,6 +308,11 @@ impl Manager {
 
     pub fn db(&self) -> &Db {
         &self.db
+    }
+
+    /// The server's Prometheus metrics, which creates and captures feed.
+    pub fn telemetry(&self) -> Arc<crate::metrics::Metrics> {
+        self.metrics.clone()
     }
 
     pub fn db_arc(&self) -> Arc<Db> {

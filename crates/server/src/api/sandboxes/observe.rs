@@ -1,4 +1,4 @@
-//! Metrics and logs of a sandbox.
+//! Metrics, logs and lifecycle events of a sandbox.
 
 use std::sync::Arc;
 
@@ -83,4 +83,22 @@ pub async fn logs(
         )
         .collect();
     Ok(Json(serde_json::json!({ "logs": logs, "logEntries": entries })).into_response())
+}
+
+/// `GET /sandboxes/{id}/events` (tine's own route; the console reads it):
+/// the sandbox's lifecycle as recorded, oldest first.
+pub async fn events(
+    Owned { id, .. }: Owned,
+    State(s): State<Arc<AppState>>,
+) -> Result<Response, ApiError> {
+    let events = s
+        .manager
+        .db()
+        .events(&id)
+        .map_err(crate::sandboxes::SandboxError::from)?;
+    let out: Vec<_> = events
+        .into_iter()
+        .map(|e| serde_json::json!({ "timestamp": rfc3339(e.at_ms), "kind": e.kind, "detail": e.detail }))
+        .collect();
+    Ok(Json(out).into_response())
 }
