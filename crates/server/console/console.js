@@ -264,7 +264,7 @@ function sandboxPage(main, id) {
       ['Metadata', JSON.stringify(sbx.metadata || {})]];
     info.replaceChildren(h('dl', { class: 'kv' }, kv.flatMap(([k, v]) => [h('dt', {}, k), h('dd', { class: k === 'State' ? 'state-' + v : '' }, v)])));
     bar.replaceChildren(h('a', { id: 'open-terminal', href: `#/sandbox/${id}/terminal` }, 'Open a terminal'), actionButtons(sbx, load, status));
-    network.textContent = JSON.stringify(sbx.network || { allowInternetAccess: sbx.allowInternetAccess }, null, 2);
+    network.textContent = JSON.stringify({ allowInternetAccess: sbx.allowInternetAccess, ...(sbx.network || {}) }, null, 2);
     try {
       const m = (await api('GET', `/sandboxes/${id}/metrics`)).data || [];
       plots.replaceChildren(
@@ -435,8 +435,8 @@ function buildPage(main, template, build) {
     // the set-up, what a failure names is highlighted.
     const groups = [{ title: 'Set-up', num: 0, lines: [] }];
     for (const e of entries) {
-      const m = /^\[(\d+)\/(\d+)\]\s/.exec(e.message);
-      if (m) groups.push({ title: e.message, num: Number(m[1]), lines: [] });
+      const m = /^\[(\d+)\/(\d+)\]\s+[A-Z]+\b/.exec(e.message);
+      if (m && Number(m[1]) !== groups[groups.length - 1].num) groups.push({ title: e.message, num: Number(m[1]), lines: [] });
       else groups[groups.length - 1].lines.push(e);
     }
     const failed = reason && reason.step !== undefined && reason.step !== null ? Number(reason.step) : null;
