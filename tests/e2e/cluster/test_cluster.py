@@ -72,6 +72,36 @@ def test_creates_spread_over_every_node_and_each_sandbox_answers_through_either_
     assert api("GET", f"/sandboxes/{s.sandbox_id}", gateway=GATEWAYS[1]).json()["nodeID"] == nodes[s.sandbox_id]
 
 
+def test_the_console_through_a_gateway_shows_every_host_and_where_sandboxes_run(spread):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from browser import By, chromium, go, sign_in, wait
+
+    r = httpx.get(GATEWAYS[1] + "/console")
+    assert r.status_code == 200 and "script-src 'self'" in r.headers["content-security-policy"]
+    hosts = api("GET", "/hosts").json()
+    assert sorted(h["nodeID"] for h in hosts) == ["node-1", "node-2", "node-3"], hosts
+    assert all(h["up"] and h["capacity"] > 0 and h["heartbeatAgeMs"] < 15000 for h in hosts), hosts
+    assert api("GET", "/hosts", key="e2b_nope").status_code == 401
+    # Lists name each sandbox's node, as its detail does.
+    listed = api("GET", f"/v2/sandboxes?metadata=run%3D{RUN}&limit=100").json()
+    assert {x["sandboxID"]: x["nodeID"] for x in listed if x["sandboxID"] in {s.sandbox_id for s in spread}} == \
+        {s.sandbox_id: node_of(s.sandbox_id) for s in spread}
+    s = spread[0]
+    events = api("GET", f"/sandboxes/{s.sandbox_id}/events", gateway=GATEWAYS[1]).json()
+    assert any(e["kind"] == "create" for e in events), events
+    assert api("GET", "/builds").status_code == 200
+    d = chromium()
+    try:
+        sign_in(d, GATEWAYS[1] + "/console", KEY)
+        go(d, "#/hosts")
+        wait(d, lambda: len(d.find_elements(By.CSS_SELECTOR, "#hosts tr[data-host]")) == 3, what="three hosts")
+        go(d, f"#/sandbox/{s.sandbox_id}")
+        wait(d, lambda: node_of(s.sandbox_id) in d.find_element(By.ID, "sandbox-info").text, what="the node")
+    finally:
+        d.quit()
+
+
 def test_list_pages_and_filters_across_nodes_and_teams(spread):
     ids = {s.sandbox_id for s in spread}
     listed = Sandbox.list(query=SandboxQuery(metadata={"run": RUN}))

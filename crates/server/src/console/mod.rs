@@ -158,16 +158,26 @@ mod tests {
     #[test]
     fn the_page_loads_only_embedded_assets() {
         let page = std::str::from_utf8(INDEX).unwrap();
-        for src in page.split("src=\"").skip(1).chain(page.split("href=\"").skip(1)) {
+        for src in page
+            .split("src=\"")
+            .skip(1)
+            .chain(page.split("href=\"").skip(1))
+        {
             let url = &src[..src.find('"').unwrap()];
             if url.starts_with("data:") {
                 continue;
             }
-            let name = url.strip_prefix("/console/assets/").unwrap_or_else(|| {
-                panic!("{url} is not one of the console's assets")
-            });
-            assert!(ASSETS.iter().any(|a| a.name == name), "{name} is not embedded");
+            let name = url
+                .strip_prefix("/console/assets/")
+                .unwrap_or_else(|| panic!("{url} is not one of the console's assets"));
+            assert!(
+                ASSETS.iter().any(|a| a.name == name),
+                "{name} is not embedded"
+            );
         }
-        assert!(!page.contains("<script>"), "no inline script: the CSP forbids it");
+        assert!(
+            !page.contains("<script>"),
+            "no inline script: the CSP forbids it"
+        );
     }
 }

@@ -352,6 +352,38 @@ mod tests {
     }
 
     #[test]
+    fn recent_builds_are_the_teams_and_the_clis_newest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&dir.path().join("t.db")).unwrap();
+        for (id, team, at) in [
+            ("a", Some("x"), 1),
+            ("b", Some("y"), 2),
+            ("c", None, 3),
+            ("d", Some("x"), 4),
+        ] {
+            db.insert_build(&BuildRow {
+                created_ms: at,
+                ..row(id)
+            })
+            .unwrap();
+            if let Some(t) = team {
+                db.set_build_team(id, t).unwrap();
+            }
+        }
+        let ids = |team, n| -> Vec<String> {
+            db.recent_builds(team, n)
+                .unwrap()
+                .into_iter()
+                .map(|b| b.id)
+                .collect()
+        };
+        assert_eq!(ids("x", 10), ["d", "c", "a"]);
+        assert_eq!(ids("x", 2), ["d", "c"]);
+        assert_eq!(ids("y", 10), ["c", "b"]);
+        assert_eq!(ids("z", 10), ["c"]);
+    }
+
+    #[test]
     fn a_build_ends_once() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(&dir.path().join("t.db")).unwrap();

@@ -15,19 +15,18 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 from e2b import Template
 from e2b.exceptions import BuildException
 
-from conftest import API, HERE, RUN, assert_error, http, new_sandbox
+from conftest import API, HERE, RUN, assert_error, http
 
-selenium = pytest.importorskip("selenium")
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+from browser import chromium, go, sign_in as open_console, wait  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(HERE, "..", "..", "..", ".."))
 ARTIFACTS = os.environ.get("TINE_E2E_ARTIFACTS") or os.path.join(ROOT, "target", "e2e-artifacts", "console")
@@ -36,26 +35,10 @@ CONSOLE = API + "/console"
 
 @pytest.fixture(scope="module")
 def browser():
-    # Selenium must not look for (or download) a driver: Debian's is used.
-    os.environ["SE_OFFLINE"] = "true"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--window-size=1280,900", "--no-first-run", "--disable-background-networking",
-              "--disable-component-update", "--disable-sync", "--disable-default-apps",
-              "--disable-features=Translate,OptimizationHints,MediaRouter",
-              "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
-        opts.add_argument(a)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
-    d.set_page_load_timeout(30)
+    d = chromium()
     os.makedirs(ARTIFACTS, exist_ok=True)
     yield d
     d.quit()
-
-
-def wait(d, cond, timeout=30, what="the page"):
-    return WebDriverWait(d, timeout, poll_frequency=0.2).until(lambda _: cond(), f"waiting for {what}")
 
 
 def shot(d, name):
@@ -65,17 +48,7 @@ def shot(d, name):
 
 
 def sign_in(d, key):
-    d.get(CONSOLE + "/")
-    d.execute_script("sessionStorage.clear()")
-    d.get(CONSOLE + "/#/")
-    box = wait(d, lambda: d.find_elements(By.ID, "api-key"), what="the sign-in form")[0]
-    box.send_keys(key)
-    d.find_element(By.ID, "sign-in").click()
-    wait(d, lambda: d.find_elements(By.ID, "sandboxes"), what="the sandbox table")
-
-
-def go(d, hash_):
-    d.execute_script("location.hash = arguments[0]", hash_)
+    open_console(d, CONSOLE, key)
 
 
 def no_csp_violations(d):
