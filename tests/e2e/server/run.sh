@@ -194,6 +194,12 @@ else
     ln -sfn ../../js/node_modules "$HERE/js/node_modules"
 fi
 
+# The newest released SDKs (not pinned), on the fidelity files: a new SDK
+# release that breaks tine fails here (docs/compatibility.md).
+if [[ $# -eq 0 && "${TINE_E2E_SKIP_NEWEST:-0}" != 1 ]]; then
+    TINE_BASE_DATA_DIR="$BASE_DATA_DIR" "$HERE/newest-sdk.sh" || status=1
+fi
+
 if [[ "${TINE_E2E_SKIP_DOMAIN:-0}" == 1 ]]; then
     log "domain mode skipped (TINE_E2E_SKIP_DOMAIN=1)"
 else
