@@ -116,6 +116,7 @@ fn stop_previous(pidfile: &Path) {
     else {
         return;
     };
+    // SAFETY: kill(2) with signal 0 only asks whether `pid` exists.
     let alive = || unsafe { libc::kill(pid, 0) } == 0;
     // SAFETY: plain kill(2); the daemon leads its own process group.
     unsafe { libc::kill(-pid, libc::SIGTERM) };
@@ -125,6 +126,7 @@ fn stop_previous(pidfile: &Path) {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    // SAFETY: plain kill(2) of the daemon's process group, as above.
     unsafe { libc::kill(-pid, libc::SIGKILL) };
     let _ = std::fs::remove_file(pidfile);
     // The daemon is our child only when the same launcher started it; an

@@ -462,9 +462,10 @@ impl Prepared {
             }
         }
         let none = std::ptr::null::<libc::c_char>();
-        // SAFETY (whole body): every pointer passed is a NUL-terminated
-        // string owned by `self` (alive for the call) or null where the
-        // call allows it; no call keeps a pointer past its return.
+        // SAFETY: (for the whole block) every pointer passed is a
+        // NUL-terminated string owned by `self` (alive for the call) or
+        // null where the call allows it; no call keeps a pointer past its
+        // return.
         unsafe {
             check(libc::unshare(libc::CLONE_NEWNS))?;
             check(libc::mount(
