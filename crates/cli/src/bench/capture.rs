@@ -114,18 +114,16 @@ fn write_floor(dir: &std::path::Path, bytes: u64) -> anyhow::Result<f64> {
     Ok(took)
 }
 
-/// The capture a pause made of sandbox `id` (`p-<id>-<hex>`).
+/// The capture sandbox `id` is paused in, as the server's database names
+/// it. (Not the newest `p-<id>-*` directory: a background compaction
+/// renames files into an older capture after a newer one exists, and
+/// that older capture is then garbage.)
 fn pause_capture(ctx: &Ctx, id: &str) -> anyhow::Result<Snapshot> {
-    let prefix = format!("p-{id}-");
-    let newest = std::fs::read_dir(ctx.paths.snapshots_dir())?
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
-        .context("no pause capture on disk")?;
-    Ok(Snapshot::open(
-        &ctx.paths,
-        &newest.file_name().to_string_lossy(),
-    )?)
+    let db = tine_server::db::Db::open(&ctx.paths.data_dir.join("tine.db"))?;
+    let capture = db
+        .sandbox_snapshot(id)?
+        .with_context(|| format!("the paused sandbox {id} names no capture"))?;
+    Ok(Snapshot::open(&ctx.paths, &capture)?)
 }
 
 pub async fn p4(ctx: &Ctx, out: &mut Out) -> anyhow::Result<()> {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::{chunk_dir, chunk_hex, decompress, sha256, write_atomic, ChunkRef, Index};
+use super::{chunk_dir, chunk_hex, decompress, sha256, write_cached, ChunkRef, Index};
 use crate::{ImageError, Result};
 
 /// Decompressed chunks kept in memory (each [`super::CHUNK_SIZE`]).
@@ -355,7 +355,7 @@ impl ChunkCache {
                 if !pinned {
                     self.evict(size);
                 }
-                write_atomic(&path, &bytes)?;
+                write_cached(&path, &bytes)?;
             }
             let data = Arc::new(data);
             self.remember(&hex, size, data.clone(), keep);

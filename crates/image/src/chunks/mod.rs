@@ -228,16 +228,17 @@ fn has_data(file: &std::fs::File, off: u64, len: u64) -> bool {
     (next as u64) < off + len
 }
 
-/// Write `data` to `path` through a temporary file in the same directory.
+/// Image state that must survive a crash (metadata, chunks stored only
+/// here, chunks pulled into the local store), through [`tine_durable`].
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = path.with_extension(format!("tmp-{}-{n}", std::process::id()));
-    std::fs::write(&tmp, data).map_err(io(format!("writing {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(format!("storing {}", path.display()))(e)
-    })
+    tine_durable::write(path, data).map_err(io(format!("storing {}", path.display())))
+}
+
+/// A file whose content is checked when read and can be had again (a
+/// chunk in the cache, verified against its digest; statistics): atomic,
+/// not synced.
+pub fn write_cached(path: &Path, data: &[u8]) -> Result<()> {
+    tine_durable::write_unsynced(path, data).map_err(io(format!("storing {}", path.display())))
 }
 
 #[cfg(test)]

@@ -217,7 +217,7 @@ impl StoreExports {
                 continue;
             }
             let json = serde_json::to_vec(&order).unwrap_or_default();
-            if crate::chunks::write_atomic(&path, &json).is_ok() {
+            if crate::chunks::write_cached(&path, &json).is_ok() {
                 saved.insert(name, order.len());
             }
         }
@@ -358,7 +358,7 @@ pub async fn run(data_dir: &Path) -> Result<()> {
         let stats = cache.stats();
         if last_stats.as_ref() != Some(&stats) {
             let json = serde_json::to_vec_pretty(&stats).unwrap_or_default();
-            let _ = crate::chunks::write_atomic(&run.join("image-cache.json"), &json);
+            let _ = crate::chunks::write_cached(&run.join("image-cache.json"), &json);
             last_stats = Some(stats);
         }
         if connections.load(Ordering::SeqCst) > 0 || open_lazy() > 0 {

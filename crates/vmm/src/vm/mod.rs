@@ -180,20 +180,9 @@ fn capture_meta(
     })
 }
 
+/// State that must survive a crash: written through [`tine_durable`].
 pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).ctx(|| format!("creating {}", tmp.display()))?;
-    f.write_all(data)
-        .and_then(|()| f.sync_all())
-        .ctx(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).ctx(|| format!("renaming {}", tmp.display()))?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .ctx(|| format!("syncing {}", dir.display()))?;
-    }
-    Ok(())
+    tine_durable::write(path, data).ctx(|| format!("storing {}", path.display()))
 }
 
 fn remove_dir(path: &Path) -> Result<()> {
