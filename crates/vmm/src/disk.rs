@@ -222,52 +222,28 @@ impl OverlayCache {
     }
 }
 
-/// The first 32 bytes of a qcow2 image (its magic checked).
-fn qcow2_header(path: &Path) -> Result<(std::fs::File, [u8; 32])> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path).ctx(|| format!("opening {}", path.display()))?;
-    let mut header = [0u8; 32];
-    file.read_exact_at(&mut header, 0)
-        .ctx(|| format!("reading the qcow2 header of {}", path.display()))?;
-    if &header[..4] != b"QFI\xfb" {
-        return Err(invalid(path, "is not a qcow2 image"));
-    }
-    Ok((file, header))
-}
-
-fn invalid(path: &Path, what: &str) -> Error {
-    Error::Io {
-        context: format!("{} {what}", path.display()),
-        source: std::io::ErrorKind::InvalidData.into(),
-    }
+/// A qcow2 header ([`crate::qcow2`]), its errors as the driver's.
+fn qcow2_header(path: &Path) -> Result<crate::qcow2::Header> {
+    crate::qcow2::read(path).map_err(|e| Error::Io {
+        context: e.to_string(),
+        source: match e {
+            crate::qcow2::HeaderError::Io { source, .. } => source,
+            _ => std::io::ErrorKind::InvalidData.into(),
+        },
+    })
 }
 
 /// The backing file a qcow2 image's header names (`None`: it has none).
 pub fn qcow2_backing_file(path: &Path) -> Result<Option<std::path::PathBuf>> {
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::FileExt;
-    let (file, header) = qcow2_header(path)?;
-    let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
-    let len = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes")) as usize;
-    if offset == 0 || len == 0 {
-        return Ok(None);
-    }
-    // qcow2 caps the name at 1023 bytes, inside the first cluster.
-    if len > 1023 || offset > 2 << 20 {
-        return Err(invalid(path, "has a damaged backing file name"));
-    }
-    let mut name = vec![0u8; len];
-    file.read_exact_at(&mut name, offset)
-        .ctx(|| format!("reading the backing file name of {}", path.display()))?;
-    Ok(Some(std::path::PathBuf::from(OsStr::from_bytes(&name))))
+    Ok(qcow2_header(path)?
+        .backing
+        .map(|name| std::path::PathBuf::from(OsStr::from_bytes(&name))))
 }
 
 /// The virtual size recorded in a qcow2 image's header.
 pub fn qcow2_virtual_size(path: &Path) -> Result<u64> {
-    let (_, header) = qcow2_header(path)?;
-    Ok(u64::from_be_bytes(
-        header[24..32].try_into().expect("8 bytes"),
-    ))
+    Ok(qcow2_header(path)?.virtual_size)
 }
 
 #[cfg(test)]

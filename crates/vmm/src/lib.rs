@@ -28,6 +28,7 @@ pub mod floor;
 pub mod jail;
 pub mod netns;
 mod process;
+pub mod qcow2;
 mod qemu;
 mod qmp;
 pub mod ram;

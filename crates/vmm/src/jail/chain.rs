@@ -1,7 +1,6 @@
 //! The files a qcow2 overlay's backing chain reaches, read from the
 //! images' own headers, so a jail can hold exactly them.
 
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// How far a chain may go before it is called a loop.
@@ -16,23 +15,22 @@ pub enum Backing {
     Socket(PathBuf),
 }
 
-/// The backing file named in a qcow2 header, or `None` (no backing, or
-/// not a qcow2 file).
+/// The backing file named in a qcow2 header ([`crate::qcow2`]), or `None`
+/// (no backing, or not a qcow2 file: a raw image ends a chain). A damaged
+/// header is an error.
 fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
-    let mut f = std::fs::File::open(path)?;
-    let mut header = [0u8; 20];
-    if f.read_exact(&mut header).is_err() || &header[..4] != b"QFI\xfb" {
-        return Ok(None);
+    use crate::qcow2::HeaderError;
+    match crate::qcow2::read(path) {
+        Ok(h) => Ok(h
+            .backing
+            .map(|name| String::from_utf8_lossy(&name).into_owned())),
+        Err(HeaderError::NotQcow2(_)) => Ok(None),
+        Err(HeaderError::Io { source, .. }) => Err(source),
+        Err(e @ HeaderError::Damaged { .. }) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            e.to_string(),
+        )),
     }
-    let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
-    let size = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes"));
-    if offset == 0 || size == 0 || size > 65536 {
-        return Ok(None);
-    }
-    let mut name = vec![0u8; size as usize];
-    f.seek(SeekFrom::Start(offset))?;
-    f.read_exact(&mut name)?;
-    Ok(Some(String::from_utf8_lossy(&name).into_owned()))
 }
 
 /// The NBD socket in a `json:` backing spec, if it is one as

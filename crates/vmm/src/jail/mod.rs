@@ -359,12 +359,7 @@ fn plan(root: &Path, data_dir: &Path, needs: &Needs, accel: Accel) -> Result<Vec
 
 /// Bytes of the qcow2 image's virtual disk (0 if unreadable).
 fn virtual_size(path: &Path) -> u64 {
-    use std::io::Read;
-    let mut header = [0u8; 32];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut header))
-        .map(|()| u64::from_be_bytes(header[24..32].try_into().expect("8 bytes")))
-        .unwrap_or(0)
+    crate::qcow2::read(path).map_or(0, |h| h.virtual_size)
 }
 
 impl Prepared {
