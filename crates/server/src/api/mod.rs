@@ -24,6 +24,7 @@ use http::request::Parts;
 use serde::de::DeserializeOwned;
 
 pub use error::ApiError;
+pub use extract::JsonBody;
 pub use sandboxes::{list_filter, listed, page_token, LISTED_FIELD};
 
 use crate::db::ApiKey;

@@ -9,7 +9,7 @@ use axum::extract::State;
 use http::StatusCode;
 use serde::Deserialize;
 
-use super::{json_body, ApiError, Owned};
+use super::{ApiError, JsonBody, Owned};
 use crate::network::policy::NetworkPolicy;
 use crate::state::AppState;
 
@@ -53,7 +53,7 @@ async fn check_proxy(s: &AppState, policy: &NetworkPolicy) -> Result<(), ApiErro
 
 /// `SandboxNetworkUpdateConfig`.
 #[derive(Deserialize)]
-struct UpdateBody {
+pub struct UpdateBody {
     #[serde(default)]
     allow_internet_access: Option<bool>,
     #[serde(flatten)]
@@ -65,9 +65,8 @@ struct UpdateBody {
 pub async fn update(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<UpdateBody>,
 ) -> Result<StatusCode, ApiError> {
-    let b: UpdateBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let mut policy = parse(serde_json::Value::Object(b.rest))?;
     // Inbound settings are not part of an update.
     policy.allow_public_traffic = None;

@@ -86,9 +86,8 @@ pub struct SecretUpdate {
 pub async fn create(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    super::JsonBody(req): super::JsonBody<NewSecret>,
 ) -> Result<Response, ApiError> {
-    let req: NewSecret = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let row = s
         .secrets
         .create(
@@ -107,9 +106,8 @@ pub async fn update(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
-    body: axum::body::Body,
+    super::JsonBody(req): super::JsonBody<SecretUpdate>,
 ) -> Result<Json<SecretOut>, ApiError> {
-    let req: SecretUpdate = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let row = s
         .secrets
         .update(&key.team, &id, &req.value, req.metadata)

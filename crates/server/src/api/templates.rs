@@ -14,7 +14,7 @@ use http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 
 use super::extract::{Path, Query};
-use super::{json_body, ApiError, Authed};
+use super::{json_body, ApiError, Authed, JsonBody};
 use crate::builds::{BuildError, StartRequest};
 use crate::db::{BuildRow, DbError};
 use crate::state::AppState;
@@ -86,7 +86,7 @@ pub(super) fn check_owned(s: &AppState, team: &str, template: &str) -> Result<()
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct RequestBody {
+pub struct RequestBody {
     name: Option<String>,
     alias: Option<String>,
     #[serde(default)]
@@ -100,9 +100,8 @@ struct RequestBody {
 pub async fn request_build(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<RequestBody>,
 ) -> Result<Response, ApiError> {
-    let b: RequestBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b
         .name
         .or(b.alias)
@@ -353,7 +352,7 @@ pub async fn get_template(
 }
 
 #[derive(Deserialize)]
-struct AssignTags {
+pub struct AssignTags {
     target: String,
     tags: Vec<String>,
 }
@@ -363,9 +362,8 @@ struct AssignTags {
 pub async fn assign_tags(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<AssignTags>,
 ) -> Result<Response, ApiError> {
-    let b: AssignTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.target.split(':').next().unwrap_or_default().to_string();
     check_owned(&s, &key.team, &name)?;
     let row = s
@@ -397,7 +395,7 @@ pub async fn assign_tags(
 }
 
 #[derive(Deserialize)]
-struct RemoveTags {
+pub struct RemoveTags {
     name: String,
     tags: Vec<String>,
 }
@@ -406,9 +404,8 @@ struct RemoveTags {
 pub async fn remove_tags(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<RemoveTags>,
 ) -> Result<Response, ApiError> {
-    let b: RemoveTags = json_body(body, s.manager.config.max_body_bytes).await?;
     let name = b.name.split(':').next().unwrap_or_default();
     check_owned(&s, &key.team, name)?;
     for tag in &b.tags {

@@ -72,9 +72,8 @@ pub struct NewVolume {
 pub async fn create(
     Authed(key): Authed,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    super::JsonBody(req): super::JsonBody<NewVolume>,
 ) -> Result<Response, ApiError> {
-    let req: NewVolume = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let v = s.volumes.clone();
     let row = blocking(move || v.create(&key.team, &req.name)).await?;
     tracing::info!(volume = %row.id, name = %row.name, team = %row.team, "volume created");
@@ -292,10 +291,9 @@ pub async fn update(
     ByToken(row): ByToken,
     State(s): State<Arc<AppState>>,
     Query(q): Query<PathQuery>,
-    body: axum::body::Body,
+    super::JsonBody(m): super::JsonBody<Metadata>,
 ) -> Result<Response, ApiError> {
     let path = q.path()?;
-    let m: Metadata = super::json_body(body, s.manager.config.max_body_bytes).await?;
     let owner = Owner {
         uid: m.uid,
         gid: m.gid,

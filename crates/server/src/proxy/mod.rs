@@ -26,6 +26,7 @@ use axum::response::{IntoResponse, Response};
 use http::{header, HeaderMap, StatusCode};
 use hyper_util::rt::TokioIo;
 
+use crate::api::ApiError;
 use crate::state::AppState;
 
 mod signed;
@@ -182,28 +183,32 @@ fn token_target(state: &AppState, req: &Request) -> Option<Option<Target>> {
     }))
 }
 
+/// An answer the proxy gives itself (the request never reached a guest):
+/// on Connect RPC paths in Connect's shape (`{"code": "<name>", "message"}`,
+/// what envd's clients read), elsewhere as the API's [`ApiError`]
+/// (`{"code": <status>, "message"}`).
 fn error(status: StatusCode, message: String, connect_style: bool) -> Response {
-    let body = if connect_style {
+    let mut resp = if connect_style {
         let code = if status == StatusCode::UNAUTHORIZED {
             "unauthenticated"
         } else {
             "unavailable"
         };
-        serde_json::json!({ "code": code, "message": message })
+        let body = serde_json::json!({ "code": code, "message": message });
+        (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response()
     } else {
-        serde_json::json!({ "code": status.as_u16(), "message": message })
+        ApiError::new(status, message).into_response()
     };
     // The request's body was not read: the connection cannot carry
     // another request, and a client that is not told would reuse it.
-    (
-        status,
-        [
-            (header::CONTENT_TYPE, "application/json"),
-            (header::CONNECTION, "close"),
-        ],
-        body.to_string(),
-    )
-        .into_response()
+    resp.headers_mut()
+        .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+    resp
 }
 
 /// Connect RPC paths look like `/package.Service/Method`.

@@ -9,7 +9,7 @@ use http::StatusCode;
 use serde::Deserialize;
 
 use super::super::extract::Path;
-use super::super::{json_body, ApiError, Authed, Owned};
+use super::super::{ApiError, Authed, JsonBody, Owned};
 use super::sandbox_out;
 use crate::state::AppState;
 
@@ -18,7 +18,7 @@ use crate::state::AppState;
 /// sandbox keeps running) while the agent does not answer.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct PauseBody {
+pub struct PauseBody {
     memory: Option<bool>,
     require_healthy_guest: Option<bool>,
 }
@@ -26,9 +26,8 @@ struct PauseBody {
 pub async fn pause(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<PauseBody>,
 ) -> Result<StatusCode, ApiError> {
-    let b: PauseBody = json_body(body, s.manager.config.max_body_bytes).await?;
     s.manager
         .pause_with(
             &id,
@@ -40,7 +39,7 @@ pub async fn pause(
 }
 
 #[derive(Deserialize)]
-struct ConnectBody {
+pub struct ConnectBody {
     timeout: Option<i64>,
     /// False (`on_resume="reboot"`): cold-boot a paused sandbox from its
     /// disk instead of restoring its memory.
@@ -58,7 +57,7 @@ pub async fn connect(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
     headers: http::HeaderMap,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<ConnectBody>,
 ) -> Result<Response, ApiError> {
     if let Some(c) = s
         .captures
@@ -70,7 +69,6 @@ pub async fn connect(
             .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()))?;
     }
     let Owned { id, .. } = Owned::check(&s, key, id)?;
-    let b: ConnectBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let (rec, resumed) = s
         .manager
         .connect(&id, b.timeout, b.memory.unwrap_or(true))
@@ -84,7 +82,7 @@ pub async fn connect(
 }
 
 #[derive(Deserialize)]
-struct SnapshotBody {
+pub struct SnapshotBody {
     name: Option<String>,
     /// False asks for a filesystem-only snapshot, which tine does not make.
     memory: Option<bool>,
@@ -93,9 +91,8 @@ struct SnapshotBody {
 pub async fn create_snapshot(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<SnapshotBody>,
 ) -> Result<Response, ApiError> {
-    let b: SnapshotBody = json_body(body, s.manager.config.max_body_bytes).await?;
     if b.memory == Some(false) {
         return Err(ApiError::bad_request(
             "filesystem-only snapshots (memory: false) are not supported: a snapshot holds memory too; \
@@ -138,7 +135,7 @@ pub async fn delete_snapshot(
 }
 
 #[derive(Deserialize)]
-struct ForkBody {
+pub struct ForkBody {
     timeout: Option<i64>,
     count: Option<i64>,
 }
@@ -154,10 +151,9 @@ pub async fn fork(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
     headers: http::HeaderMap,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<ForkBody>,
 ) -> Result<Response, ApiError> {
     use crate::cluster::{spread, FORK_FROM_HEADER, SPREAD_HEADER};
-    let b: ForkBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let count = b.count.unwrap_or(1);
     let spread_err = |e: spread::SpreadError| match e {
         spread::SpreadError::Sandbox(e) => ApiError::from(e),

@@ -22,7 +22,7 @@ use axum::Json;
 use http::{HeaderMap, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::{json_body, ApiError, Authed, Owned};
+use super::{ApiError, Authed, JsonBody, Owned};
 use crate::model::SandboxRecord;
 use crate::sandboxes::CreateRequest;
 use crate::state::AppState;
@@ -351,22 +351,21 @@ pub async fn kill(
 }
 
 #[derive(Deserialize)]
-struct TimeoutBody {
+pub struct TimeoutBody {
     timeout: i64,
 }
 
 pub async fn set_timeout(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<TimeoutBody>,
 ) -> Result<StatusCode, ApiError> {
-    let b: TimeoutBody = json_body(body, s.manager.config.max_body_bytes).await?;
     s.manager.set_timeout(&id, b.timeout)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[derive(Deserialize)]
-struct RefreshBody {
+pub struct RefreshBody {
     duration: Option<i64>,
 }
 
@@ -374,9 +373,8 @@ struct RefreshBody {
 pub async fn refresh(
     Owned { id, .. }: Owned,
     State(s): State<Arc<AppState>>,
-    body: axum::body::Body,
+    JsonBody(b): JsonBody<RefreshBody>,
 ) -> Result<StatusCode, ApiError> {
-    let b: RefreshBody = json_body(body, s.manager.config.max_body_bytes).await?;
     let d = b.duration.unwrap_or(60);
     if !(0..=3600).contains(&d) {
         return Err(ApiError::bad_request(
