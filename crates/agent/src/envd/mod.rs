@@ -133,7 +133,7 @@ async fn rpc_call(
     body: Body,
 ) -> Response {
     let ctx = rpc::Ctx::new(envd, &headers);
-    let wire = rpc::Wire::new(&headers, &service, &method);
+    let wire = rpc::Wire::new(&headers, schemas(&service, &method));
     let resp = match service.as_str() {
         "process.Process" => process::handle(&method, ctx, &wire, body).await,
         "filesystem.Filesystem" => filesystem::handle(&method, ctx, &wire, body).await,
@@ -145,6 +145,22 @@ async fn rpc_call(
         *resp.status_mut() = StatusCode::NOT_FOUND;
         resp
     })
+}
+
+/// Request and response schemas of `service/method` (protobuf calls).
+/// The tables live next to each service's serde structs
+/// ([`process::proto`] and [`filesystem`]), which use the codec's types
+/// from [`protobin`]: this table is here, above both, so the codec does not
+/// depend on the services.
+fn schemas(
+    service: &str,
+    method: &str,
+) -> Option<(&'static protobin::Schema, &'static protobin::Schema)> {
+    match service {
+        "process.Process" => process::proto::schemas(method),
+        "filesystem.Filesystem" => filesystem::schemas(method),
+        _ => None,
+    }
 }
 
 /// Serve the API on `listener` until the process ends.

@@ -9,7 +9,8 @@
 //! This module is the generic codec ([`Schema`], [`decode`], [`encode`]).
 //! Each service's tables sit next to the serde structs they mirror:
 //! `package process` in [`super::process::proto`], `package filesystem` in
-//! [`super::filesystem`] and its `entry` and `watch` modules; [`method`]
+//! [`super::filesystem`] and its `entry` and `watch` modules; `schemas` in
+//! [`super`]
 //! finds a call's pair.
 
 use base64::Engine;
@@ -355,17 +356,6 @@ pub fn encode(schema: &Schema, v: &Value) -> Result<Vec<u8>, ProtoError> {
 /// calls, and the `start`/`keepalive` members of stream oneofs (each
 /// service's `Empty` struct and `Keepalive {}` variants).
 pub static EMPTY: Schema = Schema { fields: &[] };
-
-/// Request and response schemas of `service/method`. The tables live next
-/// to each service's serde structs ([`super::process::proto`] and
-/// [`super::filesystem`]).
-pub fn method(service: &str, method: &str) -> Option<(&'static Schema, &'static Schema)> {
-    match service {
-        "process.Process" => super::process::proto::schemas(method),
-        "filesystem.Filesystem" => super::filesystem::schemas(method),
-        _ => None,
-    }
-}
 
 #[cfg(test)]
 mod tests {

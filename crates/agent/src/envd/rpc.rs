@@ -158,7 +158,9 @@ const MEDIA: [&str; 4] = [
 ];
 
 impl Wire {
-    pub fn new(headers: &HeaderMap, service: &str, method: &str) -> Wire {
+    /// The wire of a call whose request and response schemas (for the
+    /// protobuf encoding) are `schemas`.
+    pub fn new(headers: &HeaderMap, schemas: Option<(&'static Schema, &'static Schema)>) -> Wire {
         let got = media_type(headers);
         let media = if got.is_empty() {
             "application/json"
@@ -166,7 +168,7 @@ impl Wire {
             MEDIA.into_iter().find(|m| *m == got).unwrap_or("")
         };
         let proto = if media.ends_with("proto") {
-            protobin::method(service, method)
+            schemas
         } else {
             None
         };

@@ -1139,7 +1139,7 @@ fn compressed_requests_and_binary_protobuf() {
 
         // A compressed envelope on a stream, answered in binary protobuf.
         let msg = crate::envd::protobin::encode(
-            crate::envd::protobin::method("process.Process", "Start")
+            crate::envd::schemas("process.Process", "Start")
                 .unwrap()
                 .0,
             &json!({"process": {"cmd": "echo", "args": ["z"]}}),
@@ -1157,7 +1157,7 @@ fn compressed_requests_and_binary_protobuf() {
         assert_eq!(status, 200);
         let mut dec = Decoder::new(1 << 20);
         dec.push(&resp);
-        let resp_schema = crate::envd::protobin::method("process.Process", "Start")
+        let resp_schema = crate::envd::schemas("process.Process", "Start")
             .unwrap()
             .1;
         let mut events = Vec::new();
