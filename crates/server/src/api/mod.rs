@@ -81,10 +81,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(sandboxes::create_snapshot),
         )
         .route("/snapshots", get(sandboxes::list_snapshots))
-        .route("/templates", get(sandboxes::list_templates))
+        .route("/templates", get(templates::list_templates))
         .route(
             "/templates/{id}",
-            get(templates::get_template).delete(sandboxes::delete_snapshot),
+            get(templates::get_template).delete(templates::delete_snapshot),
         )
         .route("/v3/templates", post(templates::request_build))
         .route("/builds", get(templates::recent_builds))

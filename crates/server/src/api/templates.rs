@@ -17,6 +17,7 @@ use super::extract::{Path, Query};
 use super::{json_body, ApiError, Authed, JsonBody};
 use crate::builds::{BuildError, StartRequest};
 use crate::db::{BuildRow, DbError};
+use crate::model::rfc3339;
 use crate::state::AppState;
 
 /// How long an upload URL stays valid.
@@ -283,9 +284,9 @@ fn build_out(b: &BuildRow) -> serde_json::Value {
     serde_json::json!({
         "buildID": b.id,
         "status": b.status.as_str(),
-        "createdAt": super::sandboxes::rfc3339(b.created_ms),
-        "updatedAt": super::sandboxes::rfc3339(b.finished_ms.unwrap_or(b.created_ms)),
-        "finishedAt": b.finished_ms.map(super::sandboxes::rfc3339),
+        "createdAt": rfc3339(b.created_ms),
+        "updatedAt": rfc3339(b.finished_ms.unwrap_or(b.created_ms)),
+        "finishedAt": b.finished_ms.map(rfc3339),
         "cpuCount": b.cpu_count,
         "memoryMB": b.memory_mb,
     })
@@ -342,8 +343,8 @@ pub async fn get_template(
         "public": false,
         "aliases": [template],
         "names": [template],
-        "createdAt": super::sandboxes::rfc3339(created),
-        "updatedAt": super::sandboxes::rfc3339(builds.first().map_or(created, |b| b.finished_ms.unwrap_or(b.created_ms))),
+        "createdAt": rfc3339(created),
+        "updatedAt": rfc3339(builds.first().map_or(created, |b| b.finished_ms.unwrap_or(b.created_ms))),
         "lastSpawnedAt": null,
         "spawnCount": 0,
         "builds": builds.iter().map(build_out).collect::<Vec<_>>(),
@@ -433,8 +434,71 @@ pub async fn list_tags(
     let out: Vec<_> = tags
         .into_iter()
         .map(|(tag, _, build, at)| {
-            serde_json::json!({ "tag": tag, "buildID": build, "createdAt": super::sandboxes::rfc3339(at) })
+            serde_json::json!({ "tag": tag, "buildID": build, "createdAt": rfc3339(at) })
         })
         .collect();
     Ok(Json(out).into_response())
+}
+
+/// `GET /templates`: one entry per template name.
+pub async fn list_templates(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+) -> Result<Response, ApiError> {
+    let db = s.manager.db();
+    let rows = db
+        .list_templates()
+        .map_err(crate::sandboxes::SandboxError::from)?;
+    let mut out: Vec<serde_json::Value> = Vec::new();
+    for r in rows {
+        if db
+            .snapshot_team(&r)
+            .ok()
+            .flatten()
+            .is_some_and(|t| t != key.team)
+        {
+            continue;
+        }
+        let name = r.names.first().cloned().unwrap_or_default();
+        out.push(serde_json::json!({
+            "templateID": name,
+            "buildID": r.id,
+            "aliases": [name],
+            "cpuCount": r.cpu_count,
+            "memoryMB": r.memory_mb,
+            "public": false,
+            "createdAt": rfc3339(r.created_ms),
+            "updatedAt": rfc3339(r.created_ms),
+            "buildStatus": "ready",
+            "envdVersion": crate::sandboxes::ENVD_VERSION,
+        }));
+    }
+    Ok(Json(out).into_response())
+}
+
+/// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
+pub async fn delete_snapshot(
+    Authed(key): Authed,
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    check_owned(&s, &key.team, &id)?;
+    // A template's builds go with it; one that is running must end first.
+    s.builds.check_not_building(&id)?;
+    match s.manager.delete_snapshot(&id) {
+        Ok(()) => {
+            s.builds.forget(&id)?;
+            if let Some(c) = &s.captures {
+                c.forget(&id).await;
+            }
+        }
+        // Registered (`POST /v3/templates`) but never built: only builds.
+        Err(crate::sandboxes::SandboxError::NotFound(what)) => {
+            if s.builds.forget(&id)? == 0 {
+                return Err(crate::sandboxes::SandboxError::NotFound(what).into());
+            }
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(StatusCode::NO_CONTENT)
 }

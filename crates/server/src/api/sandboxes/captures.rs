@@ -107,33 +107,6 @@ pub async fn create_snapshot(
         .into_response())
 }
 
-/// `DELETE /templates/{id}`: the SDK's `delete_snapshot`.
-pub async fn delete_snapshot(
-    Authed(key): Authed,
-    State(s): State<Arc<AppState>>,
-    Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
-    super::super::templates::check_owned(&s, &key.team, &id)?;
-    // A template's builds go with it; one that is running must end first.
-    s.builds.check_not_building(&id)?;
-    match s.manager.delete_snapshot(&id) {
-        Ok(()) => {
-            s.builds.forget(&id)?;
-            if let Some(c) = &s.captures {
-                c.forget(&id).await;
-            }
-        }
-        // Registered (`POST /v3/templates`) but never built: only builds.
-        Err(crate::sandboxes::SandboxError::NotFound(what)) => {
-            if s.builds.forget(&id)? == 0 {
-                return Err(crate::sandboxes::SandboxError::NotFound(what).into());
-            }
-        }
-        Err(e) => return Err(e.into()),
-    }
-    Ok(StatusCode::NO_CONTENT)
-}
-
 #[derive(Deserialize)]
 pub struct ForkBody {
     timeout: Option<i64>,

@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use super::super::extract::Query;
 use super::super::{ApiError, Authed};
-use super::{detail, rfc3339, DetailOut};
+use super::{detail, DetailOut};
 use crate::db::ListFilter;
 use crate::model::{SandboxRecord, SandboxState};
 use crate::state::AppState;
@@ -217,42 +217,6 @@ pub async fn list_snapshots(
         );
     }
     Ok((headers, Json(page)).into_response())
-}
-
-/// `GET /templates`: one entry per template name.
-pub async fn list_templates(
-    Authed(key): Authed,
-    State(s): State<Arc<AppState>>,
-) -> Result<Response, ApiError> {
-    let db = s.manager.db();
-    let rows = db
-        .list_templates()
-        .map_err(crate::sandboxes::SandboxError::from)?;
-    let mut out: Vec<serde_json::Value> = Vec::new();
-    for r in rows {
-        if db
-            .snapshot_team(&r)
-            .ok()
-            .flatten()
-            .is_some_and(|t| t != key.team)
-        {
-            continue;
-        }
-        let name = r.names.first().cloned().unwrap_or_default();
-        out.push(serde_json::json!({
-            "templateID": name,
-            "buildID": r.id,
-            "aliases": [name],
-            "cpuCount": r.cpu_count,
-            "memoryMB": r.memory_mb,
-            "public": false,
-            "createdAt": rfc3339(r.created_ms),
-            "updatedAt": rfc3339(r.created_ms),
-            "buildStatus": "ready",
-            "envdVersion": crate::sandboxes::ENVD_VERSION,
-        }));
-    }
-    Ok(Json(out).into_response())
 }
 
 #[cfg(test)]

@@ -9,9 +9,10 @@ mod captures;
 mod list;
 mod observe;
 
-pub use captures::*;
-pub use list::*;
-pub use observe::*;
+pub use captures::{connect, create_snapshot, fork, pause};
+pub(crate) use list::decode_token;
+pub use list::{list_filter, list_snapshots, list_v1, list_v2, page_token};
+pub use observe::{events, logs, metrics};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,12 +28,7 @@ use crate::model::SandboxRecord;
 use crate::sandboxes::CreateRequest;
 use crate::state::AppState;
 
-pub(crate) fn rfc3339(ms: i64) -> String {
-    time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
-}
+pub(crate) use crate::model::rfc3339;
 
 /// `Sandbox`: what create (and connect) return.
 #[derive(Serialize)]
