@@ -20,19 +20,27 @@
 //! Everything the child does between fork and exec is in
 //! [`Prepared::enter`]: plain system calls on data prepared before the
 //! fork, as a forked child of a threaded process must.
+//!
+//! Besides this file (the config, [`Prepared`] and what tine does on the
+//! host): `mounts` plans the jail's mounts (its [`Needs`] as steps),
+//! `enter` takes the steps in the child, [`chain`] reads a disk's backing
+//! chain, [`uids`] claims the uids and [`cgroup`] makes the leaves.
 
 pub mod cgroup;
 pub mod chain;
+mod enter;
+mod mounts;
 pub mod uids;
 
 use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Accel, Machine};
+use crate::config::Machine;
 use crate::error::{Error, IoContext, Result};
+
+use mounts::{cstr, plan, Step};
 
 /// How VMs are confined. `[jail]` in the server's config.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -143,29 +151,6 @@ pub struct Needs {
     pub binary: Option<PathBuf>,
 }
 
-/// One step of building the jail, with host paths already prefixed by the
-/// jail root.
-#[derive(Debug)]
-enum Step {
-    Mkdir(CString),
-    Touch(CString),
-    Bind {
-        src: CString,
-        dst: CString,
-        rw: bool,
-    },
-    Symlink {
-        target: CString,
-        link: CString,
-    },
-    Mknod {
-        path: CString,
-        mode: libc::mode_t,
-        dev: libc::dev_t,
-        owned: bool,
-    },
-}
-
 /// A jail ready for one QEMU child: its uid, its cgroup and the steps.
 #[derive(Debug)]
 pub struct Prepared {
@@ -176,15 +161,6 @@ pub struct Prepared {
     nofile: u64,
     nproc: u64,
     fsize: u64,
-}
-
-fn cstr(p: &Path) -> CString {
-    CString::new(p.as_os_str().as_bytes()).expect("paths have no NUL byte")
-}
-
-/// `path` under the jail root `root`.
-fn inside(root: &Path, path: &Path) -> PathBuf {
-    root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
 /// The mount point every jail's tmpfs goes on (in its own namespace).
@@ -213,148 +189,6 @@ pub fn own(path: &Path, uid: u32, mode: u32) -> Result<()> {
 /// (snapshot files; only jails that bind them can reach them).
 pub fn share(path: &Path) -> Result<()> {
     own(path, 0, 0o644)
-}
-
-/// Plan the mounts for `needs`: what is bound where, which directories
-/// hold the mount points. Pure apart from reading the disk chain and
-/// whether the host's `/lib` & co. are links.
-fn plan(root: &Path, data_dir: &Path, needs: &Needs, accel: Accel) -> Result<Vec<Step>> {
-    // (host path, read-write?)
-    let mut binds: Vec<(PathBuf, bool)> = vec![(PathBuf::from("/usr"), false)];
-    if Path::new("/etc/ld.so.cache").exists() {
-        binds.push(("/etc/ld.so.cache".into(), false));
-    }
-    binds.extend(needs.rw_dirs.iter().map(|d| (d.clone(), true)));
-    binds.extend(needs.ro_files.iter().map(|f| (f.clone(), false)));
-    if let Some(b) = &needs.binary {
-        binds.push((b.clone(), false));
-    }
-    if let Some(disk) = &needs.disk {
-        let below = chain::below_within(disk, &needs.chain_allowed).map_err(|e| {
-            jail_err(
-                &disk.display().to_string(),
-                format!("{e}; refusing to start"),
-            )
-        })?;
-        for b in below {
-            match b {
-                chain::Backing::File(p) => binds.push((p, false)),
-                chain::Backing::Socket(p) => {
-                    // Connecting needs write access to the socket; only
-                    // jails that bind it can reach it (the data directory
-                    // is 0700).
-                    use std::os::unix::fs::PermissionsExt;
-                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666))
-                        .ctx(|| format!("chmod {}", p.display()))?;
-                    binds.push((p, false));
-                }
-            }
-        }
-    }
-    let mut steps = Vec::new();
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    let add_parents = |p: &Path, dirs: &mut Vec<PathBuf>| {
-        for a in p.ancestors().skip(1) {
-            if a != Path::new("/") && !dirs.iter().any(|d| d == a) {
-                dirs.push(a.to_path_buf());
-            }
-        }
-    };
-    // Top-level links or directories the loader and the binary expect.
-    let mut links = Vec::new();
-    for top in ["/lib", "/lib64", "/bin", "/sbin"] {
-        let p = Path::new(top);
-        match std::fs::read_link(p) {
-            Ok(target) => links.push((target, p.to_path_buf())),
-            Err(_) if p.is_dir() => binds.push((p.to_path_buf(), false)),
-            Err(_) => {}
-        }
-    }
-    // Resolve, drop duplicates and anything inside another bound directory.
-    let mut resolved: Vec<(PathBuf, bool, bool)> = Vec::new(); // (path, rw, is_dir)
-    for (p, rw) in binds {
-        let p = std::fs::canonicalize(&p).ctx(|| format!("jail: {} is missing", p.display()))?;
-        let is_dir = p.is_dir();
-        if let Some(existing) = resolved.iter_mut().find(|(q, _, _)| *q == p) {
-            existing.1 |= rw;
-        } else {
-            resolved.push((p, rw, is_dir));
-        }
-    }
-    let covered = |p: &Path, all: &[(PathBuf, bool, bool)]| {
-        all.iter()
-            .any(|(q, _, dir)| *dir && q != p && p.starts_with(q))
-    };
-    let kept: Vec<(PathBuf, bool, bool)> = resolved
-        .iter()
-        .filter(|(p, _, _)| !covered(p, &resolved))
-        .cloned()
-        .collect();
-    for (p, rw, is_dir) in &kept {
-        add_parents(p, &mut dirs);
-        // Files tine wrote before jails (or QEMU wrote 0640) must be
-        // readable by the jail's uid; the data directory itself is 0700.
-        if !rw && !is_dir && p.starts_with(data_dir) {
-            use std::os::unix::fs::PermissionsExt;
-            if let Ok(m) = std::fs::metadata(p) {
-                let mode = m.permissions().mode();
-                if m.is_file() && mode & 0o004 == 0 {
-                    std::fs::set_permissions(
-                        p,
-                        std::fs::Permissions::from_mode((mode | 0o444) & 0o7777),
-                    )
-                    .ctx(|| format!("chmod {}", p.display()))?;
-                }
-            }
-        }
-    }
-    add_parents(Path::new("/dev/null"), &mut dirs);
-    dirs.sort_by_key(|d| d.components().count());
-    for d in &dirs {
-        steps.push(Step::Mkdir(cstr(&inside(root, d))));
-    }
-    for (target, link) in links {
-        steps.push(Step::Symlink {
-            target: cstr(&target),
-            link: cstr(&inside(root, &link)),
-        });
-    }
-    for (p, rw, is_dir) in kept {
-        let dst = cstr(&inside(root, &p));
-        steps.push(if is_dir {
-            Step::Mkdir(dst.clone())
-        } else {
-            Step::Touch(dst.clone())
-        });
-        steps.push(Step::Bind {
-            src: cstr(&p),
-            dst,
-            rw,
-        });
-    }
-    let chr = libc::S_IFCHR;
-    for (name, major, minor) in [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-    ] {
-        steps.push(Step::Mknod {
-            path: cstr(&inside(root, &Path::new("/dev").join(name))),
-            mode: chr | 0o666,
-            dev: libc::makedev(major, minor),
-            owned: false,
-        });
-    }
-    if accel == Accel::Kvm {
-        steps.push(Step::Mknod {
-            path: cstr(&inside(root, Path::new("/dev/kvm"))),
-            mode: chr | 0o600,
-            dev: libc::makedev(10, 232),
-            owned: true,
-        });
-    }
-    Ok(steps)
 }
 
 /// Bytes of the qcow2 image's virtual disk (0 if unreadable).
@@ -441,136 +275,6 @@ impl Prepared {
             .as_ref()
             .map(|c| c.dirs().to_vec())
             .unwrap_or_default()
-    }
-
-    /// Enter the jail: run in the forked child, before exec.
-    ///
-    /// # Safety
-    /// Only between fork and exec of a child; it only makes system calls
-    /// on memory prepared before the fork (no allocation, no locks).
-    pub unsafe fn enter(&self) -> std::io::Result<()> {
-        fn check(r: libc::c_int) -> std::io::Result<()> {
-            if r < 0 {
-                Err(std::io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
-        }
-        let none = std::ptr::null::<libc::c_char>();
-        // SAFETY: (for the whole block) every pointer passed is a
-        // NUL-terminated string owned by `self` (alive for the call) or
-        // null where the call allows it; no call keeps a pointer past its
-        // return.
-        unsafe {
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                none,
-                c"/".as_ptr(),
-                none,
-                libc::MS_REC | libc::MS_SLAVE,
-                std::ptr::null(),
-            ))?;
-            check(libc::mount(
-                c"tmpfs".as_ptr(),
-                self.root.as_ptr(),
-                c"tmpfs".as_ptr(),
-                libc::MS_NOSUID,
-                c"mode=0755,size=1m,nr_inodes=4096".as_ptr().cast(),
-            ))?;
-            for step in &self.steps {
-                match step {
-                    Step::Mkdir(p) => {
-                        if libc::mkdir(p.as_ptr(), 0o755) < 0
-                            && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST)
-                        {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                    }
-                    Step::Touch(p) => {
-                        let fd = libc::open(
-                            p.as_ptr(),
-                            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
-                            0o600,
-                        );
-                        check(fd)?;
-                        libc::close(fd);
-                    }
-                    Step::Bind { src, dst, rw } => {
-                        check(libc::mount(
-                            src.as_ptr(),
-                            dst.as_ptr(),
-                            none,
-                            libc::MS_BIND | libc::MS_REC,
-                            std::ptr::null(),
-                        ))?;
-                        let mut flags =
-                            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NODEV;
-                        if !rw {
-                            flags |= libc::MS_RDONLY;
-                        }
-                        check(libc::mount(
-                            none,
-                            dst.as_ptr(),
-                            none,
-                            flags,
-                            std::ptr::null(),
-                        ))?;
-                    }
-                    Step::Symlink { target, link } => {
-                        check(libc::symlink(target.as_ptr(), link.as_ptr()))?
-                    }
-                    Step::Mknod {
-                        path,
-                        mode,
-                        dev,
-                        owned,
-                    } => {
-                        check(libc::mknod(path.as_ptr(), *mode, *dev))?;
-                        // mknod's mode passes through the umask.
-                        check(libc::chmod(path.as_ptr(), *mode & 0o777))?;
-                        if *owned {
-                            check(libc::chown(path.as_ptr(), self.uid, self.uid))?;
-                        }
-                    }
-                }
-            }
-            // The tmpfs becomes the root; the host's tree is detached.
-            check(libc::chdir(self.root.as_ptr()))?;
-            check(
-                libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int,
-            )?;
-            check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
-            check(libc::chdir(c"/".as_ptr()))?;
-            check(libc::mount(
-                none,
-                c"/".as_ptr(),
-                none,
-                libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID,
-                std::ptr::null(),
-            ))?;
-            let limit = |res, n: u64| {
-                let r = libc::rlimit {
-                    rlim_cur: n,
-                    rlim_max: n,
-                };
-                check(libc::setrlimit(res, &r))
-            };
-            limit(libc::RLIMIT_NOFILE, self.nofile)?;
-            limit(libc::RLIMIT_NPROC, self.nproc)?;
-            limit(libc::RLIMIT_CORE, 0)?;
-            limit(libc::RLIMIT_FSIZE, self.fsize)?;
-            // Past the size limit a write fails (EFBIG) instead of
-            // killing QEMU.
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            for cap in 0..64 {
-                libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0);
-            }
-            check(libc::setgroups(0, std::ptr::null()))?;
-            check(libc::setresgid(self.uid, self.uid, self.uid))?;
-            check(libc::setresuid(self.uid, self.uid, self.uid))?;
-            check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
-        }
-        Ok(())
     }
 }
 

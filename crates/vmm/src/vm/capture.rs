@@ -13,12 +13,12 @@
 //!   exits, its RAM file moves into the snapshot, and if the VM is to
 //!   continue it is restored as a clone of that snapshot.
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 
-use super::{Vm, VmState};
+use super::{Vm, VmRecord, VmState};
 use crate::blocking;
 use crate::disk::{self, BackingFormat};
 use crate::error::{Error, IoContext, Result};
@@ -284,7 +284,7 @@ impl Vm {
         disk_over: Option<Vec<std::path::PathBuf>>,
         after: After,
     ) -> Result<Snapshot> {
-        let meta = super::capture_meta(&self.record, snap_id, dir, parent, disk_over)?;
+        let meta = capture_meta(&self.record, snap_id, dir, parent, disk_over)?;
         let bytes = serde_json::to_vec_pretty(&meta).expect("meta serializes");
         let dir_owned = dir.to_path_buf();
         blocking(move || crate::snapshot::publish(&dir_owned, &bytes)).await?;
@@ -515,4 +515,45 @@ pub(super) fn freeze_ram(ram: &Path, dir: &Path) -> Result<()> {
     let frozen = dir.join("ram");
     std::fs::rename(&partial, &frozen).ctx(|| "installing the RAM file".into())?;
     crate::jail::share(&frozen)
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+/// The `meta.json` of capture `snap_id` of the VM `record` describes, whose
+/// files are in `dir` (its device state checksummed).
+pub(super) fn capture_meta(
+    record: &VmRecord,
+    snap_id: &str,
+    dir: &Path,
+    parent: Option<String>,
+    disk_over: Option<Vec<PathBuf>>,
+) -> Result<crate::snapshot::SnapshotMeta> {
+    let state = dir.join("state");
+    let state_crc =
+        crate::checksum::file_crc(&state).ctx(|| format!("reading {}", state.display()))?;
+    let mut checksums = std::collections::BTreeMap::from([("state".to_string(), state_crc)]);
+    // A root snapshot's RAM file (a booted VM's, frozen).
+    let ram = dir.join("ram");
+    if ram.exists() {
+        let crc = crate::checksum::sparse_crc(&ram).ctx(|| format!("reading {}", ram.display()))?;
+        checksums.insert("ram".to_string(), crc);
+    }
+    Ok(crate::snapshot::SnapshotMeta {
+        version: crate::snapshot::META_VERSION,
+        id: snap_id.to_string(),
+        source_vm: record.id.clone(),
+        machine: record.machine,
+        artifacts: record.artifacts.clone(),
+        extra_cmdline: record.extra_cmdline.clone(),
+        created_unix_ms: unix_ms(),
+        parent,
+        disk_over,
+        checksums,
+        balloon: record.balloon,
+    })
 }

@@ -3,7 +3,8 @@
 //! the VM's disk is already in the capture directory, so neither the VM
 //! nor the capture holds the sandbox until the capture is finished.
 
-use super::{cleanup_pid, VmFiles, VmRecord};
+use super::files::cleanup_pid;
+use super::{VmFiles, VmRecord};
 use crate::config::Paths;
 use crate::error::{Error, IoContext, Result};
 use crate::ram::layer::Layer;
@@ -70,7 +71,7 @@ pub(crate) fn salvage_capture(paths: &Paths, vm_id: &str, snap_id: &str) -> Resu
         .disk_over
         .clone()
         .map(|d| d.into_iter().filter(|p| p != &disk).collect());
-    let meta = super::capture_meta(&record, snap_id, &dir, parent, disk_over)?;
+    let meta = super::capture::capture_meta(&record, snap_id, &dir, parent, disk_over)?;
     crate::snapshot::publish(
         &dir,
         &serde_json::to_vec_pretty(&meta).expect("meta serializes"),
