@@ -41,7 +41,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
             .map_err(anyhow::Error::msg)?,
     );
     // Fail now, not at the first create, when the host cannot take it.
-    tine_vmm::firewall::host_setup(tine_vmm::netns::pool())
+    tine_vmm::netns::host_setup(tine_vmm::netns::pool())
         .await
         .context("setting up the host's firewall for sandboxes (nftables, IPv4 forwarding)")?;
     let artifacts = paths

@@ -17,7 +17,7 @@ pub struct Paths {
     pub shm_dir: PathBuf,
     /// How VMs under these directories are confined.
     #[serde(default)]
-    pub jail: crate::jail::JailConfig,
+    pub jail: crate::jail::config::JailConfig,
     /// Track the pages clones write (see [`crate::ram::tracker`]) so a
     /// capture reads only those; off: it compares every private page.
     #[serde(default = "yes")]
@@ -55,7 +55,7 @@ impl Paths {
         Self {
             data_dir: env_dir("TINE_DATA_DIR", "/var/lib/tine"),
             shm_dir: env_dir("TINE_SHM_DIR", "/dev/shm/tine"),
-            jail: crate::jail::JailConfig::from_env(),
+            jail: crate::jail::config::JailConfig::from_env(),
             track_writes: env_switch("TINE_TRACK_WRITES"),
             balloon: env_switch("TINE_BALLOON"),
             guest_tsc: env_switch("TINE_GUEST_TSC"),

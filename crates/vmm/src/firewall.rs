@@ -31,53 +31,8 @@ use nix::sched::{setns, CloneFlags};
 use tokio::io::AsyncWriteExt;
 
 use crate::error::{Error, Result};
-use crate::netns::{HOST_IP, TAP_NAME, VETH_HOST_PREFIX, VETH_NAME};
-
-/// An IPv4 network (address and prefix length), the unit of every rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Net4 {
-    pub addr: Ipv4Addr,
-    pub prefix: u8,
-}
-
-impl Net4 {
-    pub const fn new(addr: Ipv4Addr, prefix: u8) -> Self {
-        Self { addr, prefix }
-    }
-    /// Everything.
-    pub const ALL: Net4 = Net4::new(Ipv4Addr::UNSPECIFIED, 0);
-
-    fn mask(self) -> u32 {
-        if self.prefix == 0 {
-            0
-        } else {
-            u32::MAX << (32 - u32::from(self.prefix.min(32)))
-        }
-    }
-    /// The network address (host bits cleared).
-    pub fn network(self) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.addr) & self.mask())
-    }
-    pub fn contains(self, ip: Ipv4Addr) -> bool {
-        u32::from(ip) & self.mask() == u32::from(self.network())
-    }
-    /// Parse `a.b.c.d` or `a.b.c.d/n`; host bits are cleared.
-    pub fn parse(s: &str) -> Option<Net4> {
-        let (ip, prefix) = match s.split_once('/') {
-            Some((ip, p)) => (ip, p.parse::<u8>().ok().filter(|p| *p <= 32)?),
-            None => (s, 32),
-        };
-        let addr: Ipv4Addr = ip.parse().ok()?;
-        let n = Net4::new(addr, prefix);
-        Some(Net4::new(n.network(), prefix))
-    }
-}
-
-impl std::fmt::Display for Net4 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
-    }
-}
+pub use crate::netaddr::Net4;
+use crate::netaddr::{DEFAULT_POOL, HOST_IP, TAP_NAME, VETH_HOST_PREFIX, VETH_NAME};
 
 /// Ranges no sandbox reaches unless the operator opens them: "this
 /// network", RFC 1918, CGNAT, loopback, link-local (cloud metadata),
@@ -233,7 +188,7 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
     let _ = writeln!(
         o,
         "    iifname \"{tap}\" ip daddr {} tcp dport {}-{} accept",
-        crate::netns::HOST_IP,
+        HOST_IP,
         VOLUME_PORTS.start(),
         VOLUME_PORTS.end()
     );
@@ -250,7 +205,7 @@ pub fn render(r: &EgressRules, replace: bool) -> String {
 /// for the default pool, one of its own for another (several servers on
 /// one host, as in a cluster on one machine, each masquerade their pool).
 pub fn host_table(pool: Net4) -> String {
-    if pool == crate::netns::DEFAULT_POOL {
+    if pool == DEFAULT_POOL {
         "tine_host".into()
     } else {
         format!("tine_host_{}", pool.to_string().replace(['.', '/'], "_"))
@@ -335,8 +290,10 @@ pub(crate) async fn nft(label: &str, ns: Option<&std::fs::File>, script: &str) -
 }
 
 /// Switch on IPv4 forwarding and install the host's table, once per
-/// process (later calls return the first result).
-pub async fn host_setup(pool: Net4) -> Result<()> {
+/// process (later calls return the first result). The host's whole
+/// network set-up, veths of an earlier run included, is
+/// [`crate::netns::host_setup`].
+pub(crate) async fn host_setup(pool: Net4) -> Result<()> {
     static DONE: tokio::sync::OnceCell<std::result::Result<(), String>> =
         tokio::sync::OnceCell::const_new();
     DONE.get_or_init(|| async move {
@@ -345,7 +302,6 @@ pub async fn host_setup(pool: Net4) -> Result<()> {
         nft("host", None, &render_host(pool))
             .await
             .map_err(|e| e.to_string())?;
-        crate::netns::remove_dangling_veths().await;
         Ok(())
     })
     .await

@@ -26,6 +26,7 @@ pub mod firewall;
 #[cfg(feature = "bench")]
 pub mod floor;
 pub mod jail;
+pub mod netaddr;
 pub mod netns;
 mod process;
 pub mod qcow2;

@@ -37,23 +37,12 @@ use nix::sched::{setns, CloneFlags};
 use tokio::io::AsyncWriteExt;
 
 use crate::error::{Error, Result};
-use crate::firewall::{self, EgressRules, Net4};
+use crate::firewall::{self, EgressRules};
+use crate::netaddr::Net4;
 
-/// Address of every guest.
-pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 11, 0, 2);
-/// Address of the tap device (the guest's gateway) inside each namespace.
-pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 11, 0, 1);
-pub const PREFIX_LEN: u8 = 24;
-/// Name of the tap device inside each namespace.
-pub const TAP_NAME: &str = "tap0";
-/// Namespaces we create are named with this prefix (cleanup finds them).
-pub const NAME_PREFIX: &str = "tine-";
-/// The namespace's end of its veth pair.
-pub const VETH_NAME: &str = "veth0";
-/// The host's ends are `tnv<index>`.
-pub const VETH_HOST_PREFIX: &str = "tnv";
-/// Where veth addresses come from unless [`set_pool`] says otherwise.
-pub const DEFAULT_POOL: Net4 = Net4::new(Ipv4Addr::new(10, 233, 0, 0), 16);
+pub use crate::netaddr::{
+    DEFAULT_POOL, GUEST_IP, HOST_IP, NAME_PREFIX, PREFIX_LEN, TAP_NAME, VETH_HOST_PREFIX, VETH_NAME,
+};
 
 static POOL: OnceLock<Net4> = OnceLock::new();
 static SCOPE: OnceLock<String> = OnceLock::new();
@@ -465,6 +454,15 @@ fn parse_host_veths(text: &str) -> Vec<(String, Option<String>)> {
 
 /// Delete host ends of veth pairs whose namespace has no name any more
 /// (left by VMs of an earlier process, their namespaces still draining).
+/// Set up the host for sandboxes' networks, once per process: IPv4
+/// forwarding, the host's firewall table for veths from `pool`, and the
+/// veths an earlier run left behind removed.
+pub async fn host_setup(pool: Net4) -> Result<()> {
+    firewall::host_setup(pool).await?;
+    remove_dangling_veths().await;
+    Ok(())
+}
+
 pub async fn remove_dangling_veths() {
     let dangling: Vec<String> = host_veths()
         .await

@@ -1139,9 +1139,7 @@ fn compressed_requests_and_binary_protobuf() {
 
         // A compressed envelope on a stream, answered in binary protobuf.
         let msg = crate::envd::protobin::encode(
-            crate::envd::schemas("process.Process", "Start")
-                .unwrap()
-                .0,
+            crate::envd::schemas("process.Process", "Start").unwrap().0,
             &json!({"process": {"cmd": "echo", "args": ["z"]}}),
         )
         .unwrap();
@@ -1157,9 +1155,7 @@ fn compressed_requests_and_binary_protobuf() {
         assert_eq!(status, 200);
         let mut dec = Decoder::new(1 << 20);
         dec.push(&resp);
-        let resp_schema = crate::envd::schemas("process.Process", "Start")
-            .unwrap()
-            .1;
+        let resp_schema = crate::envd::schemas("process.Process", "Start").unwrap().1;
         let mut events = Vec::new();
         while let Some(Frame::Message(m)) = dec.next_frame().unwrap() {
             events.push(crate::envd::protobin::decode(resp_schema, &m).unwrap());
