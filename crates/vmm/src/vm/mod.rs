@@ -48,14 +48,14 @@ mod adopt;
 mod boot;
 mod capture;
 mod console;
-mod driver;
+mod qemu_driver;
 mod files;
 mod launch;
 mod record;
 mod restore;
 mod salvage;
 
-pub use driver::QemuDriver;
+pub use qemu_driver::QemuDriver;
 pub use files::log_tail;
 pub(crate) use files::{cleanup, list};
 use files::{remove_dir, VmFiles};
