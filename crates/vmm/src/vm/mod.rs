@@ -29,7 +29,7 @@
 //! - `files`: the VM's directories and files, listing VMs and removing
 //!   what one left behind;
 //! - `console`: the guest's serial console into a capped log;
-//! - `driver`: [`QemuDriver`], the [`crate::Driver`] over all of this.
+//! - `qemu_driver`: [`QemuDriver`], the [`crate::Driver`] over all of this.
 
 use std::path::PathBuf;
 use std::time::Duration;
