@@ -192,13 +192,13 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<i32> {
                 eprintln!("killed {id}");
             }
         }
-        VmCommand::DeleteSnapshot { snapshot } => driver.delete_snapshot(&snapshot)?,
+        VmCommand::DeleteSnapshot { snapshot } => driver.snapshots().delete_snapshot(&snapshot)?,
     }
     Ok(0)
 }
 
 async fn clone(driver: &QemuDriver, snapshot: &str, count: usize) -> anyhow::Result<()> {
-    let snap = driver.open_snapshot(snapshot)?;
+    let snap = driver.snapshots().open_snapshot(snapshot)?;
     for _ in 0..count {
         let id = new_id("vm");
         let t = Instant::now();

@@ -168,6 +168,7 @@ impl Templates {
                 .ok_or_else(|| TemplateError::NotFound(template.into()))?;
             let snap = self
                 .driver
+                .snapshots()
                 .open_snapshot(&row.id)
                 .map_err(|source| TemplateError::Vm {
                     template: template.into(),
@@ -188,7 +189,7 @@ impl Templates {
             source_token: String::new(),
             created_ms: now_ms(),
         };
-        if let Ok(s) = self.driver.open_snapshot(&name) {
+        if let Ok(s) = self.driver.snapshots().open_snapshot(&name) {
             self.db.insert_snapshot(&row(machine))?;
             return Ok((s, row(machine)));
         }
@@ -200,12 +201,12 @@ impl Templates {
             .or_default()
             .clone();
         let _guard = lock.lock().await;
-        if let Ok(s) = self.driver.open_snapshot(&name) {
+        if let Ok(s) = self.driver.snapshots().open_snapshot(&name) {
             return Ok((s, row(machine)));
         }
         self.check_new_shape(&name)?;
         // Leftovers of an interrupted build would make the capture fail.
-        let _ = self.driver.delete_snapshot(&name);
+        let _ = self.driver.snapshots().delete_snapshot(&name);
         tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");
         let spec = BuildSpec {
             name: DEFAULT_TEMPLATE.into(),

@@ -180,9 +180,7 @@ pub trait VmHandle: Send + Sync {
     async fn ensure_running(&mut self) -> Result<()>;
     /// If QEMU stopped the guest on its own while it should run (a failed
     /// disk write), run it again and say QEMU's reason (`io-error`, ...).
-    async fn check_running(&mut self) -> Result<Option<String>> {
-        Ok(None)
-    }
+    async fn check_running(&mut self) -> Result<Option<String>>;
     /// Capture it as snapshot `snapshot_id`; it goes on (running if it was).
     async fn capture(&mut self, snapshot_id: &str) -> Result<Capture>;
     /// Capture it as snapshot `snapshot_id`, then remove it. A capture
@@ -196,7 +194,7 @@ pub trait VmHandle: Send + Sync {
     async fn kill(self: Box<Self>) -> Result<()>;
 }
 
-/// Starts VMs and keeps their snapshots.
+/// Starts, restores, adopts and cleans up VMs.
 #[async_trait::async_trait]
 pub trait Driver: Send + Sync {
     /// Cold-boot VM `id` from `artifacts`; it runs and its guest is ready.
@@ -222,19 +220,24 @@ pub trait Driver: Send + Sync {
     /// Finish capture `snapshot_id` of VM `id` if a crash cut it short
     /// after the VM's QEMU exited (its disk is in the capture by then);
     /// says whether the capture is whole. Call before [`Driver::cleanup`].
-    fn salvage_capture(&self, _id: &str, _snapshot_id: &str) -> Result<bool> {
-        Ok(false)
-    }
+    fn salvage_capture(&self, id: &str, snapshot_id: &str) -> Result<bool>;
     /// What a boot adds to the machine beyond its shape and artifacts
     /// (optional devices, which its snapshots keep): part of a template's
     /// name, so changing it builds the template again.
-    fn boot_devices(&self) -> String {
-        String::new()
-    }
+    fn boot_devices(&self) -> String;
     /// Ids of every VM that has files here.
     fn vm_ids(&self) -> Vec<String>;
     /// The serial console (kernel and agent) of VM `id`.
     fn console_log(&self, id: &str) -> String;
+    /// Where this driver keeps snapshots.
+    fn snapshots(&self) -> &dyn SnapshotStore;
+}
+
+/// Keeps snapshots on disk: opens, measures, deletes, compacts and
+/// materializes them, and finds what nothing needs. A [`Driver`] starts VMs
+/// from what its store holds ([`Driver::snapshots`]).
+#[async_trait::async_trait]
+pub trait SnapshotStore: Send + Sync {
     /// Open snapshot `id`, checking that its files are whole.
     fn open_snapshot(&self, id: &str) -> Result<SnapshotRef>;
     /// Delete every file of snapshot `id` (gone already is fine).
@@ -244,25 +247,17 @@ pub trait Driver: Send + Sync {
     /// than `grace` (see [`crate::reclaim`]).
     fn unneeded_snapshots(
         &self,
-        _keep: &std::collections::HashSet<String>,
-        _grace: Duration,
-    ) -> Vec<String> {
-        Vec::new()
-    }
+        keep: &std::collections::HashSet<String>,
+        grace: Duration,
+    ) -> Vec<String>;
     /// Remove temp files of snapshot rewrites (compaction, materializing)
     /// cut short, older than `grace`; returns how many.
-    fn remove_stale_temp_files(&self, _grace: Duration) -> usize {
-        0
-    }
+    fn remove_stale_temp_files(&self, grace: Duration) -> usize;
     /// Bytes free (to unprivileged writers) where VMs and snapshots are
     /// kept; `None` if unknown.
-    fn free_disk_bytes(&self) -> Option<u64> {
-        None
-    }
+    fn free_disk_bytes(&self) -> Option<u64>;
     /// Bytes snapshot `id`'s files take on disk (0 if unknown).
-    fn snapshot_bytes(&self, _id: &str) -> u64 {
-        0
-    }
+    fn snapshot_bytes(&self, id: &str) -> u64;
     /// Fold snapshot `id`'s chain onto its root; returns the root, or `None`
     /// when there was nothing to fold.
     async fn compact(&self, id: &str) -> Result<Option<String>>;

@@ -43,7 +43,7 @@ mod vm;
 pub use config::{Accel, Artifacts, Machine, Paths, RootDisk};
 pub use driver::{
     BoxFuture, Capture, CaptureFailed, Driver, Guest, GuestNet, Probe, SnapshotInfo, SnapshotRef,
-    VmHandle,
+    SnapshotStore, VmHandle,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use firewall::{EgressRules, Net4};

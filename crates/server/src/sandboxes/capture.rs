@@ -215,7 +215,7 @@ impl Manager {
         intent: &Intent,
     ) -> Result<bool, SandboxError> {
         let capture = intent.capture();
-        if let Err(e) = self.driver.open_snapshot(capture) {
+        if let Err(e) = self.driver.snapshots().open_snapshot(capture) {
             tracing::warn!(sandbox = %rec.id, capture, "the cut-short capture is not whole: {e}");
             self.discard_capture(capture).await?;
             return Ok(false);
@@ -282,7 +282,7 @@ impl Manager {
         // ancestors garbage, and its meta.json read before that names them.
         let snapshot = {
             let _chains = self.chains.read().await;
-            self.driver.open_snapshot(&snap_id)
+            self.driver.snapshots().open_snapshot(&snap_id)
         }
         .map_err(SandboxError::vm(id, "cannot resume"))?;
         // Its VM restored ahead (killed if this resume cannot use it: its
@@ -520,7 +520,7 @@ impl Manager {
         let _ = self.fit_pool();
         let snapshot = {
             let _chains = self.chains.read().await;
-            self.driver.open_snapshot(capture)
+            self.driver.snapshots().open_snapshot(capture)
         }
         .map_err(SandboxError::vm(&source_rec.id, "opening the fork capture"))?;
         let results = self
@@ -576,7 +576,7 @@ impl Manager {
         let t = Instant::now();
         {
             let _chains = self.chains.read().await;
-            self.driver.materialize(snapshot_id).await
+            self.driver.snapshots().materialize(snapshot_id).await
         }
         .map_err(SandboxError::vm(id, "preparing the fork's RAM file"))?;
         tracing::debug!(
@@ -585,6 +585,7 @@ impl Manager {
             "fork capture has its own RAM file"
         );
         self.driver
+            .snapshots()
             .open_snapshot(snapshot_id)
             .map_err(SandboxError::vm(id, "opening the fork capture"))
     }

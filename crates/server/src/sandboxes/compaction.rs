@@ -51,7 +51,7 @@ impl Manager {
                 self.compactions.wake.notified().await;
                 continue;
             };
-            match self.driver.compact(&id).await {
+            match self.driver.snapshots().compact(&id).await {
                 Ok(Some(root)) => {
                     if let Err(e) = self.db.set_snapshot_parent(&id, &root) {
                         tracing::warn!(snapshot = %id, "recording the compaction: {e}");

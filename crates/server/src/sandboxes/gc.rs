@@ -25,7 +25,7 @@ impl Manager {
                 }
             };
             for id in ids {
-                if let Err(e) = self.driver.delete_snapshot(&id) {
+                if let Err(e) = self.driver.snapshots().delete_snapshot(&id) {
                     tracing::warn!(snapshot = %id, "deleting snapshot files: {e}");
                     return;
                 }

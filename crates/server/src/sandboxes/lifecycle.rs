@@ -163,7 +163,7 @@ impl Manager {
                 // Not while garbage collection runs (see `connect`).
                 let snapshot = {
                     let _chains = self.chains.read().await;
-                    self.driver.open_snapshot(&row.id)
+                    self.driver.snapshots().open_snapshot(&row.id)
                 }
                 .map_err(SandboxError::vm(template_id, "opening the snapshot"))?;
                 readable(template_id, &snapshot)?;

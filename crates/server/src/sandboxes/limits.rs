@@ -268,7 +268,7 @@ impl Manager {
         }
         let min_disk = self.config.min_free_disk_mb;
         if min_disk > 0 {
-            if let Some(free) = self.driver.free_disk_bytes() {
+            if let Some(free) = self.driver.snapshots().free_disk_bytes() {
                 let free = free >> 20;
                 if free < min_disk {
                     return Err(SandboxError::HostDisk(format!(
@@ -325,7 +325,7 @@ impl Manager {
             .db
             .team_snapshot_ids(team)?
             .iter()
-            .map(|id| self.driver.snapshot_bytes(id))
+            .map(|id| self.driver.snapshots().snapshot_bytes(id))
             .sum();
         if used >= max {
             return Err(SandboxError::TeamLimit(format!(

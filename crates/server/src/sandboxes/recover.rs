@@ -123,7 +123,7 @@ impl Manager {
     ) -> Result<(), SandboxError> {
         let capture = intent.capture();
         let kind = intent.kind().as_str();
-        let whole = self.driver.open_snapshot(capture).is_ok();
+        let whole = self.driver.snapshots().open_snapshot(capture).is_ok();
         match intent {
             Intent::Capture { names, .. } if whole => {
                 let row =
@@ -188,11 +188,12 @@ impl Manager {
         }
         if self
             .driver
+            .snapshots()
             .unneeded_snapshots(&keep, Duration::ZERO)
             .iter()
             .any(|u| u == id)
         {
-            if let Err(e) = self.driver.delete_snapshot(id) {
+            if let Err(e) = self.driver.snapshots().delete_snapshot(id) {
                 tracing::warn!(snapshot = %id, "deleting a cut-short capture: {e}");
             }
         } else {
@@ -218,11 +219,11 @@ impl Manager {
             }
         };
         // (A rewrite in flight has younger files than the grace.)
-        self.driver.remove_stale_temp_files(grace);
-        let unneeded = self.driver.unneeded_snapshots(&keep, grace);
+        self.driver.snapshots().remove_stale_temp_files(grace);
+        let unneeded = self.driver.snapshots().unneeded_snapshots(&keep, grace);
         for id in &unneeded {
             tracing::info!(snapshot = %id, "removing snapshot files nothing needs (left by a crash or an interrupted build)");
-            if let Err(e) = self.driver.delete_snapshot(id) {
+            if let Err(e) = self.driver.snapshots().delete_snapshot(id) {
                 tracing::warn!(snapshot = %id, "removing snapshot files: {e}");
             }
         }

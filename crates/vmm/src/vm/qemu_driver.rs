@@ -1,4 +1,4 @@
-//! QEMU as the [`Driver`]: [`QemuDriver`] over the data directory, and
+//! QEMU as the [`Driver`] and [`SnapshotStore`]: [`QemuDriver`] over the data directory, and
 //! [`Vm`] as a [`VmHandle`].
 
 use std::time::Duration;
@@ -6,7 +6,8 @@ use std::time::Duration;
 use super::{cleanup, list, Vm};
 use crate::config::{Artifacts, Machine, Paths};
 use crate::driver::{
-    Capture, CaptureFailed, Driver, Guest, Probe, SnapshotInfo, SnapshotRef, VmHandle,
+    Capture, CaptureFailed, Driver, Guest, Probe, SnapshotInfo, SnapshotRef, SnapshotStore,
+    VmHandle,
 };
 use crate::error::{Error, Result};
 use crate::snapshot::Snapshot;
@@ -138,6 +139,13 @@ impl Driver for QemuDriver {
         String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
     }
 
+    fn snapshots(&self) -> &dyn SnapshotStore {
+        self
+    }
+}
+
+#[async_trait::async_trait]
+impl SnapshotStore for QemuDriver {
     fn open_snapshot(&self, id: &str) -> Result<SnapshotRef> {
         Snapshot::open(&self.paths, id).map(snapshot_ref)
     }

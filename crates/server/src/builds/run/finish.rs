@@ -38,7 +38,7 @@ impl Runner<'_> {
             {
                 if let (Ok(Some(row)), Ok(_)) = (
                     self.env.db.get_snapshot(&id),
-                    self.env.driver.open_snapshot(&id),
+                    self.env.driver.snapshots().open_snapshot(&id),
                 ) {
                     self.info("CACHED start and ready commands: the template is unchanged".into());
                     return Ok(Built {
@@ -124,7 +124,7 @@ impl Runner<'_> {
         let vm = self.vm.take().expect("the build VM is running");
         if let Err(failed) = vm.capture_and_kill(&id).await {
             let e = failed.discard().await;
-            let _ = self.env.driver.delete_snapshot(&id);
+            let _ = self.env.driver.snapshots().delete_snapshot(&id);
             return Err(fail("finalize", format!("capturing the template: {e}")));
         }
         let row = SnapshotRow {
@@ -153,7 +153,7 @@ impl Runner<'_> {
 /// holds, and restores may read it meanwhile).
 pub async fn compact_template(env: &BuildEnv, id: &str) {
     let t = Instant::now();
-    match env.driver.compact(id).await {
+    match env.driver.snapshots().compact(id).await {
         Ok(Some(root)) => {
             if let Err(e) = env.db.set_snapshot_parent(id, &root) {
                 tracing::warn!(snapshot = %id, "recording the compaction: {e}");

@@ -201,7 +201,7 @@ impl Runner<'_> {
             key = layer_key(&key, op, &state, content.as_deref());
             if !forced && self.vm.is_none() {
                 if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail(num, e))? {
-                    if self.env.driver.open_snapshot(&row.id).is_ok() {
+                    if self.env.driver.snapshots().open_snapshot(&row.id).is_ok() {
                         let _ = self.env.db.touch_snapshot(&row.id);
                         self.info(format!("CACHED {shown}"));
                         parent = row.id;
@@ -266,7 +266,7 @@ impl Runner<'_> {
                 ]);
                 if !self.plan.force {
                     if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail("base", e))? {
-                        if self.env.driver.open_snapshot(&row.id).is_ok() {
+                        if self.env.driver.snapshots().open_snapshot(&row.id).is_ok() {
                             let _ = self.env.db.touch_snapshot(&row.id);
                             self.info(format!(
                                 "CACHED FROM {reference} ({})",
@@ -354,6 +354,7 @@ impl Runner<'_> {
         let snap: SnapshotRef = self
             .env
             .driver
+            .snapshots()
             .open_snapshot(parent)
             .map_err(|e| fail(num, format!("opening layer {parent}: {e}")))?;
         let vm_id = format!("build-{}", crate::ids::random_hex(4));
@@ -524,7 +525,7 @@ impl Runner<'_> {
         let vm = self.vm.as_mut().expect("the build VM is running");
         if let Err(e) = vm.capture(&id).await {
             // No half layer stays behind.
-            let _ = self.env.driver.delete_snapshot(&id);
+            let _ = self.env.driver.snapshots().delete_snapshot(&id);
             return Err(fail(step, format!("capturing the layer: {e}")));
         }
         let row = SnapshotRow {

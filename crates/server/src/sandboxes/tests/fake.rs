@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tine_vmm::{
     Artifacts, BoxFuture, Capture, CaptureFailed, Driver, Error, Guest, GuestNet, Machine,
-    SnapshotInfo, SnapshotRef, VmHandle,
+    SnapshotInfo, SnapshotRef, SnapshotStore, VmHandle,
 };
 
 /// What the fake agent was sent: method, path, `x-access-token`, body.
@@ -265,6 +265,28 @@ impl Driver for FakeDriver {
         format!("console of {id}")
     }
 
+    /// Nothing to finish (the fake's captures are whole or absent); fails
+    /// when told to.
+    fn salvage_capture(&self, id: &str, snapshot_id: &str) -> tine_vmm::Result<bool> {
+        self.enter(
+            "salvage_capture",
+            format!("salvage_capture {id} {snapshot_id}"),
+        )?;
+        Ok(false)
+    }
+
+    /// No optional devices.
+    fn boot_devices(&self) -> String {
+        String::new()
+    }
+
+    fn snapshots(&self) -> &dyn SnapshotStore {
+        self
+    }
+}
+
+#[async_trait::async_trait]
+impl SnapshotStore for FakeDriver {
     fn open_snapshot(&self, id: &str) -> tine_vmm::Result<SnapshotRef> {
         self.enter("open_snapshot", format!("open_snapshot {id}"))?;
         let s = self.state.lock().unwrap();
@@ -300,16 +322,6 @@ impl Driver for FakeDriver {
         out
     }
 
-    /// Nothing to finish (the fake's captures are whole or absent); fails
-    /// when told to.
-    fn salvage_capture(&self, id: &str, snapshot_id: &str) -> tine_vmm::Result<bool> {
-        self.enter(
-            "salvage_capture",
-            format!("salvage_capture {id} {snapshot_id}"),
-        )?;
-        Ok(false)
-    }
-
     fn delete_snapshot(&self, id: &str) -> tine_vmm::Result<()> {
         self.enter("delete_snapshot", format!("delete_snapshot {id}"))?;
         self.state.lock().unwrap().snapshots.remove(id);
@@ -324,6 +336,21 @@ impl Driver for FakeDriver {
     async fn materialize(&self, id: &str) -> tine_vmm::Result<bool> {
         self.enter("materialize", format!("materialize {id}"))?;
         Ok(true)
+    }
+
+    /// No temp files: nothing is rewritten on disk.
+    fn remove_stale_temp_files(&self, _grace: std::time::Duration) -> usize {
+        0
+    }
+
+    /// Unknown, as the trait allows.
+    fn free_disk_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    /// Fake snapshots take no disk.
+    fn snapshot_bytes(&self, _id: &str) -> u64 {
+        0
     }
 }
 
@@ -358,6 +385,10 @@ impl VmHandle for FakeVm {
     }
     async fn pause(&mut self) -> tine_vmm::Result<()> {
         self.driver.enter("pause", format!("pause {}", self.id))
+    }
+    /// The fake's guests never stop on their own.
+    async fn check_running(&mut self) -> tine_vmm::Result<Option<String>> {
+        Ok(None)
     }
     async fn ensure_running(&mut self) -> tine_vmm::Result<()> {
         self.driver
