@@ -10,6 +10,7 @@ mod client;
 mod cluster;
 mod dockerfile;
 mod image;
+mod local_build;
 mod sandbox;
 mod server;
 mod template;

@@ -5,15 +5,16 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Subcommand;
 use tine_server::db::Db;
-use tine_server::templates::{self, BuildSpec};
+use tine_server::templates;
 use tine_vmm::{Machine, Paths};
 
 // Parsed once per process: the size of the largest variant does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum TemplateCommand {
-    /// Build a template: boot `base` (or an OCI image), run commands, start a process, wait
-    /// until ready, capture. Sandboxes created from it restore that state.
+    /// Build a template with the one build engine (the SDK's builds run on it too): from
+    /// `base` (or an OCI image), run commands as root, start a process, wait until ready,
+    /// capture; every step cached. Sandboxes created from it restore that state.
     #[command(after_help = "With -f: tine template build -f Dockerfile [CONTEXT] NAME")]
     Build {
         /// NAME, or CONTEXT NAME with -f (a-z, 0-9, '-', '_'); replaces an
@@ -24,7 +25,7 @@ pub enum TemplateCommand {
         /// ARG, WORKDIR, USER, CMD, ENTRYPOINT); every step is cached.
         #[arg(short = 'f', long = "file")]
         file: Option<std::path::PathBuf>,
-        /// With -f: rebuild every step.
+        /// Rebuild every step.
         #[arg(long)]
         no_cache: bool,
         /// A command to run as root (repeatable, in order; each must exit 0).
@@ -103,57 +104,28 @@ pub async fn run(cmd: TemplateCommand) -> anyhow::Result<i32> {
             let [name] = names.as_slice() else {
                 bail!("CONTEXT is for -f builds: give only NAME");
             };
-            let name = name.clone();
-            let image = match from_image {
-                Some(r) => match tine_image::ImageStore::new(&paths.data_dir).get(&r) {
-                    Ok(meta) => Some(meta),
-                    Err(_) => Some(crate::image::pull(&paths, &r, &registry, true).await?),
-                },
-                None => None,
-            };
-            // The build VM reads a chunked image through the daemon.
-            let _daemon = match image.as_ref().and_then(|m| m.chunks.as_ref()) {
-                Some(_) => Some(crate::image::hold_daemon(&paths, &registry).await?),
-                None => None,
-            };
-            let image = image.map(|m| templates::BuildImage::new(m, &paths.data_dir));
-            let spec = BuildSpec {
+            let files = std::sync::Arc::new(tine_server::builds::files::ContextStore::new(
+                &paths.data_dir,
+                u64::MAX,
+            ));
+            let request = crate::local_build::Request {
                 name: name.clone(),
                 machine,
-                run,
+                base: match from_image {
+                    Some(r) => crate::local_build::From::Image(r),
+                    None => crate::local_build::From::Template,
+                },
+                steps: crate::local_build::root_steps(&run),
                 start,
                 ready,
                 ready_timeout: Duration::from_secs(ready_timeout_secs),
-                image,
+                no_cache,
+                registry,
+                files,
+                quiet: false,
             };
-            let bar = indicatif::ProgressBar::new_spinner();
-            bar.enable_steady_tick(Duration::from_millis(120));
-            let started = std::time::Instant::now();
-            let mut progress = |step: &str| {
-                let line = format!("[{:>6.1}s] {step}", started.elapsed().as_secs_f64());
-                if bar.is_hidden() {
-                    eprintln!("{line}"); // not a terminal: plain lines
-                } else {
-                    bar.println(line);
-                }
-                bar.set_message(step.to_string());
-            };
-            let driver = crate::driver(&paths);
-            let result = templates::build(
-                &driver,
-                &paths.current_artifacts(),
-                &db,
-                &spec,
-                &mut progress,
-            )
-            .await;
-            bar.finish_and_clear();
-            let row = result?;
-            eprintln!(
-                "template {name} built in {:.1} s (snapshot {})",
-                started.elapsed().as_secs_f64(),
-                row.id
-            );
+            crate::local_build::build(&paths, std::sync::Arc::new(db), request).await?;
+            return Ok(0);
         }
         TemplateCommand::List => {
             for t in db.list_templates()? {

@@ -1,8 +1,10 @@
 //! Templates: a booted, ready VM captured as a snapshot, which `create`
-//! restores. `base` is the default rootfs as booted; `tine template build`
-//! makes others from `base` plus commands, an optional start command and a
-//! ready check (like E2B templates). Templates are rows of kind `template`
-//! in the snapshots table (`names[0]` is the template's name).
+//! restores. `base` is the default rootfs as booted, captured here; every
+//! other template is made by the one build engine (`crate::builds::run`,
+//! for the SDK's `Template` builds and `tine template build` alike) from
+//! `base` or an image plus steps, a start command and a ready check.
+//! Templates are rows of kind `template` in the snapshots table
+//! (`names[0]` is the template's name).
 //!
 //! A snapshot fixes the machine shape, so `base` gets one snapshot per
 //! `(vCPUs, MiB)` asked for, built on first use (one cold boot) and reused
@@ -12,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tine_agent_client::{AgentError, ExecOutput, AGENT_PORT};
@@ -208,40 +210,11 @@ impl Templates {
         // Leftovers of an interrupted build would make the capture fail.
         let _ = self.driver.snapshots().delete_snapshot(&name);
         tracing::info!(snapshot = %name, "building the base template snapshot (cold boot)");
-        let spec = BuildSpec {
-            name: DEFAULT_TEMPLATE.into(),
-            machine,
-            ..Default::default()
-        };
-        let snap = capture(
-            self.driver.as_ref(),
-            &self.artifacts,
-            &spec,
-            &name,
-            &mut |_| {},
-        )
-        .await?;
+        let snap = boot_and_capture(self.driver.as_ref(), &self.artifacts, machine, &name).await?;
         self.db.insert_snapshot(&row(machine))?;
         tracing::info!(snapshot = %name, "template snapshot ready");
         Ok((snap, row(machine)))
     }
-}
-
-/// What `tine template build` makes.
-#[derive(Debug, Clone, Default)]
-pub struct BuildSpec {
-    pub name: String,
-    pub machine: Machine,
-    /// Commands run as root, in order, each must exit 0.
-    pub run: Vec<String>,
-    /// Started (as root, in the background) before the capture, so it is
-    /// running in every sandbox of the template.
-    pub start: Option<String>,
-    /// Polled until it exits 0 before the capture.
-    pub ready: Option<String>,
-    pub ready_timeout: Duration,
-    /// The OCI image whose root disk the template runs on (else `base`'s).
-    pub image: Option<BuildImage>,
 }
 
 /// An image a template is built on, and how VMs reach its root disk.
@@ -271,54 +244,24 @@ impl BuildImage {
     }
 }
 
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-}
-
-/// Boot `base`, run the spec's commands, start its start command, wait
-/// until ready, capture as snapshot `snap_id`. `progress` hears each step.
-async fn capture(
+/// Cold-boot `base` for `machine` and capture it as snapshot `snap_id`:
+/// the `base` template of that shape. (Every other template is built by
+/// the build engine, `crate::builds::run`, which starts from this one.)
+async fn boot_and_capture(
     driver: &dyn Driver,
     artifacts: &Artifacts,
-    spec: &BuildSpec,
+    machine: Machine,
     snap_id: &str,
-    progress: &mut (dyn FnMut(&str) + Send),
 ) -> Result<SnapshotRef, TemplateError> {
     let vm_err = |source| TemplateError::Vm {
-        template: spec.name.clone(),
+        template: DEFAULT_TEMPLATE.into(),
         source: Box::new(source),
     };
     let vm_id = format!("build-{}", crate::ids::random_hex(4));
-    let mut artifacts = artifacts.clone();
-    match &spec.image {
-        Some(image) => {
-            progress(&format!("booting image {}", image.meta.reference));
-            artifacts.rootfs = image.disk.clone();
-        }
-        None => progress("booting base"),
-    }
     let vm = driver
-        .boot(&vm_id, spec.machine, &artifacts)
+        .boot(&vm_id, machine, artifacts)
         .await
         .map_err(vm_err)?;
-    let prepared = match &spec.image {
-        Some(image) => prepare_image(vm.as_ref(), spec, &image.meta).await,
-        None => Ok(()),
-    };
-    if let Err(e) = async {
-        prepared?;
-        run_steps(vm.as_ref(), spec, progress).await
-    }
-    .await
-    {
-        let _ = vm.kill().await;
-        return Err(e);
-    }
-    progress("capturing");
     match vm.capture_and_kill(snap_id).await {
         Ok(snapshot) => Ok(snapshot),
         Err(failed) => Err(vm_err(failed.discard().await)),
@@ -339,11 +282,11 @@ const ADD_USER: &str = "id user >/dev/null 2>&1 || { \
 /// a `user` account if the image has none.
 pub(crate) async fn prepare_image(
     vm: &dyn VmHandle,
-    spec: &BuildSpec,
+    template: &str,
     image: &tine_image::ImageMeta,
 ) -> Result<(), TemplateError> {
     let agent_err = |source| TemplateError::Agent {
-        template: spec.name.clone(),
+        template: template.to_string(),
         source: Box::new(source),
     };
     let init = tine_agent_client::InitRequest {
@@ -355,10 +298,10 @@ pub(crate) async fn prepare_image(
     tine_agent_client::init(guest.connect(AGENT_PORT), &init, None)
         .await
         .map_err(agent_err)?;
-    let out = exec_root(vm, spec, ADD_USER, Duration::from_secs(60)).await?;
+    let out = exec_root(vm, template, ADD_USER, Duration::from_secs(60)).await?;
     if out.exit_code != 0 {
         return Err(TemplateError::Build {
-            template: spec.name.clone(),
+            template: template.to_string(),
             detail: format!(
                 "adding the user account exited with {}: {}",
                 out.exit_code,
@@ -369,62 +312,11 @@ pub(crate) async fn prepare_image(
     Ok(())
 }
 
-/// A build's commands, start command and ready check, in the booted VM.
-async fn run_steps(
-    vm: &dyn VmHandle,
-    spec: &BuildSpec,
-    progress: &mut (dyn FnMut(&str) + Send),
-) -> Result<(), TemplateError> {
-    let fail = |detail: String| TemplateError::Build {
-        template: spec.name.clone(),
-        detail,
-    };
-    for (i, cmd) in spec.run.iter().enumerate() {
-        progress(&format!("run {}/{}: {cmd}", i + 1, spec.run.len()));
-        let out = exec_root(vm, spec, cmd, Duration::from_secs(3600)).await?;
-        if out.exit_code != 0 {
-            let tail =
-                String::from_utf8_lossy(&out.stderr[out.stderr.len().saturating_sub(2000)..])
-                    .into_owned();
-            return Err(fail(format!(
-                "`{cmd}` exited with {}: {tail}",
-                out.exit_code
-            )));
-        }
-    }
-    if let Some(start) = &spec.start {
-        progress(&format!("start: {start}"));
-        let quoted = start.replace('\'', r"'\''");
-        let detach = format!(
-            "nohup setsid bash -lc '{quoted}' > /var/log/tine-start.log 2>&1 < /dev/null &"
-        );
-        exec_root(vm, spec, &detach, Duration::from_secs(60)).await?;
-    }
-    if let Some(ready) = &spec.ready {
-        progress(&format!("waiting until ready: {ready}"));
-        let deadline = Instant::now() + spec.ready_timeout;
-        loop {
-            let out = exec_root(vm, spec, ready, Duration::from_secs(60)).await?;
-            if out.exit_code == 0 {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(fail(format!(
-                    "not ready after {:?}: `{ready}` exited with {}",
-                    spec.ready_timeout, out.exit_code
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-    Ok(())
-}
-
 /// Run `cmd` as root in the build VM (no access token: a build's guest
 /// has none).
 async fn exec_root(
     vm: &dyn VmHandle,
-    spec: &BuildSpec,
+    template: &str,
     cmd: &str,
     timeout: Duration,
 ) -> Result<ExecOutput, TemplateError> {
@@ -432,55 +324,9 @@ async fn exec_root(
     tine_agent_client::process::exec(guest.connect(AGENT_PORT), "root", cmd, None, timeout)
         .await
         .map_err(|source| TemplateError::Agent {
-            template: spec.name.clone(),
+            template: template.to_string(),
             source: Box::new(source),
         })
-}
-
-/// `tine template build`: make template `spec.name` (replacing an older
-/// one of that name, whose files go once no sandbox uses them).
-pub async fn build(
-    driver: &dyn Driver,
-    artifacts: &Artifacts,
-    db: &Db,
-    spec: &BuildSpec,
-    progress: &mut (dyn FnMut(&str) + Send),
-) -> Result<SnapshotRow, TemplateError> {
-    if !valid_name(&spec.name) {
-        return Err(TemplateError::Invalid(format!(
-            "name {:?}: use 1-64 of a-z, 0-9, '-', '_'",
-            spec.name
-        )));
-    }
-    if spec.name == DEFAULT_TEMPLATE {
-        return Err(TemplateError::Invalid(format!(
-            "'{DEFAULT_TEMPLATE}' is built in"
-        )));
-    }
-    let older = db.find_template(&spec.name, None)?;
-    let id = format!("tpl-{}-{}", spec.name, crate::ids::random_hex(4));
-    let artifacts = artifacts.resolve().map_err(|source| TemplateError::Vm {
-        template: spec.name.clone(),
-        source: Box::new(source),
-    })?;
-    capture(driver, &artifacts, spec, &id, progress).await?;
-    let row = SnapshotRow {
-        id,
-        kind: SnapshotKind::Template,
-        sandbox_id: String::new(),
-        parent_id: None,
-        names: vec![spec.name.clone()],
-        template_id: spec.name.clone(),
-        cpu_count: spec.machine.vcpus,
-        memory_mb: spec.machine.memory_mib,
-        source_token: String::new(),
-        created_ms: now_ms(),
-    };
-    db.insert_snapshot(&row)?;
-    if let Some(old) = older {
-        db.hide_snapshot(&old.id)?;
-    }
-    Ok(row)
 }
 
 /// Delete template `name` (all its rows); files go once unused.

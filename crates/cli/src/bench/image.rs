@@ -19,7 +19,6 @@ use anyhow::{bail, Context};
 use tine_image::nbd::daemon;
 use tine_image::{ImageRef, ImageStore, RegistryOptions};
 use tine_server::db::Db;
-use tine_server::templates::{self, BuildImage, BuildSpec};
 use tine_vmm::{Machine, Paths};
 
 use super::create::ms;
@@ -119,7 +118,7 @@ async fn first_start(
     let settings = daemon::Settings::default();
     let t = Instant::now();
     let store = ImageStore::new(&paths.data_dir);
-    let meta = store
+    store
         .pull(
             reference,
             &RegistryOptions::default(),
@@ -129,20 +128,28 @@ async fn first_start(
         )
         .await?;
     let _hold = daemon::ensure(&paths.data_dir, &exe, Some(&settings)).await?;
-    let db = Db::open(&paths.data_dir.join("tine.db"))?;
-    let spec = BuildSpec {
+    let db = std::sync::Arc::new(Db::open(&paths.data_dir.join("tine.db"))?);
+    let request = crate::local_build::Request {
         name: "p8".into(),
         machine: Machine {
             vcpus: ctx.args.cpus,
             memory_mib: ctx.args.memory_mb,
             ..Machine::default()
         },
+        base: crate::local_build::From::Image(reference.to_string()),
+        steps: Vec::new(),
+        start: None,
+        ready: None,
         ready_timeout: Duration::from_secs(120),
-        image: Some(BuildImage::new(meta, &paths.data_dir)),
-        ..Default::default()
+        no_cache: true,
+        registry: Default::default(),
+        files: std::sync::Arc::new(tine_server::builds::files::ContextStore::new(
+            &paths.data_dir,
+            u64::MAX,
+        )),
+        quiet: true,
     };
-    let driver = crate::driver(paths);
-    templates::build(&driver, &paths.current_artifacts(), &db, &spec, &mut |_| {}).await?;
+    crate::local_build::build(paths, db, request).await?;
     let elapsed = ms(t);
     // The daemon writes its statistics every second.
     tokio::time::sleep(Duration::from_millis(1500)).await;

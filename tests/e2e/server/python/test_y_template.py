@@ -27,7 +27,9 @@ def test_build_create_list_delete(fresh):
         "--ready", "curl -sf http://127.0.0.1:8000/index.html",
     )
     assert code == 0, err
-    assert "waiting until ready" in err and "capturing" in err, "the build shows its steps"
+    # The one build engine's log: each step, the start and ready commands.
+    assert "[1/2] USER root" in err and "[2/2] RUN mkdir -p /srv" in err, err
+    assert "waiting for the ready command" in err and "built in" in err, "the build shows its steps"
 
     status, _, body = http("GET", "/templates")
     assert status == 200

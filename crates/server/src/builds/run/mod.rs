@@ -292,12 +292,7 @@ impl Runner<'_> {
                     .map_err(|e| fail("base", format!("booting {reference}: {e}")))?;
                 self.vm = Some(vm);
                 self.open_network("base").await?;
-                let spec = crate::templates::BuildSpec {
-                    name: self.plan.template.clone(),
-                    machine,
-                    ..Default::default()
-                };
-                crate::templates::prepare_image(self.vm(), &spec, &image.meta)
+                crate::templates::prepare_image(self.vm(), &self.plan.template, &image.meta)
                     .await
                     .map_err(|e| fail("base", e))?;
                 let id = self.seal(&key, None, "base").await?;
