@@ -237,7 +237,15 @@ pub async fn write_file(
     .await;
     if let Err(e) = received {
         let _ = tokio::fs::remove_file(&upload).await;
-        return Err(e);
+        // The rest of the body was not read (an upload past the volume's
+        // room stops there): the connection cannot carry another request,
+        // and a client that is not told would send its next one on it.
+        let mut resp = e.into_response();
+        resp.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        return Ok(resp);
     }
     let entry = in_volume(&s, row, move |c| c.commit(&upload, &path, owner)).await?;
     Ok((StatusCode::CREATED, Json(entry)).into_response())

@@ -81,11 +81,14 @@ pub fn handles(path: &str) -> bool {
 /// a 404 in the API's error shape.
 pub fn respond(method: &http::Method, path: &str) -> Response {
     if method != http::Method::GET && method != http::Method::HEAD {
-        return ApiError::new(
+        let mut resp = ApiError::new(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{method} is not allowed on {path}"),
         )
         .into_response();
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return resp;
     }
     let rest = path.strip_prefix(PREFIX).unwrap_or(path);
     let found = match rest {
@@ -147,10 +150,9 @@ mod tests {
         ] {
             assert_eq!(respond(&get, p).status(), StatusCode::NOT_FOUND, "{p}");
         }
-        assert_eq!(
-            respond(&http::Method::POST, "/console").status(),
-            StatusCode::METHOD_NOT_ALLOWED
-        );
+        let r = respond(&http::Method::TRACE, "/console");
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(r.headers()[header::ALLOW], "GET, HEAD");
         assert!(handles("/console") && handles("/console/assets/x"));
         assert!(!handles("/consoles") && !handles("/sandboxes"));
     }

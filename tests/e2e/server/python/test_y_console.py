@@ -76,6 +76,8 @@ def test_the_page_its_headers_and_bad_requests():
     assert_error(http("GET", "/console/assets/nothing.js", key=None), 404)
     assert_error(http("GET", "/console/assets/../../metrics", key=None), 404)
     assert_error(http("POST", "/console", key=None), 405)
+    status, headers, _ = http("TRACE", "/console", key=None)
+    assert status == 405 and headers["allow"] == "GET, HEAD"
     # The page is public; what it shows needs a key, sent as a header.
     assert_error(http("GET", "/v2/sandboxes", key=None), 401)
     assert_error(http("GET", "/hosts", key="e2b_nope"), 401)

@@ -1,175 +1,24 @@
-//! Captures read lazily: a capture's big files (its RAM and its disk),
-//! pulled from a registry chunk by chunk as a VM first touches them, under
-//! one FUSE mount the image daemon serves.
-//!
-//! ```text
-//! <data>/images/lazy/<capture>.json   what a capture's files are made of
-//!                                     (0600: it may hold credentials)
-//! <data>/images/lazy/<capture>.error  its damaged chunk, once one was read
-//! /run/tine/lazy/<data-hash>/<capture>/<file>
-//!                                     the files, read-only, as QEMU maps them
-//! /run/tine/lazy/<data-hash>/<capture>/error
-//!                                     the damaged chunk, once one was read
-//! ```
-//!
-//! The mount is outside the data directory so that removing a data
-//! directory never meets it (a mount point cannot be removed), and a mount
-//! left by a daemon that was killed is detached by the next one.
-//!
-//! A host that restores a capture it lacks registers it ([`register`]),
-//! fetches only its small device state, and points the snapshot's `ram`
-//! and `disk.qcow2` at [`path_of`]. QEMU maps the RAM file MAP_PRIVATE as
-//! it maps any snapshot's: a page the guest touches for the first time is
-//! a FUSE read, answered from the chunk cache (the same bounded cache OCI
-//! images use, so pulled captures count against `image_cache_max_bytes`),
-//! which fetches the chunk from the registry and checks its digest first.
-//! A chunk that cannot be fetched or does not match is an EIO: the disk
-//! read fails in the guest and a RAM page faults QEMU out (SIGBUS), never
-//! a guest running on wrong bytes; the error, naming the capture and the
-//! chunk, is logged; a damaged chunk's is kept, and read next to the file
-//! as `error` ([`read_failure`]), for whoever reports the VM's end and to
-//! refuse later restores of it.
-//!
-//! Why FUSE and not userfaultfd: QEMU's guest RAM lives in QEMU's process,
-//! and a userfaultfd must be registered by the process that owns the
-//! memory; QEMU only does so for its own postcopy migration. A file QEMU
-//! maps needs no change to QEMU, keeps restores the MAP_PRIVATE mapping of
-//! a frozen file every local restore is, and lives in the image daemon,
-//! which outlives server restarts as the QEMUs do. `fuser` is the
-//! maintained pure-Rust FUSE library (no libfuse needed; as root it mounts
-//! with mount(2) directly).
+//! The FUSE filesystem the image daemon serves: a directory per registered
+//! capture, its files read through the chunk cache, holes where its chunks
+//! are zeros, and `error` once a chunk was found damaged.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, KernelConfig,
     LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek,
     ReplyOpen, Request,
 };
-use serde::{Deserialize, Serialize};
 
+use super::{described, lock, valid_name, Descriptor, ERROR_FILE};
 use crate::chunks::cache::{ChunkCache, Disk};
 use crate::chunks::remote::RegistryChunks;
 use crate::chunks::Index;
-use crate::registry::RegistryOptions;
-use crate::{io, ImageError, ImageRef, Result};
-
-/// One file of a capture as a chunked artifact in a registry.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LazyFile {
-    /// The artifact (`host/repo:tag`) its chunks are blobs of.
-    pub reference: String,
-    pub index: Index,
-}
-
-/// What [`register`] records of a capture.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Descriptor {
-    pub capture: String,
-    /// The snapshot made of it: once that is gone (and nothing has the
-    /// files open) the daemon forgets the capture.
-    pub snapshot_dir: PathBuf,
-    pub files: BTreeMap<String, LazyFile>,
-    pub registries: RegistryOptions,
-}
-
-/// Directory of the descriptors.
-pub fn descriptors_dir(data_dir: &Path) -> PathBuf {
-    data_dir.join("images").join("lazy")
-}
-
-/// The daemon's mount point: under `/run`, named by a hash of the data
-/// directory.
-pub fn mount_dir(data_dir: &Path) -> PathBuf {
-    let canonical = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    let hash = crate::chunks::sha256(canonical.as_os_str().as_encoded_bytes());
-    let hex = hash.strip_prefix("sha256:").unwrap_or(&hash);
-    Path::new("/run/tine/lazy").join(&hex[..16])
-}
-
-/// Where file `file` of capture `capture` appears once registered.
-pub fn path_of(data_dir: &Path, capture: &str, file: &str) -> PathBuf {
-    mount_dir(data_dir).join(capture).join(file)
-}
-
-/// A capture id or file name: what may appear as one path component.
-fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s != "."
-        && s != ".."
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-/// Record `d` for the daemon to serve (replacing an earlier one).
-pub fn register(data_dir: &Path, d: &Descriptor) -> Result<()> {
-    let bad = |what: &str| ImageError::Io {
-        context: format!("capture {:?}: {what} is not a valid name", d.capture),
-        source: std::io::ErrorKind::InvalidInput.into(),
-    };
-    if !valid_name(&d.capture) {
-        return Err(bad("its id"));
-    }
-    if let Some(f) = d.files.keys().find(|f| !valid_name(f)) {
-        return Err(bad(f));
-    }
-    let dir = descriptors_dir(data_dir);
-    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-    let json = serde_json::to_vec(d).unwrap_or_default();
-    crate::nbd::daemon::write_private(&dir.join(format!("{}.json", d.capture)), &json)?;
-    let _ = std::fs::remove_file(dir.join(format!("{}.error", d.capture)));
-    Ok(())
-}
-
-/// The captures registered here (read lazily now or soon).
-pub fn registered(data_dir: &Path) -> Vec<String> {
-    described(&descriptors_dir(data_dir))
-}
-
-/// The captures with a descriptor in `dir`.
-fn described(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let n = e.file_name().to_str()?.strip_suffix(".json")?.to_string();
-            valid_name(&n).then_some(n)
-        })
-        .collect()
-}
-
-/// Forget capture `capture` (files already open stay readable).
-pub fn unregister(data_dir: &Path, capture: &str) {
-    if valid_name(capture) {
-        let dir = descriptors_dir(data_dir);
-        let _ = std::fs::remove_file(dir.join(format!("{capture}.json")));
-        let _ = std::fs::remove_file(dir.join(format!("{capture}.error")));
-    }
-}
-
-/// Why reading lazily read file `path` failed, if it is one and a chunk
-/// of it was damaged: the error names the capture, the file and the chunk
-/// (served as `error` next to it).
-pub fn read_failure(path: &Path) -> Option<String> {
-    if !path.starts_with("/run/tine/lazy") {
-        return None;
-    }
-    std::fs::read_to_string(path.with_file_name(ERROR_FILE)).ok()
-}
-
-/// What the daemon serves next to a capture's files once a chunk of it
-/// was found damaged.
-const ERROR_FILE: &str = "error";
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::{ImageError, ImageRef, Result};
 
 /// Contents never change, so the kernel may keep names and attributes.
 const TTL: Duration = Duration::from_secs(3600);
@@ -190,19 +39,19 @@ enum Node {
 }
 
 #[derive(Default)]
-struct Inodes {
+pub(super) struct Inodes {
     next: u64,
     nodes: HashMap<u64, Arc<Node>>,
     /// (capture, file or "" for the capture's directory) → inode.
     names: HashMap<(String, String), u64>,
 }
 
-struct LazyFs {
-    descriptors: PathBuf,
-    cache: Arc<ChunkCache>,
-    rt: tokio::runtime::Handle,
-    inodes: Mutex<Inodes>,
-    open: Arc<Mutex<HashMap<String, usize>>>,
+pub(super) struct LazyFs {
+    pub(super) descriptors: PathBuf,
+    pub(super) cache: Arc<ChunkCache>,
+    pub(super) rt: tokio::runtime::Handle,
+    pub(super) inodes: Mutex<Inodes>,
+    pub(super) open: Arc<Mutex<HashMap<String, usize>>>,
 }
 
 fn attr(ino: u64, node: &Node) -> FileAttr {
@@ -572,109 +421,9 @@ impl Filesystem for LazyFs {
     }
 }
 
-/// The mounted filesystem; dropping it unmounts.
-pub struct Mounted {
-    _session: fuser::BackgroundSession,
-    open: Arc<Mutex<HashMap<String, usize>>>,
-    descriptors: PathBuf,
-}
-
-impl Mounted {
-    /// Files some process (a QEMU) has open or mapped.
-    pub fn open_files(&self) -> usize {
-        lock(&self.open).values().sum()
-    }
-
-    /// Forget captures whose snapshot is gone, when nothing reads them
-    /// (a minute after registration at the earliest: a restore in flight
-    /// registers before its snapshot exists). Until then the cluster
-    /// keeps their chunks in the registry.
-    pub fn forget_unused(&self) {
-        let old = SystemTime::now() - Duration::from_secs(60);
-        for e in std::fs::read_dir(&self.descriptors)
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let path = e.path();
-            if path.extension() != Some(OsStr::new("json")) {
-                continue;
-            }
-            let young = e
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|t| t > old);
-            let d: Option<Descriptor> = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok());
-            let gone = d.is_none_or(|d| {
-                !d.snapshot_dir.join("meta.json").exists()
-                    && !lock(&self.open).contains_key(&d.capture)
-            });
-            if gone && !young {
-                let _ = std::fs::remove_file(&path);
-                let _ = std::fs::remove_file(path.with_extension("error"));
-            }
-        }
-    }
-}
-
-/// Mount the lazy files of `data_dir` (a stale mount of a daemon that died
-/// is detached first). Reads run on `rt`.
-pub fn mount(
-    data_dir: &Path,
-    cache: Arc<ChunkCache>,
-    rt: tokio::runtime::Handle,
-) -> Result<Mounted> {
-    let at = mount_dir(data_dir);
-    let _ = nix::mount::umount2(&at, nix::mount::MntFlags::MNT_DETACH);
-    std::fs::create_dir_all(&at).map_err(io(format!("creating {}", at.display())))?;
-    let descriptors = descriptors_dir(data_dir);
-    std::fs::create_dir_all(&descriptors)
-        .map_err(io(format!("creating {}", descriptors.display())))?;
-    let open = Arc::new(Mutex::new(HashMap::new()));
-    let fs = LazyFs {
-        descriptors: descriptors.clone(),
-        cache,
-        rt,
-        inodes: Mutex::new(Inodes::default()),
-        open: open.clone(),
-    };
-    let mut config = fuser::Config::default();
-    config.mount_options = vec![
-        fuser::MountOption::FSName("tine-lazy".into()),
-        fuser::MountOption::RO,
-        fuser::MountOption::NoDev,
-        fuser::MountOption::NoSuid,
-        fuser::MountOption::NoExec,
-        fuser::MountOption::DefaultPermissions,
-    ];
-    // The jailed QEMUs run as their own uids.
-    config.acl = fuser::SessionACL::All;
-    let session = fuser::spawn_mount(fs, &at, &config).map_err(io(format!(
-        "mounting the lazy captures on {}",
-        at.display()
-    )))?;
-    Ok(Mounted {
-        _session: session,
-        open,
-        descriptors,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_are_single_safe_components() {
-        for ok in ["abc", "snap-1.ram", "x_y"] {
-            assert!(valid_name(ok), "{ok}");
-        }
-        for bad in ["", ".", "..", "a/b", "a b", "é", &"x".repeat(129)] {
-            assert!(!valid_name(bad), "{bad}");
-        }
-    }
 
     #[test]
     fn seek_finds_data_and_holes_by_chunk() {
@@ -699,16 +448,5 @@ mod tests {
         assert_eq!(seek(&index, 35, 25, false), Some(30));
         assert_eq!(seek(&index, 35, 31, true), None);
         assert_eq!(seek(&index, 35, 35, false), None);
-    }
-
-    #[test]
-    fn mounts_are_outside_data_dirs_and_one_per_data_dir() {
-        let (a, b) = (
-            mount_dir(Path::new("/data/a")),
-            mount_dir(Path::new("/data/b")),
-        );
-        assert!(a.starts_with("/run/tine/lazy") && b.starts_with("/run/tine/lazy"));
-        assert_ne!(a, b);
-        assert_eq!(read_failure(Path::new("/data/a/snapshots/x/ram")), None);
     }
 }
