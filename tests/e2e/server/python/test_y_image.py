@@ -199,7 +199,7 @@ def test_pull_build_and_run_an_image(image, fresh):
     code, _, err = tine("template", "build", "e2e-image", "--from-image", image,
                         "--vcpus", "1", "--memory-mib", "256", "--run", "echo built > /opt/img/built")
     assert code == 0, err
-    assert f"FROM {image}" in err and "booting" in err, err
+    assert f"FROM {image}" in err, err  # (booted, or a cached base layer)
     s = fresh(template="e2e-image", timeout=600)
     run = lambda c: s.commands.run(c, user="root").stdout.strip()
     assert run("ls /opt/img | sort | tr '\\n' ' '") == "built hard keep opq soft suid"
