@@ -4,7 +4,8 @@
 //!
 //! - `lifecycle`: create (restore a template or snapshot, hand the guest
 //!   its identity), get, list, kill, timeouts, metrics;
-//! - `capture`: pause, resume (`connect`), snapshots, fork;
+//! - `capture`: pause, resume (`connect`), snapshots, the fork's capture;
+//! - `fork`: a fork's children, started here or on other nodes;
 //! - `gc`: deleting captures nothing depends on;
 //! - `compaction`: folding long capture chains in the background;
 //! - `recover`: re-adopting VMs after a server restart;
@@ -16,6 +17,7 @@
 pub mod agent;
 mod capture;
 mod compaction;
+mod fork;
 mod gc;
 mod intent;
 mod lifecycle;
@@ -38,7 +40,7 @@ use crate::db::{Db, DbError};
 use crate::model::SandboxRecord;
 use crate::templates::{TemplateError, Templates};
 
-pub use capture::ForkResult;
+pub use fork::ForkResult;
 pub use lifecycle::CreateRequest;
 
 /// The envd version our agent implements (advertised as `envdVersion`).

@@ -21,7 +21,11 @@
 //! The NFS and MOUNT programs share the port (the guest mounts with
 //! `port=` and `mountport=`, no portmapper, `nolock`).
 
+mod attrs;
+mod dirs;
 pub mod fs;
+mod handles;
+mod io;
 mod relay;
 
 use std::collections::HashMap;
