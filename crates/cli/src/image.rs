@@ -92,6 +92,37 @@ impl RegistryArgs {
     }
 }
 
+/// When only build layers run on `reference`'s image (the step cache of
+/// builds from it, which no template or sandbox uses: those would run on
+/// the image too), delete them, so the image can go; returns how many.
+/// Anything else on it is left, and `rm` then refuses, naming it.
+fn drop_build_layers(paths: &Paths, store: &ImageStore, reference: &str) -> anyhow::Result<usize> {
+    let Ok(users) = store.snapshots_on(reference, &paths.snapshots_dir()) else {
+        return Ok(0); // (an unknown reference: `rm` says so)
+    };
+    if users.is_empty() {
+        return Ok(0);
+    }
+    let db = tine_server::db::Db::open(&paths.data_dir.join("tine.db"))?;
+    let is_layer = |id: &String| {
+        matches!(db.get_snapshot(id), Ok(Some(row)) if row.kind == tine_server::db::SnapshotKind::Layer)
+            || id.starts_with("lyr-") && matches!(db.get_snapshot(id), Ok(None))
+    };
+    if !users.iter().all(is_layer) {
+        return Ok(0);
+    }
+    let driver = crate::driver(paths);
+    use tine_vmm::Driver as _;
+    for id in &users {
+        db.hide_snapshot(id)?;
+        driver
+            .snapshots()
+            .delete_snapshot(id)
+            .with_context(|| format!("deleting build layer {id}"))?;
+    }
+    Ok(users.len())
+}
+
 /// Make sure the image daemon of `paths` runs; it stays while the result
 /// lives.
 pub async fn hold_daemon(paths: &Paths, registry: &RegistryArgs) -> anyhow::Result<daemon::Hold> {
@@ -282,6 +313,10 @@ pub async fn run(cmd: ImageCommand) -> anyhow::Result<i32> {
             }
         }
         ImageCommand::Rm { reference } => {
+            let dropped = drop_build_layers(&paths, &store, &reference)?;
+            if dropped > 0 {
+                eprintln!("removed {dropped} build layers on {reference} (a step cache no template or sandbox uses)");
+            }
             store.remove(&reference, &paths.snapshots_dir())?;
             eprintln!("removed {reference}");
         }

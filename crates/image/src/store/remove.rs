@@ -51,6 +51,13 @@ impl ImageStore {
         Ok(())
     }
 
+    /// The snapshots in `snapshots_dir` that run on `reference`'s image
+    /// (whose `meta.json` names its root disk).
+    pub fn snapshots_on(&self, reference: &str, snapshots_dir: &Path) -> Result<Vec<String>> {
+        let meta = self.get(reference)?;
+        Ok(snapshots_using(snapshots_dir, hex(&meta.manifest_digest)))
+    }
+
     /// Delete layer blobs and chunks no remaining image lists.
     fn remove_unused_blobs(&self, refs: &BTreeMap<String, String>) -> Result<()> {
         let mut used = std::collections::HashSet::new();
