@@ -175,6 +175,29 @@ for dir in js js-2.45; do
     fi
 done
 
+# ---- the newest released SDKs (not pinned) ----
+# Installed here, at every setup (so at every CI run), and run on the
+# fidelity files by tests/e2e/server/newest-sdk.sh: a new SDK release that
+# breaks tine shows up at the next CI run. A registry that cannot be
+# reached is a warning: the job then says it tested nothing.
+log "the newest released E2B SDKs (Python in $TINE_DATA_DIR/venv-e2b-newest, JS in $TINE_DATA_DIR/js-e2b-newest)"
+NEWEST_VENV="$TINE_DATA_DIR/venv-e2b-newest"
+[[ -x "$NEWEST_VENV/bin/python" ]] || python3 -m venv "$NEWEST_VENV"
+if "$NEWEST_VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade \
+    e2b "pytest==9.2.0" "pytest-asyncio==1.5.0"; then
+    info "Python: e2b $("$NEWEST_VENV/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))')"
+else
+    info "WARNING: could not install the newest e2b from PyPI (the job will use what is there, if anything)"
+fi
+NEWEST_JS="$TINE_DATA_DIR/js-e2b-newest"
+mkdir -p "$NEWEST_JS"
+[[ -f "$NEWEST_JS/package.json" ]] || echo '{"name":"tine-e2e-js-newest","private":true,"type":"module"}' >"$NEWEST_JS/package.json"
+if (cd "$NEWEST_JS" && npm install --no-audit --no-fund --loglevel=error e2b@latest >/dev/null); then
+    info "JS: e2b $(node -p "require('$NEWEST_JS/node_modules/e2b/package.json').version")"
+else
+    info "WARNING: could not install e2b@latest from npm (the job will use what is there, if anything)"
+fi
+
 # ---- the default sandbox user ----
 log "account 'user'"
 if id user >/dev/null 2>&1; then

@@ -196,7 +196,7 @@ fi
 
 # The newest released SDKs (not pinned), on the fidelity files: a new SDK
 # release that breaks tine fails here (docs/compatibility.md).
-if [[ $# -eq 0 && "${TINE_E2E_SKIP_NEWEST:-0}" != 1 ]]; then
+if [[ ( $# -eq 0 || "${TINE_E2E_NEWEST:-0}" == 1 ) && "${TINE_E2E_SKIP_NEWEST:-0}" != 1 ]]; then
     TINE_BASE_DATA_DIR="$BASE_DATA_DIR" "$HERE/newest-sdk.sh" || status=1
 fi
 
