@@ -104,9 +104,12 @@ fn drop_build_layers(paths: &Paths, store: &ImageStore, reference: &str) -> anyh
         return Ok(0);
     }
     let db = tine_server::db::Db::open(&paths.data_dir.join("tine.db"))?;
-    let is_layer = |id: &String| {
-        matches!(db.get_snapshot(id), Ok(Some(row)) if row.kind == tine_server::db::SnapshotKind::Layer)
-            || id.starts_with("lyr-") && matches!(db.get_snapshot(id), Ok(None))
+    // A layer's row, or a layer whose row is already deleted (its files
+    // wait for a collection).
+    let is_layer = |id: &String| match db.get_snapshot(id) {
+        Ok(Some(row)) => row.kind == tine_server::db::SnapshotKind::Layer,
+        Ok(None) => id.starts_with("lyr-"),
+        Err(_) => false,
     };
     if !users.iter().all(is_layer) {
         return Ok(0);

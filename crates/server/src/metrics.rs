@@ -264,8 +264,7 @@ impl Metrics {
         if let Some(mb) = crate::sandboxes::limits::mem_available_mb() {
             self.host_memory_available.set(mib(mb));
         }
-        if let Ok(s) = nix::sys::statvfs::statvfs(data_dir) {
-            let free = s.blocks_available().saturating_mul(s.fragment_size());
+        if let Some(free) = crate::sandboxes::limits::disk_free_bytes(data_dir) {
             self.host_disk_available
                 .set(i64::try_from(free).unwrap_or(i64::MAX));
         }

@@ -91,9 +91,8 @@ pub async fn hosts(Authed(_): Authed, State(state): State<Arc<AppState>>) -> imp
     } else {
         "local".to_string()
     };
-    let disk_free_mb = nix::sys::statvfs::statvfs(&state.data_dir)
-        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()) >> 20)
-        .unwrap_or(0);
+    let disk_free_mb =
+        crate::sandboxes::limits::disk_free_bytes(&state.data_dir).unwrap_or(0) >> 20;
     axum::Json(serde_json::json!([{
         "nodeID": id,
         "address": format!("http://{}", config.listen),

@@ -79,9 +79,8 @@ impl NodeLink {
         }
         templates.sort();
         templates.dedup();
-        let disk_free_mb = nix::sys::statvfs::statvfs(&self.data_dir)
-            .map(|s| (s.blocks_available() * s.fragment_size()) >> 20)
-            .unwrap_or(0);
+        let disk_free_mb =
+            crate::sandboxes::limits::disk_free_bytes(&self.data_dir).unwrap_or(0) >> 20;
         NodeStatus {
             address: self.address.clone(),
             cores: cap.cores,

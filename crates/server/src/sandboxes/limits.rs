@@ -344,6 +344,12 @@ pub(crate) fn mem_available_mb() -> Option<u64> {
     Some(kib >> 10)
 }
 
+/// Bytes free (to unprivileged writers) on the file system of `dir`.
+pub(crate) fn disk_free_bytes(dir: &std::path::Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(s.blocks_available().saturating_mul(s.fragment_size()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
