@@ -58,7 +58,7 @@ enum Command {
     /// Pull, list and remove OCI images (root disks for templates).
     #[command(subcommand)]
     Image(image::ImageCommand),
-    /// Run the performance scenarios P1–P7 against their floors (see
+    /// Run the performance scenarios P1–P15 against their floors (see
     /// docs/benchmarks.md).
     Bench(bench::BenchArgs),
 }

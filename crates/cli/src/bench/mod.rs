@@ -129,7 +129,8 @@ pub struct BenchArgs {
     #[arg(value_enum, ignore_case = true)]
     scenarios: Vec<Scenario>,
     /// Iterations of every scenario (default: each scenario's own: P1 10,
-    /// P2 3, P3 3, P4 5, P5 1, P6 1, P7 200 calls, P8 1, P9 3, P10 3).
+    /// P2 3, P3 3, P4 5, P5 1, P7 200 calls, P8 1, P9 3, P10 3,
+    /// P12 20 creates, P13 3, P14 3; P6, P11 and P15 take none).
     #[arg(long)]
     iterations: Option<usize>,
     /// P6: sandboxes created (and commands run) at once.
