@@ -127,7 +127,7 @@ impl Snapshot {
         &self,
         paths: &Paths,
     ) -> Result<Vec<crate::jail::chain::Backing>> {
-        let allowed = crate::vm::allowed_disks(
+        let allowed = crate::jail::chain::allowed_disks(
             paths,
             self.meta.disk_over.as_deref(),
             &self.meta.artifacts.rootfs,

@@ -60,9 +60,9 @@ pub async fn fork(
     let (rparts, rbody) = resp.into_parts();
     let bytes = axum::body::to_bytes(rbody, 16 << 20)
         .await
-        .map_err(|e| rest::unavailable(e.to_string()))?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     let mut entries: Vec<serde_json::Value> = serde_json::from_slice(&bytes)
-        .map_err(|e| rest::unavailable(format!("node {}'s fork answer: {e}", n.id)))?;
+        .map_err(|e| ApiError::unavailable(format!("node {}'s fork answer: {e}", n.id)))?;
     let elsewhere: Option<Elsewhere> = entries
         .iter()
         .position(|e| e.get("elsewhere").is_some())

@@ -51,7 +51,7 @@ pub enum ForwardError {
 impl ForwardError {
     /// 503 in E2B's error shape.
     pub fn into_response(self) -> Response {
-        crate::api::ApiError::new(StatusCode::SERVICE_UNAVAILABLE, self.to_string()).into_response()
+        crate::api::ApiError::unavailable(self.to_string()).into_response()
     }
 }
 

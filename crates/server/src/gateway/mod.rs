@@ -335,7 +335,7 @@ impl Gateway {
             .catalog
             .locate(id)
             .await
-            .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+            .map_err(|e| ApiError::unavailable(e.to_string()))?;
         if let Some(r) = &found {
             self.remember(id, &r.0, &r.1);
         }

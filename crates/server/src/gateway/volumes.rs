@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use http::{Method, StatusCode};
 
 use super::forward::ForwardError;
-use super::rest::unavailable;
 use super::{place, Gateway};
 use crate::api::ApiError;
 use crate::cluster::catalog::ClusterKey;
@@ -24,7 +23,7 @@ pub(super) fn content_volume(path: &str) -> Option<&str> {
 }
 
 fn catalog_down(e: impl std::fmt::Display) -> ApiError {
-    unavailable(format!("volumes wait for the catalog: {e}"))
+    ApiError::unavailable(format!("volumes wait for the catalog: {e}"))
 }
 
 fn not_found(id: &str) -> ApiError {
@@ -53,7 +52,7 @@ pub(super) async fn content(g: &Gateway, id: &str, req: Request) -> Response {
 }
 
 fn node_gone(v: &VolumePlace) -> ApiError {
-    unavailable(format!(
+    ApiError::unavailable(format!(
         "volume {} is on node {}, which is not registered",
         v.id, v.node
     ))
@@ -122,7 +121,7 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     let nodes = g.nodes().await;
     let n = place::choose(&nodes, "", g.grace_ms(), &[], crate::ids::random_index)
         .cloned()
-        .ok_or_else(|| unavailable("no node of the cluster is up"))?;
+        .ok_or_else(|| ApiError::unavailable("no node of the cluster is up"))?;
     let resp = g
         .to_node(
             &n,
@@ -130,16 +129,16 @@ async fn create(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
             http::Request::from_parts(parts, Body::from(bytes)),
         )
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     if resp.status() != StatusCode::CREATED {
         return Ok(resp);
     }
     let (rparts, rbody) = resp.into_parts();
     let out = axum::body::to_bytes(rbody, 1 << 20)
         .await
-        .map_err(|e| unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
+        .map_err(|e| ApiError::unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
     let made: serde_json::Value = serde_json::from_slice(&out)
-        .map_err(|e| unavailable(format!("node {}'s answer: {e}", n.id)))?;
+        .map_err(|e| ApiError::unavailable(format!("node {}'s answer: {e}", n.id)))?;
     let field = |k: &str| {
         made.get(k)
             .and_then(|v| v.as_str())
@@ -189,7 +188,7 @@ async fn by_id(
     let resp = g
         .to_node(&n, &key.team, req)
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     // Gone from its node (now, or before): gone from the catalog.
     if delete
         && matches!(

@@ -18,6 +18,7 @@ mod dns;
 mod egress;
 mod inject;
 pub mod policy;
+pub mod site;
 mod sniff;
 pub mod transform;
 pub mod tunnel;
@@ -30,7 +31,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use serde::Deserialize;
 use tine_vmm::{Guest, Net4};
 
-pub use policy::{Compiled, NetworkPolicy, Site};
+pub use policy::{Compiled, NetworkPolicy};
+pub use site::Site;
 
 use egress::EgressProxy;
 use inject::Injector;

@@ -13,7 +13,7 @@ use std::net::Ipv4Addr;
 
 use tine_vmm::Net4;
 
-use super::policy::Domain;
+use super::site::Domain;
 
 /// Rules (hosts) one policy may hold, and headers one host may set.
 pub const MAX_RULE_HOSTS: usize = 64;

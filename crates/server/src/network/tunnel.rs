@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::rustls;
 
-use super::policy::Site;
+use super::site::Site;
 
 /// Bytes of a CA certificate the request may carry.
 pub const MAX_CA_CERT: usize = 8192;

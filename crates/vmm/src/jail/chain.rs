@@ -109,6 +109,33 @@ pub fn below_within(overlay: &Path, allowed: &[PathBuf]) -> std::io::Result<Vec<
     Ok(below)
 }
 
+/// The files the backing chain of an overlay made over the snapshot disks
+/// `disk_over` (nearest first) may name: those disks and the base image
+/// `rootfs`. The chain is read from qcow2 headers, which a VM
+/// that was captured could have written; nothing else is let into its
+/// jail or read by tine. For an overlay over a snapshot from before tine
+/// recorded that (`None`), any snapshot's disk.
+pub(crate) fn allowed_disks(
+    paths: &crate::Paths,
+    disk_over: Option<&[PathBuf]>,
+    rootfs: &crate::RootDisk,
+) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = match disk_over {
+        Some(disks) => disks.to_vec(),
+        None => std::fs::read_dir(paths.snapshots_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().join("disk.qcow2"))
+            .collect(),
+    };
+    out.push(match rootfs {
+        crate::RootDisk::File(p) => p.clone(),
+        crate::RootDisk::Nbd { socket, .. } => socket.clone(),
+    });
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

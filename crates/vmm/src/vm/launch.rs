@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::config::{Paths, RootDisk};
+use crate::config::Paths;
 use crate::driver::Probe;
 use crate::error::{Error, IoContext, Result};
 use crate::netns::Netns;
@@ -209,33 +209,6 @@ fn resolve_binary(binary: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(binary))
 }
 
-/// The files the backing chain of an overlay made over the snapshot disks
-/// `disk_over` (nearest first) may name: those disks and the base image
-/// `rootfs`. The chain is read from qcow2 headers, which a VM
-/// that was captured could have written; nothing else is let into its
-/// jail or read by tine. For an overlay over a snapshot from before tine
-/// recorded that (`None`), any snapshot's disk.
-pub(crate) fn allowed_disks(
-    paths: &Paths,
-    disk_over: Option<&[PathBuf]>,
-    rootfs: &RootDisk,
-) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = match disk_over {
-        Some(disks) => disks.to_vec(),
-        None => std::fs::read_dir(paths.snapshots_dir())
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path().join("disk.qcow2"))
-            .collect(),
-    };
-    out.push(match rootfs {
-        RootDisk::File(p) => p.clone(),
-        RootDisk::Nbd { socket, .. } => socket.clone(),
-    });
-    out
-}
-
 /// Claim the VM's uid (a restart of the same VM keeps it), hand it its
 /// files and plan its jail. The VM directory stays tine's (`root:<gid>`,
 /// `0710`: QEMU may open its overlays there, not add or remove files).
@@ -288,7 +261,11 @@ fn prepare_jail(
         rw_dirs: vec![files.dir.clone(), files.ram_dir.clone()],
         ro_files: ro,
         disk: Some(disk),
-        chain_allowed: allowed_disks(paths, record.disk_over.as_deref(), &record.artifacts.rootfs),
+        chain_allowed: crate::jail::chain::allowed_disks(
+            paths,
+            record.disk_over.as_deref(),
+            &record.artifacts.rootfs,
+        ),
         binary,
     };
     jail::Prepared::new(

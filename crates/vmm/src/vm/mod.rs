@@ -58,7 +58,6 @@ mod salvage;
 pub use files::log_tail;
 pub(crate) use files::{cleanup, list};
 use files::{remove_dir, VmFiles};
-pub(crate) use launch::allowed_disks;
 use launch::exited;
 pub use qemu_driver::QemuDriver;
 pub(crate) use record::write_atomic;

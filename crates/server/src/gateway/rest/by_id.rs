@@ -10,7 +10,7 @@ use http::{HeaderValue, Method, StatusCode};
 use super::super::forward::ForwardError;
 use super::super::{place, Gateway};
 use super::refresh::refresh;
-use super::{refused, unavailable};
+use super::refused;
 use crate::api::ApiError;
 use crate::cluster::catalog::ClusterKey;
 
@@ -34,7 +34,7 @@ pub(super) async fn by_id(
     let bytes = crate::api::body_bytes(body, g.cfg.max_body_bytes).await?;
     let again = || http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
     let mut n = g.node(&node).await.ok_or_else(|| {
-        unavailable(format!(
+        ApiError::unavailable(format!(
             "sandbox {id} is on node {node}, which is not registered"
         ))
     })?;
@@ -84,9 +84,9 @@ pub(super) async fn by_id(
             let (parts, body) = resp.into_parts();
             let bytes = axum::body::to_bytes(body, 1 << 20)
                 .await
-                .map_err(|e| unavailable(e.to_string()))?;
+                .map_err(|e| ApiError::unavailable(e.to_string()))?;
             let mut v: serde_json::Value =
-                serde_json::from_slice(&bytes).map_err(|e| unavailable(e.to_string()))?;
+                serde_json::from_slice(&bytes).map_err(|e| ApiError::unavailable(e.to_string()))?;
             if let Some(o) = v.as_object_mut() {
                 o.insert("nodeID".into(), n.id.clone().into());
             }
@@ -99,7 +99,7 @@ pub(super) async fn by_id(
             let (parts, body) = resp.into_parts();
             let bytes = axum::body::to_bytes(body, 1 << 20)
                 .await
-                .map_err(|e| unavailable(e.to_string()))?;
+                .map_err(|e| ApiError::unavailable(e.to_string()))?;
             let names = snapshot_names(&bytes);
             if let Err(e) = g.catalog.add_templates(&n.id, &names).await {
                 tracing::warn!(snapshot = ?names, "catalog: {e}");
@@ -160,7 +160,7 @@ async fn resume(
             Err(e @ ForwardError::Failed(..)) => return Ok(e.into_response()),
             Err(e) => e.into_response(),
         },
-        None => unavailable(format!(
+        None => ApiError::unavailable(format!(
             "sandbox {id} is on node {node}, which is not registered"
         ))
         .into_response(),

@@ -10,7 +10,7 @@ use http::StatusCode;
 use super::super::forward::ForwardError;
 use super::super::{place, Gateway};
 use super::refresh::{refresh, row_of};
-use super::{refused, unavailable};
+use super::refused;
 use crate::api::ApiError;
 use crate::cluster::catalog::ClusterKey;
 
@@ -66,7 +66,7 @@ pub(super) async fn create(
                 .catalog
                 .claim_idempotency(&key.team, k, &n.id)
                 .await
-                .map_err(|e| unavailable(format!("creates wait for the catalog: {e}")))?;
+                .map_err(|e| ApiError::unavailable(format!("creates wait for the catalog: {e}")))?;
             if at != n.id {
                 if tried.contains(&at) {
                     // Tried already: no other node may answer for it.
@@ -74,7 +74,7 @@ pub(super) async fn create(
                 }
                 first = false;
                 n = nodes.iter().find(|x| x.id == at).cloned().ok_or_else(|| {
-                    unavailable(format!(
+                    ApiError::unavailable(format!(
                         "this Idempotency-Key's create went to node {at}, which is gone"
                     ))
                 })?;
@@ -100,7 +100,11 @@ pub(super) async fn create(
                         ),
                     ));
                 }
-                Err(e) => return Err(unavailable(format!("creates wait for the catalog: {e}"))),
+                Err(e) => {
+                    return Err(ApiError::unavailable(format!(
+                        "creates wait for the catalog: {e}"
+                    )))
+                }
             }
         } else {
             None
@@ -143,7 +147,7 @@ pub(super) async fn create(
         let (mut rparts, rbody) = resp.into_parts();
         let mut out = axum::body::to_bytes(rbody, 1 << 20)
             .await
-            .map_err(|e| unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
+            .map_err(|e| ApiError::unavailable(format!("reading node {}'s answer: {e}", n.id)))?;
         let mut v = serde_json::from_slice::<serde_json::Value>(&out).ok();
         let id = v
             .as_ref()
@@ -169,7 +173,7 @@ pub(super) async fn create(
         return Ok(Response::from_parts(rparts, Body::from(out)));
     }
     Ok(last.unwrap_or_else(|| match &pinned {
-        Some(p) => unavailable(format!(
+        Some(p) => ApiError::unavailable(format!(
             "node {p}, which holds the volumes to mount, is down or has no room now"
         ))
         .into_response(),

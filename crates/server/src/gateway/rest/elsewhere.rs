@@ -8,7 +8,7 @@ use http::{HeaderValue, Method, StatusCode};
 
 use super::super::forward::ForwardError;
 use super::super::{place, Gateway};
-use super::{query_of, unavailable};
+use super::query_of;
 use crate::api::ApiError;
 use crate::cluster::catalog::{ClusterKey, Node};
 
@@ -29,7 +29,7 @@ pub(super) async fn elsewhere(
         .collect();
     let first = *up
         .first()
-        .ok_or_else(|| unavailable("no node of the cluster is up"))?;
+        .ok_or_else(|| ApiError::unavailable("no node of the cluster is up"))?;
     let path = req.uri().path().to_string();
     if req.method() == Method::GET && path == "/snapshots" {
         return snapshots(g, key, &up, query_of(&req)).await;
@@ -180,9 +180,9 @@ async fn snapshots(
                 .map(str::to_string);
             let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20)
                 .await
-                .map_err(|e| unavailable(e.to_string()))?;
+                .map_err(|e| ApiError::unavailable(e.to_string()))?;
             let page: Vec<serde_json::Value> =
-                serde_json::from_slice(&bytes).map_err(|e| unavailable(e.to_string()))?;
+                serde_json::from_slice(&bytes).map_err(|e| ApiError::unavailable(e.to_string()))?;
             all.extend(page);
             if token.is_none() {
                 break;
@@ -193,7 +193,7 @@ async fn snapshots(
     // restore anywhere, pulled from the registry).
     let pushed = crate::cluster::captures::snapshots_of(&g.catalog, &key.team)
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     for (id, names, sandbox) in pushed {
         let wanted = sandbox_filter
             .as_deref()

@@ -5,7 +5,6 @@ use axum::response::{IntoResponse, Response};
 use http::HeaderValue;
 
 use super::super::{place, Gateway};
-use super::unavailable;
 use crate::api::ApiError;
 use crate::cluster::catalog::ClusterKey;
 
@@ -39,7 +38,7 @@ pub(super) async fn list(
         .catalog
         .list(&q)
         .await
-        .map_err(|e| unavailable(e.to_string()))?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     let mut headers = http::HeaderMap::new();
     if paged && rows.len() > page {
         rows.truncate(page);

@@ -95,14 +95,10 @@ async fn any_up(g: &Gateway, key: &ClusterKey, req: Request) -> Result<Response,
     let n = nodes
         .iter()
         .find(|n| place::healthy(n, g.grace_ms()))
-        .ok_or_else(|| unavailable("no node of the cluster is up"))?;
+        .ok_or_else(|| ApiError::unavailable("no node of the cluster is up"))?;
     Ok(g.to_node(n, &key.team, req)
         .await
         .unwrap_or_else(ForwardError::into_response))
-}
-
-pub(super) fn unavailable(message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
 }
 
 /// Statuses with which a node refuses a create before making anything:
