@@ -18,7 +18,8 @@
 set -euo pipefail
 
 E2B_PY_VERSION=2.63.0
-PY_PACKAGES=("e2b==${E2B_PY_VERSION}" "pytest==9.2.0" "pytest-asyncio==1.5.0")
+PYTEST_PACKAGES=("pytest==9.2.0" "pytest-asyncio==1.5.0")
+PY_PACKAGES=("e2b==${E2B_PY_VERSION}" "${PYTEST_PACKAGES[@]}")
 # The oldest 2.x release that installs. It reads neither E2B_API_URL nor
 # E2B_SANDBOX_URL (2.3 and 2.7 added them): it runs the agent suite (debug
 # mode) and the domain-mode suite (E2B_DOMAIN over HTTPS).
@@ -184,7 +185,7 @@ log "the newest released E2B SDKs (Python in $TINE_DATA_DIR/venv-e2b-newest, JS 
 NEWEST_VENV="$TINE_DATA_DIR/venv-e2b-newest"
 [[ -x "$NEWEST_VENV/bin/python" ]] || python3 -m venv "$NEWEST_VENV"
 if "$NEWEST_VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade \
-    e2b "pytest==9.2.0" "pytest-asyncio==1.5.0"; then
+    e2b "${PYTEST_PACKAGES[@]}"; then
     info "Python: e2b $("$NEWEST_VENV/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))')"
 else
     info "WARNING: could not install the newest e2b from PyPI (the job will use what is there, if anything)"

@@ -108,7 +108,7 @@ fn drop_build_layers(paths: &Paths, store: &ImageStore, reference: &str) -> anyh
     // wait for a collection).
     let is_layer = |id: &String| match db.get_snapshot(id) {
         Ok(Some(row)) => row.kind == tine_server::db::SnapshotKind::Layer,
-        Ok(None) => id.starts_with("lyr-"),
+        Ok(None) => id.starts_with(tine_server::builds::run::LAYER_ID_PREFIX),
         Err(_) => false,
     };
     if !users.iter().all(is_layer) {

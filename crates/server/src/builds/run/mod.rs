@@ -30,6 +30,9 @@ use crate::db::{now_ms, Db, SnapshotKind, SnapshotRow};
 use crate::templates::{BuildImage, Templates};
 use output::{tail, LineLog};
 
+/// How a build layer's snapshot id begins (`lyr-<key>-<random>`).
+pub const LAYER_ID_PREFIX: &str = "lyr-";
+
 /// What a build needs of the host.
 pub struct BuildEnv {
     pub driver: Arc<dyn Driver>,
@@ -516,7 +519,11 @@ impl Runner<'_> {
         parent: Option<String>,
         step: impl ToString + Copy,
     ) -> Result<String, Failure> {
-        let id = format!("lyr-{}-{}", &key[..20], crate::ids::random_hex(3));
+        let id = format!(
+            "{LAYER_ID_PREFIX}{}-{}",
+            &key[..20],
+            crate::ids::random_hex(3)
+        );
         let vm = self.vm.as_mut().expect("the build VM is running");
         if let Err(e) = vm.capture(&id).await {
             // No half layer stays behind.
