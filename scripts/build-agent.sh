@@ -8,6 +8,8 @@ cd "$TINE_SCRIPTS_DIR/.."
 
 log "building tine-agent (static, x86_64-unknown-linux-musl)"
 start=$(now)
-cargo build --release --locked --target x86_64-unknown-linux-musl -p tine-agent
+# The guest binaries have a target dir of their own (target/guest), so
+# their build runs while the host's holds the lock of target/.
+cargo build --release --locked --target x86_64-unknown-linux-musl --target-dir target/guest -p tine-agent
 info "built in $(elapsed "$start")"
-"$TINE_SCRIPTS_DIR/build-initramfs.sh" target/x86_64-unknown-linux-musl/release/tine-agent
+"$TINE_SCRIPTS_DIR/build-initramfs.sh" "$TINE_AGENT_BUILT"

@@ -75,9 +75,9 @@ fi
 start=$(now)
 log "building template $NAME (recipe $hash) in $TINE_DATA_DIR"
 log "mcp-gateway (static, x86_64-unknown-linux-musl)"
-cargo build --release --locked --target x86_64-unknown-linux-musl -p tine-mcp-gateway
+cargo build --release --locked --target x86_64-unknown-linux-musl --target-dir target/guest -p tine-mcp-gateway
 rm -rf "$stage.tmp" && mkdir -p "$stage.tmp"
-cp -p target/x86_64-unknown-linux-musl/release/mcp-gateway "$stage.tmp/mcp-gateway"
+cp -p "$TINE_GUEST_TARGET_DIR/mcp-gateway" "$stage.tmp/mcp-gateway"
 cp -p "$DOCKERFILE" "$stage.tmp/Dockerfile"
 
 # The servers, kept by their versions (a change to the gateway alone does

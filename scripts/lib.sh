@@ -14,6 +14,12 @@ TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 TINE_SCRIPTS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export TINE_DATA_DIR TINE_SCRIPTS_DIR
 
+# The guest binaries (static, musl), in a target dir of their own so that
+# they build while the host's build holds target/ (scripts/build-agent.sh,
+# scripts/build-mcp-gateway.sh).
+TINE_GUEST_TARGET_DIR="target/guest/x86_64-unknown-linux-musl/release"
+TINE_AGENT_BUILT="$TINE_GUEST_TARGET_DIR/tine-agent"
+
 # Debian release the host and the guest rootfs are built for.
 TINE_DEBIAN_SUITE="${TINE_DEBIAN_SUITE:-bookworm}"
 

@@ -6,9 +6,10 @@
 #   3. the guest kernel (build-kernel.sh) and the base rootfs (build-rootfs.sh).
 #
 # The initramfs needs the agent binary and is built separately:
-#   scripts/build-initramfs.sh target/x86_64-unknown-linux-musl/release/tine-agent
+#   scripts/build-initramfs.sh target/guest/x86_64-unknown-linux-musl/release/tine-agent
 #
 # A second run changes nothing and only reports what is present.
+# `setup-host.sh packages` does steps 1 and 2 only (what a build needs).
 # Environment: TINE_DATA_DIR (default /var/lib/tine).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -31,10 +32,13 @@ HOST_PACKAGES=(
     file           # checks that the agent is a static ELF
     iproute2       # netns, tap
     kmod           # depmod for the unpacked guest kernel
+    libsqlite3-dev # tine's state (rusqlite links the system SQLite)
+    libzstd-dev    # image chunks (the zstd crate links the system libzstd)
     mmdebstrap     # rootfs
     musl-tools     # musl-gcc for crates with C code in the static agent
     nftables       # egress policy
     openssl        # self-signed certificates for the network tests
+    pkg-config     # finds libsqlite3 and libzstd for the build
     python3-venv   # E2B SDK tests
     tar
     util-linux     # flock
@@ -143,6 +147,11 @@ if cargo clippy --version >/dev/null 2>&1; then
 else
     log "rustup component add clippy (the lint CI runs)"
     rustup component add clippy >&2 || die "rustup component add clippy failed"
+fi
+
+if [[ ${1:-} == packages ]]; then
+    log "host packages and Rust ready in $(elapsed "$setup_start") (steps 1-2 only)"
+    exit 0
 fi
 
 # ---- 3. guest kernel and base rootfs ----

@@ -1,64 +1,156 @@
 #!/usr/bin/env bash
-# test.sh: install what is missing, then run every test of tine.
+# test.sh [PART...]: install what is missing, then run tine's tests.
 #
-#   1. host setup (packages, kernel, base rootfs)   scripts/setup-host.sh
-#   2. the guest agent and its initramfs            scripts/build-agent.sh
-#   3. the E2B SDKs used by end-to-end tests        tests/e2e/setup.sh
-#   4. Rust tests (unit + real QEMU VMs)            cargo test --workspace
-#   5. the agent against the real E2B SDKs          tests/e2e/agent/run.sh
-#   6. the server against the real E2B SDKs         tests/e2e/server/run.sh
-#   7. cluster mode (PostgreSQL, nodes, gateways)   tests/e2e/cluster/run.sh
-#   8. deploy/ manifests and units                  tests/deploy/validate.sh
-#      the container image, and a node in podman    deploy/image/build.sh,
-#      behind gateways (real VMs, E2B SDK)          tests/deploy/podman-node.sh
+# With no PART, every part runs, in this order:
 #
-# Must run as root (network namespaces, tap devices, QEMU).
+#   unit     Rust tests: unit tests and real QEMU VMs (cargo test --workspace)
+#   bench    a smoke run of `tine bench`: every scenario once, tiny counts
+#   agent    the guest agent (the musl binary of the initramfs) against the
+#            real E2B Python and JS SDKs                tests/e2e/agent/run.sh
+#   server   the server against the real E2B SDKs (pinned, older and newest
+#            releases, JS, domain mode)                 tests/e2e/server/run.sh
+#   cluster  cluster mode (PostgreSQL, 3 nodes, 2 gateways)
+#                                                       tests/e2e/cluster/run.sh
+#   deploy   deploy/ manifests and units, the container image, and a node in
+#            podman behind gateways                     tests/deploy/
+#   lint     cargo clippy --workspace --all-targets -D warnings
+#
+# Before them, what the chosen parts need, each skipped when present:
+# host setup (packages, kernel, base rootfs), the guest agent and its
+# initramfs, the E2B SDKs of the end-to-end tests, and ONE debug build of
+# the workspace (`cargo test --no-run`), whose `tine` every later part
+# runs: nothing is built twice.
+#
+# Every step prints its time; a table of them (and each step's budget)
+# ends the run, whether it passed or not. A step over its budget is named
+# there (a warning: the budgets keep CI's growth visible, they fail
+# nothing). Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$TINE_SCRIPTS_DIR/.."
+
+ALL_PARTS=(unit bench agent server cluster deploy lint)
+usage() {
+    echo "usage: $0 [PART...]   (PART: ${ALL_PARTS[*]}; default: all)" >&2
+    exit 2
+}
+parts=()
+for arg in "$@"; do
+    case " ${ALL_PARTS[*]} " in
+    *" $arg "*) parts+=("$arg") ;;
+    *) usage ;;
+    esac
+done
+[[ ${#parts[@]} -gt 0 ]] || parts=("${ALL_PARTS[@]}")
+want() {
+    local p
+    for p in "${parts[@]}"; do [[ $p == "$1" ]] && return 0; done
+    return 1
+}
 need_root
 
-"$TINE_SCRIPTS_DIR/setup-host.sh"
-"$TINE_SCRIPTS_DIR/build-agent.sh"
-if [[ -x tests/e2e/setup.sh ]]; then
-    tests/e2e/setup.sh
-fi
-
-disk_report
-log "cargo test --workspace"
-start=$(now)
-cargo test --workspace --locked 2>&1
-info "cargo tests passed in $(elapsed "$start")"
-
-if [[ -x tests/e2e/agent/run.sh ]]; then
-    log "end-to-end: the agent with the real E2B SDKs"
-    disk_report
-    tests/e2e/agent/run.sh
-fi
-if [[ -x tests/e2e/server/run.sh ]]; then
-    log "end-to-end: the server with the real E2B SDKs"
-    disk_report
-    tests/e2e/server/run.sh
-fi
-if [[ -x tests/e2e/cluster/run.sh ]]; then
-    log "end-to-end: cluster mode (3 nodes, 2 gateways, PostgreSQL)"
-    disk_report
-    tests/e2e/cluster/run.sh
-fi
-if [[ -x tests/deploy/validate.sh ]]; then
-    log "deploy/: Kubernetes manifests (kubernetes-validate), systemd units, configs"
-    tests/deploy/validate.sh
-fi
-if [[ -x deploy/image/build.sh && -x tests/deploy/podman-node.sh ]]; then
-    # build.sh installs podman, runc and mmdebstrap where they are missing.
-    log "deploy/: the container image (deploy/image/build.sh: mmdebstrap base + tine)"
-    cargo build --release --locked -p tine-cli 2>&1
+# Seconds each step may take on a 2-core machine without KVM (CI's
+# kind), from measured runs with some room.
+declare -A BUDGET=(
+    [setup-host]=240 [build-agent]=240 [setup-e2e]=300 [build]=600
+    [unit]=300 [bench]=480 [agent]=180 [server]=1200 [cluster]=600
+    [deploy]=420 [lint]=420
+)
+STEPS=()
+suite_start=$(now)
+# step NAME CMD...: run CMD as one timed step of the table.
+step() {
+    local name=$1 start rc=0
+    shift
+    log "[$name] $*"
     start=$(now)
-    image="$(TINE_BIN="$PWD/target/release/tine" deploy/image/build.sh)"
+    "$@" || rc=$?
+    local secs
+    secs=$(awk -v s="$start" -v e="$(now)" 'BEGIN { printf "%d", e - s + 0.5 }')
+    STEPS+=("$name $secs $rc")
+    info "[$name] $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (exit $rc)") in ${secs}s"
+    return "$rc"
+}
+table() {
+    local line name secs rc budget note total
+    total=$(awk -v s="$suite_start" -v e="$(now)" 'BEGIN { printf "%d", e - s + 0.5 }')
+    {
+        echo
+        echo "==> steps of this run (scripts/test.sh ${parts[*]})"
+        printf '    %-12s %7s %7s  %s\n' step seconds budget result
+        for line in "${STEPS[@]}"; do
+            read -r name secs rc <<<"$line"
+            budget=${BUDGET[$name]:-}
+            note=$([[ $rc -eq 0 ]] && echo ok || echo "FAILED ($rc)")
+            if [[ -n $budget && $secs -gt $budget ]]; then note+=", OVER BUDGET"; fi
+            printf '    %-12s %7s %7s  %s\n' "$name" "$secs" "${budget:--}" "$note"
+        done
+        printf '    %-12s %7s\n' total "$total"
+    } >&2
+}
+trap table EXIT
+
+e2e=0
+for p in bench agent server cluster deploy; do want "$p" && e2e=1; done
+build=0
+for p in unit bench server cluster deploy; do want "$p" && build=1; done
+
+step setup-host "$TINE_SCRIPTS_DIR/setup-host.sh"
+step build-agent "$TINE_SCRIPTS_DIR/build-agent.sh"
+if [[ $e2e -eq 1 ]]; then
+    step setup-e2e tests/e2e/setup.sh
+fi
+disk_report
+
+# The one build: test binaries and `tine` (the CLI's integration test needs
+# it), with the features every test target unifies to. A later `cargo
+# test` in this run compiles nothing.
+TINE_BIN="$PWD/target/debug/tine"
+# The agent of the initramfs (static, release): what the guests run is
+# what the agent suite tests.
+TINE_AGENT_BIN="$PWD/$TINE_AGENT_BUILT"
+export TINE_BIN TINE_AGENT_BIN
+if [[ $build -eq 1 ]]; then
+    step build cargo test --workspace --locked --no-run
+    [[ -x $TINE_BIN ]] || die "cargo test --no-run made no $TINE_BIN"
+fi
+
+if want unit; then
+    step unit cargo test --workspace --locked
+fi
+if want bench; then
+    # #[ignore]d in `unit`: it runs here, as its own step with its budget.
+    step bench cargo test --workspace --locked --test bench_smoke -- --ignored
+fi
+if want agent; then
+    step agent tests/e2e/agent/run.sh
+fi
+if want server; then
+    disk_report
+    step server tests/e2e/server/run.sh
+fi
+if want cluster; then
+    disk_report
+    step cluster tests/e2e/cluster/run.sh
+fi
+# (Chained with &&: `set -e` does not hold in a function run by `step`.)
+deploy() {
+    local start image
+    log "deploy/: Kubernetes manifests (kubernetes-validate), systemd units, configs"
+    tests/deploy/validate.sh || return
+    # build.sh installs podman, runc and mmdebstrap where they are missing.
+    start=$(now)
+    image="$(deploy/image/build.sh)" || return
     info "$image ready in $(elapsed "$start")"
     log "deploy/: a node in a privileged podman container behind gateways"
-    TINE_BIN="$PWD/target/release/tine" TINE_IMAGE="$image" tests/deploy/podman-node.sh
+    TINE_IMAGE="$image" tests/deploy/podman-node.sh
+}
+if want deploy; then
+    step deploy deploy
+fi
+if want lint; then
+    step lint cargo clippy --workspace --locked --all-targets -- -D warnings
 fi
 disk_report
 log "all tests passed"

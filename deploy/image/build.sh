@@ -50,7 +50,7 @@ BACKPORTS="$SUITE-backports"
 # buildah).
 TOOLS=(buildah mmdebstrap podman runc)
 # The base's packages. Kept sorted; changing either list changes the hash.
-PACKAGES=(ca-certificates e2fsprogs iproute2 nftables procps util-linux)
+PACKAGES=(ca-certificates e2fsprogs iproute2 libsqlite3-0 libzstd1 nftables procps util-linux)
 # From bookworm-backports (QEMU >= 10, as on a host).
 QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 QEMU_MIN_MAJOR=10

@@ -56,7 +56,8 @@ HOST_TABLE="tine_host_10_250_0_0_16"
 CGROUP_PARENT="tine-$NODE_ID"
 UID_BASE=2000000
 
-log() { printf '==> %s\n' "$*" >&2; }
+# (each line with the seconds since this script started: where its time goes)
+log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
 info() { printf '    %s\n' "$*" >&2; }
 fail() {
     printf 'podman-node.sh: FAILED: %s\n' "$*" >&2

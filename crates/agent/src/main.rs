@@ -35,14 +35,22 @@ fn run(is_init: bool) -> anyhow::Result<()> {
     if is_init {
         init::boot().context("guest init failed")?;
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TINE_AGENT_LOG")
-                .unwrap_or_else(|_| "info".into()),
+    // `level` or `target=level,...` (no span or field filters: the
+    // static agent is built without a regex engine).
+    let filter: tracing_subscriber::filter::Targets = std::env::var("TINE_AGENT_LOG")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| "info".parse().expect("a valid filter"));
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // The guest's stderr is the serial console log: no colour codes.
+                .with_ansi(!is_init),
         )
-        .with_writer(std::io::stderr)
-        // The guest's stderr is the serial console log: no colour codes.
-        .with_ansi(!is_init)
+        .with(filter)
         .init();
 
     let runtime = tokio::runtime::Builder::new_multi_thread()

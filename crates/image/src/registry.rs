@@ -85,7 +85,15 @@ pub enum Progress {
     Converting,
 }
 
+/// Make ring rustls' process-wide provider (reqwest is built without one
+/// of its own); before any HTTP client is made. Idempotent.
+pub(crate) fn install_crypto_provider() {
+    // Err: a provider is installed already (ours, or the embedder's).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 pub(crate) fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
+    install_crypto_provider();
     let mut plain: Vec<String> = opts.insecure.clone();
     for r in [reference.registry(), reference.resolved_registry()] {
         if is_loopback(r) {

@@ -4,7 +4,9 @@
 # Builds tine-agent, starts it as root on 127.0.0.1:49983 (the address the
 # SDKs use with E2B_DEBUG=true), waits for /health, then runs the Python
 # suite (pytest) and the JS suite (node --test). Exits non-zero if either
-# fails. Run tests/e2e/setup.sh first. TINE_E2E_VENV picks another SDK venv
+# fails. Run tests/e2e/setup.sh first. TINE_AGENT_BIN runs that binary
+# instead of building one (scripts/test.sh passes the static agent of the
+# initramfs). TINE_E2E_VENV picks another SDK venv
 # (.ci/run also runs the Python suite with the oldest 2.x SDK);
 # TINE_E2E_SKIP_JS=1 skips the JS suite.
 set -euo pipefail
@@ -15,14 +17,21 @@ TINE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 VENV="${TINE_E2E_VENV:-$TINE_DATA_DIR/venv}"
 ADDR=127.0.0.1:49983
 
-log() { printf '==> %s\n' "$*" >&2; }
+# (each line with the seconds since this script started: where its time goes)
+log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
 [[ -d "$ROOT/tests/e2e/js/node_modules/e2b" ]] || { echo "error: JS SDK missing: run tests/e2e/setup.sh" >&2; exit 1; }
 
-log "building tine-agent"
-(cd "$ROOT" && cargo build -p tine-agent 2>&1)
-AGENT="$ROOT/target/debug/tine-agent"
+if [[ -n "${TINE_AGENT_BIN:-}" ]]; then
+    log "using $TINE_AGENT_BIN (TINE_AGENT_BIN is set: not building)"
+    AGENT="$TINE_AGENT_BIN"
+else
+    log "building tine-agent"
+    (cd "$ROOT" && cargo build -p tine-agent 2>&1)
+    AGENT="$ROOT/target/debug/tine-agent"
+fi
+[[ -x "$AGENT" ]] || { echo "error: no agent binary at $AGENT" >&2; exit 1; }
 
 if (exec 3<>/dev/tcp/127.0.0.1/49983) 2>/dev/null; then
     echo "error: something already listens on $ADDR" >&2

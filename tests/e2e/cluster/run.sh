@@ -13,7 +13,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../../.." && pwd)"
 BASE_DATA_DIR="${TINE_DATA_DIR:-/var/lib/tine}"
 VENV="$BASE_DATA_DIR/venv"
-log() { printf '==> %s\n' "$*" >&2; }
+# (each line with the seconds since this script started: where its time goes)
+log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
 if [[ -z "${TINE_BIN:-}" ]]; then

@@ -20,7 +20,8 @@ BASE_DATA_DIR="${TINE_BASE_DATA_DIR:-/var/lib/tine}"
 VENV="$BASE_DATA_DIR/venv-e2b-newest"
 JS_DIR="$BASE_DATA_DIR/js-e2b-newest"
 
-log() { printf '==> %s\n' "$*" >&2; }
+# (each line with the seconds since this script started: where its time goes)
+log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
 warn() { printf 'WARNING: %s\n' "$*" >&2; }
 
 status=0

@@ -32,7 +32,8 @@ VENV_245="$BASE_DATA_DIR/venv-e2b-245"
 VENV_FUZZ="$BASE_DATA_DIR/venv-fuzz"
 PORT="${TINE_E2E_PORT:-3999}"
 
-log() { printf '==> %s\n' "$*" >&2; }
+# (each line with the seconds since this script started: where its time goes)
+log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
 
 [[ -x "$VENV/bin/python" ]] || { echo "error: no venv at $VENV: run tests/e2e/setup.sh" >&2; exit 1; }
 for v in "$VENV_OLDEST" "$VENV_BETWEEN" "$VENV_245" "$VENV_FUZZ"; do

@@ -186,7 +186,8 @@ async fn exec_samples(ctx: &Ctx, live: &[Sandbox], seed: &mut u64) -> anyhow::Re
 }
 
 /// Creates idle sandboxes until the server refuses one (its capacity, with
-/// the defaults: `max_sandboxes_per_core` and `max_sandboxes`), with
+/// the defaults: `max_sandboxes_per_core` and `max_sandboxes`, or
+/// `--density-capacity`), with
 /// `commands.run("true")` timed at 25 %, 50 % and 100 % of that count
 /// against one sandbox live.
 async fn density(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
@@ -195,7 +196,7 @@ async fn density(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     )?;
     {
         let mut server = own.lock().await;
-        server.max_sandboxes = None;
+        server.max_sandboxes = ctx.args.density_capacity;
         server.restart(0).await?;
     }
     let result = density_at_capacity(ctx).await;

@@ -163,6 +163,10 @@ pub struct BenchArgs {
     /// P5: idle sandboxes running at once.
     #[arg(long, default_value_t = 32)]
     idle_count: usize,
+    /// P15: the capacity its density rows fill (the server's
+    /// `max_sandboxes`; default: the server's own default, from its cores).
+    #[arg(long)]
+    density_capacity: Option<usize>,
     /// vCPUs of every sandbox.
     #[arg(long, default_value_t = 1)]
     cpus: u32,
@@ -328,6 +332,7 @@ async fn run_pass(
         pb.enable_steady_tick(Duration::from_millis(200));
         let ctx = ctx.with_progress(pb.clone());
         let mut out = Out::default();
+        let started = std::time::Instant::now();
         let result = run_scenario(&ctx, s, &mut out).await;
         ctx.step("cleaning up");
         let leftovers = ctx.api.clean_up(false).await;
@@ -346,6 +351,10 @@ async fn run_pass(
             "done: {} rows, {met} targets met, {errors} errors",
             out.rows.len()
         ));
+        let secs = started.elapsed().as_secs_f64();
+        report
+            .seconds
+            .insert(format!("{}{tag}", s.id()), (secs * 10.0).round() / 10.0);
         let stages = out.stages();
         if !stages.is_empty() {
             report.stages.insert(format!("{}{tag}", s.id()), stages);
@@ -427,6 +436,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         host: report::Host::probe(),
         rows: Vec::new(),
         stages: BTreeMap::new(),
+        seconds: BTreeMap::new(),
     };
     let interrupted = tokio::select! {
         _ = run_all(&ctx, &scenarios, &multi, &mut report) => false,
@@ -447,6 +457,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
 
     println!("{}", report.table());
     println!("{}", report.stages_table());
+    println!(
+        "seconds per scenario (with its cleanup): {}",
+        report
+            .seconds
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "host: {} × {} ({}), {} MiB; accelerator {}",
         report.host.nproc,

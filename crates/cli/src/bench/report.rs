@@ -139,6 +139,9 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Where the time goes, per scenario (`P1`, `P2`, …).
     pub stages: BTreeMap<String, Stages>,
+    /// Wall time of each scenario with its cleanup, in seconds (`P1`,
+    /// `P2 (jail off)`, …): where a run's time goes.
+    pub seconds: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Serialize)]

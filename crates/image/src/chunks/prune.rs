@@ -90,6 +90,7 @@ pub async fn remove_tags(
         repo.resolved_registry(),
         repo.oci().repository()
     );
+    crate::registry::install_crypto_provider();
     let http = reqwest::Client::new();
     let basic = opts.credentials.get(repo.registry()).cloned();
     // Ok(true): deleted; Ok(false): it was not there.

@@ -20,8 +20,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
-use aws_lc_rs::rand::SystemRandom;
-use aws_lc_rs::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+use ring::rand::SystemRandom;
+use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -203,7 +203,7 @@ impl Identity {
                 continue;
             };
             let der = std::fs::read(&path).map_err(|e| err(e.to_string()))?;
-            let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &der)
+            let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &der, &SystemRandom::new())
                 .map_err(|e| err(format!("{}: {e}", path.display())))?;
             keys.push(SigningKey {
                 kid: kid.to_string(),
@@ -248,7 +248,7 @@ impl Identity {
         };
         let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &self.rng)
             .map_err(|e| err(e.to_string()))?;
-        let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref())
+        let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &self.rng)
             .map_err(|e| err(e.to_string()))?;
         let kid = {
             use sha2::Digest;
@@ -399,8 +399,8 @@ mod tests {
         point.extend(d(&jwk["x"]));
         point.extend(d(&jwk["y"]));
         let (input, sig) = t.rsplit_once('.').unwrap();
-        let key = aws_lc_rs::signature::UnparsedPublicKey::new(
-            &aws_lc_rs::signature::ECDSA_P256_SHA256_FIXED,
+        let key = ring::signature::UnparsedPublicKey::new(
+            &ring::signature::ECDSA_P256_SHA256_FIXED,
             point,
         );
         let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD

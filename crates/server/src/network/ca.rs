@@ -102,7 +102,7 @@ impl EgressCa {
             der,
             cert,
             key,
-            provider: Arc::new(rustls::crypto::aws_lc_rs::default_provider()),
+            provider: Arc::new(rustls::crypto::ring::default_provider()),
             leaves: Mutex::new(HashMap::new()),
         })
     }

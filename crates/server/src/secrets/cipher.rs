@@ -1,5 +1,4 @@
-//! Secrets at rest: AES-256-GCM (aws-lc-rs, the provider rustls already
-//! runs on here) under one key per server, kept in a file of its own
+//! Secrets at rest: AES-256-GCM (ring, the provider rustls runs on here) under one key per server, kept in a file of its own
 //! (mode 0600, made on first start). Each value is sealed with a fresh
 //! random nonce and its row's id and version as associated data, so a
 //! sealed value copied onto another row or version does not open.
@@ -8,7 +7,7 @@ use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
 /// Bytes of the key (AES-256).
 pub const KEY_LEN: usize = 32;

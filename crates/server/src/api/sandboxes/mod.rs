@@ -187,6 +187,14 @@ fn is_empty_json(v: &serde_json::Value) -> bool {
     }
 }
 
+/// The template `Sandbox.create(mcp=…)` starts from.
+const MCP_TEMPLATE: &str = "mcp-gateway";
+/// Why a create with `mcp` fails on a server without that template.
+const MCP_MISSING: &str = "the template mcp-gateway (for Sandbox.create(mcp=...)) is not built on this \
+     server yet: scripts/build-mcp-gateway.sh builds it; scripts/run.sh starts that build in the \
+     background once the server listens (its log: $TINE_DATA_DIR/mcp-gateway/build.log); try \
+     again when it has finished";
+
 /// `mcp` is an object (the servers the SDK starts in the sandbox) or null.
 fn check_mcp(mcp: Option<&serde_json::Value>) -> Result<(), ApiError> {
     match mcp {
@@ -297,6 +305,12 @@ async fn create_sandbox(s: &AppState, team: &str, body: &[u8]) -> Result<Sandbox
         c.ensure_local(s.manager.db(), team, &template_id)
             .await
             .map_err(|e| ApiError::new(http::StatusCode::BAD_GATEWAY, e.to_string()))?;
+    }
+    if req.mcp.as_ref().is_some_and(|m| !m.is_null())
+        && template_id == MCP_TEMPLATE
+        && !s.manager.templates().exists(&template_id)
+    {
+        return Err(ApiError::not_found(MCP_MISSING));
     }
     super::templates::check_visible(s, team, &template_id)?;
     Ok(s.manager
