@@ -24,9 +24,10 @@ run_start=$(now)
 mkdir -p target
 cli_log=target/run-cli-build.log
 log "building the tine CLI (release) in the background (log: $cli_log)"
-cargo build --release --locked -p tine-cli >"$cli_log" 2>&1 &
+# (Its own process group: stopping run.sh stops every rustc of it too.)
+setsid cargo build --release --locked -p tine-cli >"$cli_log" 2>&1 </dev/null &
 cli=$!
-trap 'kill "$cli" 2>/dev/null' EXIT
+trap 'kill -TERM -- "-$cli" 2>/dev/null || true' EXIT
 "$TINE_SCRIPTS_DIR/setup-host.sh"
 "$TINE_SCRIPTS_DIR/build-agent.sh"
 log "waiting for the tine CLI build"
@@ -48,14 +49,14 @@ key="$("$tine" keys create --name "run.sh $(date -u +%FT%TZ)" 2>/dev/null)"
 log "starting tine serve on http://$listen"
 "$tine" serve --listen "$listen" &
 server=$!
-mcp=""
+# A script's background jobs ignore SIGINT, so Ctrl-C (and any exit of
+# run.sh) stops the server with SIGTERM, which it handles as Ctrl-C.
 stop() {
-    [[ -n $mcp ]] && kill -TERM -- "-$mcp" 2>/dev/null
-    kill -INT "$server" 2>/dev/null
-    wait "$server"
+    kill -TERM "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true
 }
-# (A script's background jobs ignore SIGINT: Ctrl-C is passed on.)
-trap 'stop; exit 130' INT TERM
+trap stop EXIT
+trap 'exit 130' INT TERM
 for _ in $(seq 1 600); do
     curl -fsS -o /dev/null "http://$listen/health" 2>/dev/null && break
     kill -0 "$server" 2>/dev/null || die "tine serve exited (its log is above)"
@@ -71,8 +72,11 @@ if [[ "${TINE_SKIP_MCP:-0}" != 1 ]]; then
     mkdir -p "$TINE_DATA_DIR/mcp-gateway"
     mcp_log="$TINE_DATA_DIR/mcp-gateway/build.log"
     log "building the template mcp-gateway in the background (log: $mcp_log)"
-    setsid env TINE_BIN="$PWD/$tine" "$TINE_SCRIPTS_DIR/build-mcp-gateway.sh" >"$mcp_log" 2>&1 </dev/null &
-    mcp=$!
+    # Not stopped with the server: it finishes on its own (the next run.sh
+    # finds the template built, or waits for this build's lock). Its last
+    # log line says whether it was built or failed.
+    TINE_BIN="$PWD/$tine" setsid bash -c '"$1" || echo "==> FAILED: the template mcp-gateway was not built (exit $?)"' \
+        _ "$TINE_SCRIPTS_DIR/build-mcp-gateway.sh" >"$mcp_log" 2>&1 </dev/null &
 fi
 
 cat >&2 <<MSG
@@ -89,4 +93,4 @@ export E2B_API_KEY=$key
     The first create builds the template snapshot (one cold boot).
 
 MSG
-wait "$server"
+wait "$server" || true

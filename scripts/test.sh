@@ -96,8 +96,13 @@ for p in bench agent server cluster deploy; do want "$p" && e2e=1; done
 build=0
 for p in unit bench server cluster deploy; do want "$p" && build=1; done
 
-step setup-host "$TINE_SCRIPTS_DIR/setup-host.sh"
-step build-agent "$TINE_SCRIPTS_DIR/build-agent.sh"
+if [[ ${parts[*]} == lint ]]; then
+    # clippy needs the packages and the toolchain, not the guest.
+    step setup-host "$TINE_SCRIPTS_DIR/setup-host.sh" packages
+else
+    step setup-host "$TINE_SCRIPTS_DIR/setup-host.sh"
+    step build-agent "$TINE_SCRIPTS_DIR/build-agent.sh"
+fi
 if [[ $e2e -eq 1 ]]; then
     step setup-e2e tests/e2e/setup.sh
 fi

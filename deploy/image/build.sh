@@ -7,7 +7,8 @@
 #      qemu-system-x86 and qemu-utils >= 10 (bookworm-backports, as
 #      scripts/setup-host.sh installs them on a host), iproute2 (ip),
 #      nftables (nft), e2fsprogs (mkfs.ext4, debugfs), util-linux, procps,
-#      ca-certificates (image pulls over https); no python3 (tine runs it
+#      ca-certificates (image pulls over https), libsqlite3-0 and libzstd1
+#      (tine links them); no python3 (tine runs it
 #      only in its tests), imported with `podman import`. The hash covers
 #      the suite and every mmdebstrap option (packages, hooks), not the
 #      mirror. The tarball is kept, keyed by the same hash, in

@@ -196,7 +196,7 @@ async fn density(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     )?;
     {
         let mut server = own.lock().await;
-        server.max_sandboxes = ctx.args.density_capacity;
+        server.max_sandboxes = ctx.args.density_capacity.map(usize::from);
         server.restart(0).await?;
     }
     let result = density_at_capacity(ctx).await;

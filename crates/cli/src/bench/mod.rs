@@ -165,8 +165,8 @@ pub struct BenchArgs {
     idle_count: usize,
     /// P15: the capacity its density rows fill (the server's
     /// `max_sandboxes`; default: the server's own default, from its cores).
-    #[arg(long)]
-    density_capacity: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    density_capacity: Option<u16>,
     /// vCPUs of every sandbox.
     #[arg(long, default_value_t = 1)]
     cpus: u32,

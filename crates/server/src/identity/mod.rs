@@ -20,9 +20,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
+use base64::Engine;
 use ring::rand::SystemRandom;
 use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
-use base64::Engine;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -203,8 +203,12 @@ impl Identity {
                 continue;
             };
             let der = std::fs::read(&path).map_err(|e| err(e.to_string()))?;
-            let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &der, &SystemRandom::new())
-                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+            let pair = EcdsaKeyPair::from_pkcs8(
+                &ECDSA_P256_SHA256_FIXED_SIGNING,
+                &der,
+                &SystemRandom::new(),
+            )
+            .map_err(|e| err(format!("{}: {e}", path.display())))?;
             keys.push(SigningKey {
                 kid: kid.to_string(),
                 created_ms,
@@ -248,8 +252,9 @@ impl Identity {
         };
         let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &self.rng)
             .map_err(|e| err(e.to_string()))?;
-        let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &self.rng)
-            .map_err(|e| err(e.to_string()))?;
+        let pair =
+            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &self.rng)
+                .map_err(|e| err(e.to_string()))?;
         let kid = {
             use sha2::Digest;
             b64(&sha2::Sha256::digest(pair.public_key().as_ref())[..12])

@@ -190,10 +190,11 @@ fn is_empty_json(v: &serde_json::Value) -> bool {
 /// The template `Sandbox.create(mcp=…)` starts from.
 const MCP_TEMPLATE: &str = "mcp-gateway";
 /// Why a create with `mcp` fails on a server without that template.
-const MCP_MISSING: &str = "the template mcp-gateway (for Sandbox.create(mcp=...)) is not built on this \
+const MCP_MISSING: &str =
+    "the template mcp-gateway (for Sandbox.create(mcp=...)) is not built on this \
      server yet: scripts/build-mcp-gateway.sh builds it; scripts/run.sh starts that build in the \
-     background once the server listens (its log: $TINE_DATA_DIR/mcp-gateway/build.log); try \
-     again when it has finished";
+     background once the server listens, and its log ($TINE_DATA_DIR/mcp-gateway/build.log) \
+     says how far it got or why it failed; try again when it has finished";
 
 /// `mcp` is an object (the servers the SDK starts in the sandbox) or null.
 fn check_mcp(mcp: Option<&serde_json::Value>) -> Result<(), ApiError> {
