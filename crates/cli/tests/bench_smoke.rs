@@ -38,6 +38,8 @@ fn every_scenario_runs_with_tiny_counts() {
     let out = Command::new(env!("CARGO_BIN_EXE_tine"))
         .args([
             "bench",
+            // P12's and P15's fixed counts at their smallest too.
+            "--smoke",
             "--iterations",
             "1",
             "--concurrency",

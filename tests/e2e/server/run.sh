@@ -173,8 +173,11 @@ if [[ $# -eq 0 && -z "${TINE_E2E_VENV:-}" ]]; then
     # between SDK versions shows up here. The files about the server's own
     # machinery (images, lazy disks, networking, capacity, restarts, full
     # disks, the CLI, the fuzzer) run once, above.
+    # Not the tests marked `machinery` (full disks, a GiB capture, hostile
+    # guests, 20 creates at once): the server's own checks, which no SDK
+    # version changes, run once above.
     log "Python SDK $(sdk_version "$VENV_245"): the files of the SDK's surface"
-    (cd "$HERE/python" && "$VENV_245/bin/python" -m pytest -q -p no:cacheprovider \
+    (cd "$HERE/python" && "$VENV_245/bin/python" -m pytest -q -p no:cacheprovider -m "not machinery" \
         test_e2b_fidelity.py test_sandbox.py test_list.py test_concurrent.py \
         test_bad_input.py test_isolation.py test_y_capture.py test_y_template.py) || status=1
     # A version with other quirks (see setup.sh), on the files that meet them.

@@ -265,8 +265,8 @@ fn endpoints(cluster: &Cluster, up: &str) -> anyhow::Result<(String, String, Str
 async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyhow::Result<()> {
     let (key, secret, gateway, nodes) = endpoints(cluster, up)?;
     let n = ctx.iterations(20);
-    let calls = 200;
-    let spread = 30;
+    let calls = ctx.count(200, 20);
+    let spread = ctx.count(30, 6);
     ctx.step(format!(
         "P12: {n} creates and {calls} commands.run through the gateway and straight to a node, then {spread} creates"
     ));
@@ -329,27 +329,28 @@ async fn measure(ctx: &Ctx, cluster: &Cluster, up: &str, out: &mut Out) -> anyho
 /// node (the gateway's cache miss).
 async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     let catalog = std::sync::Arc::new(Catalog::connect(&pg_url()).await?);
+    let (sim_nodes, per_node) = (ctx.count(SIM_NODES, 50), ctx.count(SIM_PER_NODE, 10));
     ctx.step(format!(
-        "P12: {SIM_NODES} nodes and {} sandboxes as catalog rows",
-        SIM_NODES * SIM_PER_NODE
+        "P12: {sim_nodes} nodes and {} sandboxes as catalog rows",
+        sim_nodes * per_node
     ));
     let node_id = |i: usize| format!("sim-node-{i:04}");
     let started = Instant::now();
-    for i in 0..SIM_NODES {
+    for i in 0..sim_nodes {
         let status = NodeStatus {
             address: format!("http://10.{}.{}.1:3000", i / 250, i % 250),
             cores: 64,
             capacity: 6400,
-            live: SIM_PER_NODE,
+            live: per_node,
             templates: vec!["base".into()],
             ..Default::default()
         };
         catalog.heartbeat(&node_id(i), &status).await?;
         let at = catalog.now_ms().await?;
-        let rows: Vec<SandboxRow> = (0..SIM_PER_NODE)
+        let rows: Vec<SandboxRow> = (0..per_node)
             .map(|j| SandboxRow {
                 id: format!("isim{i:04}{j:04}"),
-                team: format!("team-{}", (i * SIM_PER_NODE + j) % 100),
+                team: format!("team-{}", (i * per_node + j) % 100),
                 state: "running".into(),
                 template_id: "base".into(),
                 started_ms: at,
@@ -368,7 +369,7 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         let mut place = Vec::new();
         let mut list = Vec::new();
         let mut nodes = catalog.nodes().await?;
-        for k in 0..300 {
+        for k in 0..ctx.count(300, 30) {
             if k % 20 == 0 {
                 let t = Instant::now();
                 nodes = catalog.nodes().await?;
@@ -387,7 +388,7 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
                 catalog.release(&r).await?;
             }
         }
-        let secs = 5.0;
+        let secs = ctx.count(5.0, 1.0);
         let deadline = Instant::now() + Duration::from_secs_f64(secs);
         let tasks = (0..8u64).map(|t| {
             let c = catalog.clone();
@@ -398,8 +399,8 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
                     x = x
                         .wrapping_mul(6364136223846793005)
                         .wrapping_add(1442695040888963407);
-                    let i = (x >> 33) as usize % SIM_NODES;
-                    let j = (x >> 13) as usize % SIM_PER_NODE;
+                    let i = (x >> 33) as usize % sim_nodes;
+                    let j = (x >> 13) as usize % per_node;
                     if c.locate(&format!("isim{i:04}{j:04}")).await?.is_some() {
                         done += 1;
                     }
@@ -415,15 +416,15 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     }
     .await;
     ctx.step("P12: removing the simulated rows".to_string());
-    for i in 0..SIM_NODES {
+    for i in 0..sim_nodes {
         let _ = catalog.forget_node(&node_id(i)).await;
     }
     let (place, list, lookups) = result?;
     let mut p = Row::new(
         "P12",
         format!(
-            "placement (choice + reservation) among {SIM_NODES} nodes, {} sandboxes",
-            SIM_NODES * SIM_PER_NODE
+            "placement (choice + reservation) among {sim_nodes} nodes, {} sandboxes",
+            sim_nodes * per_node
         ),
         "ms",
     )
@@ -432,7 +433,7 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
     p.target = "(measured; no target)".into();
     let mut l = Row::new(
         "P12",
-        format!("a gateway's read of the {SIM_NODES} nodes (once a second)"),
+        format!("a gateway's read of the {sim_nodes} nodes (once a second)"),
         "ms",
     )
     .samples(list);
@@ -443,6 +444,6 @@ async fn control_plane(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         "lookups/s",
     )
     .samples(vec![lookups])
-    .param("sandboxes", SIM_NODES * SIM_PER_NODE);
+    .param("sandboxes", sim_nodes * per_node);
     Ok(vec![p, l, lookups_row])
 }

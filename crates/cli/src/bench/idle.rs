@@ -51,11 +51,12 @@ fn cpu_secs(pid: i32) -> anyhow::Result<f64> {
 /// QEMU CPU time over that window, in % of a core. The floor is the same
 /// machine loaded by hand and left stopped (no vCPU runs): QEMU's own cost.
 async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
+    let (idle, idle_secs) = (ctx.count(IDLE, 2), ctx.count(IDLE_SECS, 5));
     ctx.step(format!(
-        "idle cost: creating {IDLE} sandboxes of {cpus} vCPUs"
+        "idle cost: creating {idle} sandboxes of {cpus} vCPUs"
     ));
     let mut sandboxes = Vec::new();
-    for _ in 0..IDLE {
+    for _ in 0..idle {
         sandboxes.push(ctx.api.create(cpus, ctx.args.memory_mb).await?);
     }
     for sb in &sandboxes {
@@ -73,7 +74,7 @@ async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
         // Let the creates' after-effects (page faults, reporting) settle.
         tokio::time::sleep(Duration::from_secs(5)).await;
         ctx.step(format!(
-            "idle cost: {IDLE} idle sandboxes of {cpus} vCPUs for {IDLE_SECS} s"
+            "idle cost: {idle} idle sandboxes of {cpus} vCPUs for {idle_secs} s"
         ));
         let before = pids
             .iter()
@@ -81,7 +82,7 @@ async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         let floor_before = cpu_secs(floor_pid)?;
         let t = Instant::now();
-        tokio::time::sleep(Duration::from_secs(IDLE_SECS)).await;
+        tokio::time::sleep(Duration::from_secs(idle_secs)).await;
         let secs = t.elapsed().as_secs_f64();
         let after = pids
             .iter()
@@ -105,8 +106,8 @@ async fn idle_cost(ctx: &Ctx, cpus: u32) -> anyhow::Result<Row> {
             vec![floor_pct],
         )
         .ratio_only()
-        .param("sandboxes", IDLE)
-        .param("seconds", IDLE_SECS)
+        .param("sandboxes", idle)
+        .param("seconds", idle_secs)
         .param("vcpus", cpus)
         .param("mean_pct", (mean * 1000.0).round() / 1000.0);
         row.target = format!("mean ≤ {IDLE_TARGET_PCT} % of a core");
@@ -249,7 +250,7 @@ async fn density_at_capacity(ctx: &Ctx) -> anyhow::Result<Vec<Row>> {
         );
     };
     let memory = host_memory_used_mib();
-    let busy = host_cpu_busy_pct(Duration::from_secs(10)).await;
+    let busy = host_cpu_busy_pct(Duration::from_secs(ctx.count(10, 2))).await;
     ctx.step(format!(
         "density: commands.run(true) with {} live (100 %)",
         live.len()

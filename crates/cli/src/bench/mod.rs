@@ -173,6 +173,12 @@ pub struct BenchArgs {
     /// Memory of every sandbox but P3's, in MiB.
     #[arg(long, default_value_t = 256)]
     memory_mb: u32,
+    /// The smallest counts that still check every scenario works (CI's
+    /// smoke run): beyond the counts given, P12 with 20 calls, 6 spread
+    /// creates and 50 simulated nodes of 10 sandboxes, P15 with 2 idle
+    /// sandboxes for 5 s. The numbers are not for comparing.
+    #[arg(long)]
+    smoke: bool,
     /// Write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -202,6 +208,15 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// `normal`, or `smoke` with `--smoke`.
+    pub fn count<T>(&self, normal: T, smoke: T) -> T {
+        if self.args.smoke {
+            smoke
+        } else {
+            normal
+        }
+    }
+
     /// `--iterations`, or the scenario's default.
     pub fn iterations(&self, default: usize) -> usize {
         self.args.iterations.unwrap_or(default).max(1)

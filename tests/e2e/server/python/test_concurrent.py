@@ -3,11 +3,16 @@ handle reaches its own VM."""
 
 import asyncio
 
+import pytest
+
 from e2b import AsyncSandbox, Sandbox, SandboxQuery
 
 from conftest import RUN, tagged
 
 N = 20
+
+# The server's concurrency, not the SDK's: run under the pinned SDK only.
+pytestmark = pytest.mark.machinery
 
 
 async def test_twenty_concurrent_sandboxes():

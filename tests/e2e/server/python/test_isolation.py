@@ -233,6 +233,7 @@ def answers(s):
     return s.commands.run("echo alive", timeout=120).stdout.strip() == "alive"
 
 
+@pytest.mark.machinery
 def test_hostile_guests_hit_their_own_limits(fresh):
     victim = fresh(timeout=600)
     hog = fresh(timeout=600)
@@ -262,6 +263,7 @@ def test_hostile_guests_hit_their_own_limits(fresh):
     assert answers(victim)
 
 
+@pytest.mark.machinery
 def test_a_full_disk_is_enospc_in_the_guest(fresh):
     s = fresh(timeout=900)
     r = s.commands.run(

@@ -294,6 +294,7 @@ def test_pause_resume_cycles_are_compacted(fresh):
     assert grows(s)
 
 
+@pytest.mark.machinery
 def test_snapshot_after_writing_a_gib_restores_it(fresh):
     s = fresh(timeout=900)
     out = s.commands.run(
