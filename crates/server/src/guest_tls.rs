@@ -64,7 +64,7 @@ impl ServerCertVerifier for AnyCertificate {
 pub fn connector() -> tokio_rustls::TlsConnector {
     static CONFIG: OnceLock<Arc<rustls::ClientConfig>> = OnceLock::new();
     let config = CONFIG.get_or_init(|| {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = crate::crypto::provider();
         let config = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .expect("the default provider supports the default versions")

@@ -17,6 +17,7 @@ pub mod builds;
 pub mod cluster;
 pub mod config;
 pub mod console;
+pub mod crypto;
 pub mod db;
 pub mod gateway;
 pub use tine_vmm::failpoint;

@@ -93,7 +93,7 @@ pub fn setup(cfg: &TlsConfig, data_dir: &Path, domain: &str) -> Result<Tls, TlsE
         }
         _ => return Err(TlsError::HalfGiven),
     };
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = crate::crypto::provider();
     let mut server = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
@@ -278,7 +278,7 @@ mod tests {
             .unwrap();
         let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
             Arc::new(roots),
-            Arc::new(rustls::crypto::ring::default_provider()),
+            crate::crypto::provider(),
         )
         .build()
         .unwrap();

@@ -102,7 +102,7 @@ impl EgressCa {
             der,
             cert,
             key,
-            provider: Arc::new(rustls::crypto::ring::default_provider()),
+            provider: crate::crypto::provider(),
             leaves: Mutex::new(HashMap::new()),
         })
     }

@@ -64,7 +64,7 @@ impl Injector {
     pub fn upstream_connector(
         roots: Arc<rustls::RootCertStore>,
     ) -> Result<tokio_rustls::TlsConnector, String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = crate::crypto::provider();
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| e.to_string())?

@@ -169,7 +169,7 @@ impl Tunnel {
                 }
                 None => host_roots.clone(),
             };
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let provider = crate::crypto::provider();
             let config = rustls::ClientConfig::builder_with_provider(provider)
                 .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
                 .map_err(|e| e.to_string())?
