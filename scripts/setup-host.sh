@@ -39,6 +39,7 @@ HOST_PACKAGES=(
     nftables       # egress policy
     openssl        # self-signed certificates for the network tests
     pkg-config     # finds libsqlite3 and libzstd for the build
+    publicsuffix   # which wildcards a secret-bearing header transform may not use
     python3-venv   # E2B SDK tests
     tar
     util-linux     # flock

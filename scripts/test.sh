@@ -24,7 +24,9 @@
 # Every step prints its time; a table of them (and each step's budget)
 # ends the run, whether it passed or not. A step over its budget is named
 # there (a warning: the budgets keep CI's growth visible, they fail
-# nothing). Must run as root (network namespaces, tap devices, QEMU).
+# nothing). The server and cluster suites run side by side, their lines
+# prefixed [server] and [cluster] (TINE_TEST_SERIAL=1: one after the
+# other). Must run as root (network namespaces, tap devices, QEMU).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -71,7 +73,33 @@ step() {
     local secs
     secs=$(awk -v s="$start" -v e="$(now)" 'BEGIN { printf "%d", e - s + 0.5 }')
     STEPS+=("$name $secs $rc")
+    # (A step run by `side_by_side` reports to its file too.)
+    if [[ -n ${STEP_OUT:-} ]]; then echo "$name $secs $rc" >"$STEP_OUT"; fi
     info "[$name] $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (exit $rc)") in ${secs}s"
+    return "$rc"
+}
+# side_by_side NAME:CMD...: steps at once, each line of their output
+# prefixed with [NAME]; fails if any failed. The end-to-end suites each
+# keep one guest busy at a time (one vCPU under TCG: one of CI's two
+# cores), so two of them side by side take about the time of the longer.
+side_by_side() {
+    local dir spec name cmd line rc=0
+    dir=$(mktemp -d)
+    for spec in "$@"; do
+        name=${spec%%:*} cmd=${spec#*:}
+        (
+            set +e
+            STEP_OUT="$dir/$name" step "$name" "$cmd" 2>&1 | sed -u "s/^/[$name] /" >&2
+        ) &
+    done
+    wait
+    for spec in "$@"; do
+        name=${spec%%:*}
+        line=$(cat "$dir/$name" 2>/dev/null) || line="$name 0 1"
+        STEPS+=("$line")
+        [[ ${line##* } == 0 ]] || rc=1
+    done
+    rm -rf "$dir"
     return "$rc"
 }
 table() {
@@ -133,13 +161,18 @@ fi
 if want agent; then
     step agent tests/e2e/agent/run.sh
 fi
-if want server; then
+if want server && want cluster && [[ ${TINE_TEST_SERIAL:-0} != 1 ]]; then
     disk_report
-    step server tests/e2e/server/run.sh
-fi
-if want cluster; then
-    disk_report
-    step cluster tests/e2e/cluster/run.sh
+    side_by_side server:tests/e2e/server/run.sh cluster:tests/e2e/cluster/run.sh
+else
+    if want server; then
+        disk_report
+        step server tests/e2e/server/run.sh
+    fi
+    if want cluster; then
+        disk_report
+        step cluster tests/e2e/cluster/run.sh
+    fi
 fi
 # (Chained with &&: `set -e` does not hold in a function run by `step`.)
 deploy() {

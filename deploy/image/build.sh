@@ -8,7 +8,8 @@
 #      scripts/setup-host.sh installs them on a host), iproute2 (ip),
 #      nftables (nft), e2fsprogs (mkfs.ext4, debugfs), util-linux, procps,
 #      ca-certificates (image pulls over https), libsqlite3-0 and libzstd1
-#      (tine links them); no python3 (tine runs it
+#      (tine links them), publicsuffix (the list header transforms check
+#      wildcards against); no python3 (tine runs it
 #      only in its tests), imported with `podman import`. The hash covers
 #      the suite and every mmdebstrap option (packages, hooks), not the
 #      mirror. The tarball is kept, keyed by the same hash, in
@@ -51,7 +52,7 @@ BACKPORTS="$SUITE-backports"
 # buildah).
 TOOLS=(buildah mmdebstrap podman runc)
 # The base's packages. Kept sorted; changing either list changes the hash.
-PACKAGES=(ca-certificates e2fsprogs iproute2 libsqlite3-0 libzstd1 nftables procps util-linux)
+PACKAGES=(ca-certificates e2fsprogs iproute2 libsqlite3-0 libzstd1 nftables procps publicsuffix util-linux)
 # From bookworm-backports (QEMU >= 10, as on a host).
 QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 QEMU_MIN_MAJOR=10

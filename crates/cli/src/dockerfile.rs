@@ -45,7 +45,7 @@ pub async fn build(paths: &Paths, db: Arc<Db>, a: Args) -> anyhow::Result<()> {
     let mut steps = parsed.steps.clone();
     for s in steps.iter_mut().filter(|s| s.kind == "COPY") {
         let archive = pack(&context, &s.args[0])?;
-        s.files_hash = Some(files.insert_local(archive.path())?);
+        s.files_hash = Some(files.insert_local(tine_server::db::DEFAULT_TEAM, archive.path())?);
     }
     let repo = parsed.from.split([':', '@']).next().unwrap_or_default();
     let base = if parsed.from == DEFAULT_TEMPLATE || repo == "e2bdev/base" {

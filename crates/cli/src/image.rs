@@ -85,10 +85,10 @@ impl RegistryArgs {
     }
 
     pub fn credentials(&self) -> Option<Credentials> {
-        Some(Credentials {
-            username: self.username.clone()?,
-            password: self.password.clone().unwrap_or_default(),
-        })
+        Some(Credentials::new(
+            self.username.clone()?,
+            self.password.clone().unwrap_or_default(),
+        ))
     }
 }
 

@@ -97,6 +97,8 @@ pub async fn build(paths: &Paths, db: Arc<Db>, req: Request) -> anyhow::Result<S
     .map_err(anyhow::Error::msg)?;
     let plan = run::Plan {
         template: row.template.clone(),
+        // The operator's: shared templates are the default team's.
+        team: tine_server::db::DEFAULT_TEAM.to_string(),
         build_id: row.id.clone(),
         base,
         steps: req.steps,

@@ -20,6 +20,28 @@ use crate::{io, ImageError, Result};
 pub struct Credentials {
     pub username: String,
     pub password: String,
+    /// In the server's `[registries].credentials`: the teams whose builds
+    /// may use these (`"*"`: every team). Empty: none of the API's teams,
+    /// only the operator's own commands (`tine image pull`, CLI builds,
+    /// captures). A request's own credentials leave it empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub teams: Vec<String>,
+}
+
+impl Credentials {
+    /// A request's (or a command line's) credentials.
+    pub fn new(username: String, password: String) -> Self {
+        Self {
+            username,
+            password,
+            teams: Vec::new(),
+        }
+    }
+
+    /// Whether the operator gave these to `team`'s builds.
+    pub fn serves_team(&self, team: &str) -> bool {
+        self.teams.iter().any(|t| t == "*" || t == team)
+    }
 }
 
 impl std::fmt::Debug for Credentials {
@@ -41,6 +63,29 @@ pub struct RegistryOptions {
     pub mirrors: HashMap<String, Vec<String>>,
     /// Credentials per registry (`host:port`); a request's own win.
     pub credentials: HashMap<String, Credentials>,
+}
+
+impl RegistryOptions {
+    /// These options as `team`'s builds may use them: only the
+    /// credentials the operator gave that team.
+    pub fn for_team(&self, team: &str) -> RegistryOptions {
+        let mut opts = self.clone();
+        opts.credentials.retain(|_, c| c.serves_team(team));
+        opts
+    }
+
+    /// Whether a pull of `reference` with `creds` (a request's) would send
+    /// any credentials, at its registry or one of its mirrors.
+    pub fn sends_credentials(&self, reference: &ImageRef, creds: Option<&Credentials>) -> bool {
+        creds.is_some()
+            || self.credentials.contains_key(reference.registry())
+            || self
+                .mirrors
+                .get(reference.registry())
+                .into_iter()
+                .flatten()
+                .any(|m| self.credentials.contains_key(m))
+    }
 }
 
 /// One layer of a pulled image.

@@ -215,6 +215,31 @@ def test_bad_input_gets_clear_errors():
     assert r.status_code == 400 and r.json()["code"] == 400
 
 
+def test_a_request_naming_no_sandbox_is_not_read_before_a_node_knows_it(spread):
+    """An anonymous client declares a 10 MB body on a signed-looking URL (and
+    on an envd path with a made-up token) and sends none of it: the gateway
+    answers from the nodes' verdict on the head alone, holding nothing."""
+    import socket
+    host, port = GATEWAYS[0].split("//")[1].rsplit(":", 1)
+    for head in (
+        b"POST /files?path=/tmp/x&username=user&signature=v1_forged HTTP/1.1\r\n",
+        b"POST /filesystem.Filesystem/ListDir HTTP/1.1\r\nX-Access-Token: made-up\r\n",
+    ):
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(head + f"Host: {host}\r\nContent-Length: {10 << 20}\r\n\r\n".encode())
+            c.settimeout(30)
+            answer = c.recv(4096)
+        status = answer.split(b"\r\n", 1)[0]
+        assert status in (b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 502 Bad Gateway"), answer[:300]
+        assert b"x-tine-" not in answer.lower(), answer[:600]
+    # A real signed URL still reaches its sandbox through the gateway.
+    s = spread[0]
+    s.files.write("/tmp/signed.txt", "through the gateway")
+    r = httpx.get(s.download_url("/tmp/signed.txt"), timeout=60)
+    assert r.status_code == 200 and r.text == "through the gateway", r.text
+    assert r.headers["content-disposition"].startswith("attachment")
+
+
 def test_a_revoked_key_is_refused_by_every_gateway_within_10_s():
     tine = os.environ["TINE_BIN"]
     p = subprocess.run(

@@ -8,22 +8,59 @@
 # (tests/e2e/net/inet_server.py).
 # No traffic leaves this machine: the host gets routes for 203.0.113.0/24
 # and 10.99.0.0/16 to the namespace only. Idempotent.
+#
+# Suites running at once share it (scripts/test.sh runs the server and
+# cluster suites side by side): `up` from a process whose parent holds it
+# already, or while another holder lives, keeps what is up (its CA
+# included); `down` tears it down only when no other holder (the calling
+# script's pid, in $STATE/holders) is alive. Both hold a lock.
 set -euo pipefail
 NS=e2e-inet
 HOSTIF=e2e-inet0
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 STATE=/run/tine-e2e-inet
 
-down() {
+# The holder is the script that called this one.
+HOLDER=$PPID
+
+teardown() {
     if [[ -f $STATE/pid ]]; then kill "$(cat "$STATE/pid")" 2>/dev/null || true; fi
     ip netns delete "$NS" 2>/dev/null || true
     ip link delete "$HOSTIF" 2>/dev/null || true
     rm -rf "$STATE"
 }
 
+# Holders other than this one that are still alive.
+others() {
+    local h
+    for h in "$STATE"/holders/*; do
+        [[ -e $h ]] || continue
+        h=${h##*/}
+        [[ $h != "$HOLDER" ]] && kill -0 "$h" 2>/dev/null && echo "$h"
+    done
+    return 0
+}
+
+running() {
+    [[ -f $STATE/pid ]] && kill -0 "$(cat "$STATE/pid")" 2>/dev/null && ip netns list | grep -qw "$NS"
+}
+
+down() {
+    rm -f "$STATE/holders/$HOLDER"
+    if [[ -n "$(others)" ]]; then
+        return 0
+    fi
+    teardown
+}
+
 up() {
-    down
-    mkdir -p "$STATE"
+    if running && [[ -n "$(others)" ]]; then
+        touch "$STATE/holders/$HOLDER"
+        return 0
+    fi
+    teardown
+    mkdir -p "$STATE/holders"
+    touch "$STATE/holders/$HOLDER"
     # A test CA (the server trusts it through `[network] upstream_ca_file`)
     # and the host's certificate from it, for *.inet.test and its addresses.
     openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=e2e-inet test CA" \
@@ -57,7 +94,9 @@ up() {
 }
 
 case "${1:-}" in
-    up) up ;;
-    down) down ;;
+    up | down) ;;
     *) echo "usage: $0 up|down" >&2; exit 2 ;;
 esac
+exec 9>/run/tine-e2e-inet.lock
+flock 9
+"$1"

@@ -151,7 +151,9 @@ pub async fn file_link(
             "template {template} not found"
         )));
     }
-    let present = s.builds.files().digest(&hash).is_some();
+    // The team's own files only: another team's upload under the same
+    // (public) hash is never this team's.
+    let present = s.builds.files().digest(&key.team, &hash).is_some();
     let mut body = serde_json::json!({ "present": present });
     if !present {
         let host = headers
@@ -160,7 +162,7 @@ pub async fn file_link(
             .ok_or_else(|| ApiError::bad_request("a Host header is required"))?;
         body["url"] = format!(
             "http://{host}{}",
-            s.builds.files().upload_path(&hash, UPLOAD_URL_TTL)
+            s.builds.files().upload_path(&key.team, &hash, UPLOAD_URL_TTL)
         )
         .into();
     }
@@ -169,12 +171,13 @@ pub async fn file_link(
 
 #[derive(Deserialize)]
 pub struct UploadQuery {
+    team: Option<String>,
     expires: Option<u64>,
     signature: Option<String>,
 }
 
-/// `PUT /build-files/{hash}?expires=…&signature=…`: the upload URL of
-/// `file_link` (signed, so it needs no API key).
+/// `PUT /build-files/{hash}?team=…&expires=…&signature=…`: the upload URL
+/// of `file_link` (signed for one team, so it needs no API key).
 pub async fn upload(
     State(s): State<Arc<AppState>>,
     Path(hash): Path<String>,
@@ -183,7 +186,7 @@ pub async fn upload(
 ) -> Result<Response, ApiError> {
     use crate::builds::files::FilesError;
     let files = s.builds.files();
-    let (Some(expires), Some(sig)) = (q.expires, q.signature) else {
+    let (Some(team), Some(expires), Some(sig)) = (q.team, q.expires, q.signature) else {
         return Err(ApiError::unauthorized("upload URL is not signed"));
     };
     let status = |e: &FilesError| match e {
@@ -195,13 +198,13 @@ pub async fn upload(
         FilesError::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
     let result = async {
-        files.verify(&hash, expires, &sig)?;
-        files.receive(&hash, body.into_data_stream()).await
+        files.verify(&team, &hash, expires, &sig)?;
+        files.receive(&team, &hash, body.into_data_stream()).await
     }
     .await;
     match result {
         Ok(digest) => {
-            tracing::info!(files_hash = %hash, %digest, "build context uploaded");
+            tracing::info!(%team, files_hash = %hash, %digest, "build context uploaded");
             Ok(StatusCode::OK.into_response())
         }
         Err(e) => Err(ApiError::new(status(&e), e.to_string())),
@@ -223,7 +226,7 @@ pub async fn start_build(
             ApiError::bad_request(format!("fromTemplate: template {from:?} not found"))
         })?;
     }
-    s.builds.start(&template, &build_id, req)?;
+    s.builds.start(&template, &build_id, &key.team, req)?;
     Ok(StatusCode::ACCEPTED.into_response())
 }
 

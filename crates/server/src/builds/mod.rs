@@ -189,6 +189,7 @@ impl Builds {
         self: &Arc<Self>,
         template: &str,
         build_id: &str,
+        team: &str,
         req: StartRequest,
     ) -> Result<(), BuildError> {
         let build = self.get(template, build_id)?;
@@ -198,7 +199,7 @@ impl Builds {
                 build.status.as_str()
             )));
         }
-        let plan = self.plan(&build, req)?;
+        let plan = self.plan(&build, team, req)?;
         // Started builds have a log; a build stays `waiting` until it has
         // a build slot.
         let log = self
@@ -210,7 +211,7 @@ impl Builds {
     }
 
     /// The build's checked plan; every error here is the caller's.
-    fn plan(&self, build: &BuildRow, req: StartRequest) -> Result<Plan, BuildError> {
+    fn plan(&self, build: &BuildRow, team: &str, req: StartRequest) -> Result<Plan, BuildError> {
         let invalid = |m: String| BuildError::Invalid(m);
         let mut machine = self.machine_default;
         machine.vcpus = build.cpu_count;
@@ -253,7 +254,7 @@ impl Builds {
                 files_hash, src, ..
             } = &op
             {
-                if self.env.files.digest(files_hash).is_none() {
+                if self.env.files.digest(team, files_hash).is_none() {
                     return Err(invalid(format!(
                         "step {} (COPY {src}): the files with hash {files_hash} were not uploaded",
                         i + 1
@@ -263,6 +264,7 @@ impl Builds {
         }
         Ok(Plan {
             template: build.template.clone(),
+            team: team.to_string(),
             build_id: build.id.clone(),
             base,
             steps: req.steps,
@@ -511,7 +513,9 @@ fn registry_credentials(
         Some("registry") => {
             let field = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
             match (field("username"), field("password")) {
-                (Some(username), Some(password)) => Ok(Some(tine_image::Credentials { username, password })),
+                (Some(username), Some(password)) => {
+                    Ok(Some(tine_image::Credentials::new(username, password)))
+                }
                 _ => Err(BuildError::Invalid("fromImageRegistry: username and password are required".into())),
             }
         }

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 /// The header that carries the cluster secret from a gateway to a node.
-pub const SECRET_HEADER: &str = "x-tine-cluster-secret";
+pub use crate::proxy::CLUSTER_SECRET_HEADER as SECRET_HEADER;
 /// The header in which a gateway names the caller's team to a node.
 pub const TEAM_HEADER: &str = "x-tine-team";
 /// On a gateway's `connect`: the sandbox's own node is down or full;
@@ -117,15 +117,7 @@ pub fn read_secret(path: &Path) -> Result<String, SecretError> {
     Ok(s)
 }
 
-/// Whether `given` is the secret, compared in constant time (over their
-/// SHA-256, so lengths leak nothing either).
-pub fn secret_matches(secret: &str, given: &str) -> bool {
-    use sha2::{Digest, Sha256};
-    crate::proxy::same_secret(
-        &Sha256::digest(secret.as_bytes()),
-        &Sha256::digest(given.as_bytes()),
-    )
-}
+pub use crate::proxy::secret_matches;
 
 /// Why a node refuses a call in cluster mode.
 #[derive(Debug, PartialEq, Eq)]

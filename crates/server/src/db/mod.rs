@@ -8,6 +8,7 @@
 
 mod builds;
 mod events;
+mod images;
 mod keys;
 mod sandboxes;
 mod secrets;
@@ -21,6 +22,7 @@ use rusqlite::Connection;
 
 pub use builds::{BuildRow, BuildStatus};
 pub use events::Event;
+pub use images::ANY_TEAM;
 pub use keys::{hash as key_hash, new_key_plaintext, valid_team, ApiKey, NewKey, DEFAULT_TEAM};
 pub use sandboxes::{ListFilter, TeamUsage};
 pub use secrets::SecretRow;
@@ -199,6 +201,14 @@ CREATE TABLE secrets (
     created_ms  INTEGER NOT NULL,
     updated_ms  INTEGER NOT NULL,
     UNIQUE (team, name)
+);
+"#,
+    // Which teams may use the local copy of an image (db::images).
+    r#"
+CREATE TABLE image_access (
+    digest  TEXT NOT NULL,
+    team    TEXT NOT NULL,
+    PRIMARY KEY (digest, team)
 );
 "#,
 ];

@@ -49,6 +49,9 @@ pub struct GatewayConfig {
     /// A node silent for longer is down: its capacity is not used and its
     /// sandboxes are reported not running.
     pub node_grace_secs: u64,
+    /// While PostgreSQL does not answer, a key checked within this long
+    /// still works (so does a key revoked meanwhile); 0: none does.
+    pub key_stale_ok_secs: u64,
     pub max_body_bytes: usize,
     /// Cluster-wide team limits (`[teams.<name>]`; `max_sandboxes` is
     /// enforced here across nodes, the rest by each node).
@@ -72,6 +75,7 @@ impl Default for GatewayConfig {
             secret_file: PathBuf::from("/etc/tine/cluster.secret"),
             domain: None,
             node_grace_secs: 15,
+            key_stale_ok_secs: 60,
             max_body_bytes: 64 << 20,
             teams: BTreeMap::new(),
             tls: Default::default(),
@@ -109,10 +113,10 @@ impl GatewayConfig {
     }
 }
 
-/// How long a verified key is trusted without asking PostgreSQL again,
-/// and how long past that while PostgreSQL does not answer.
+/// How long a verified key is trusted without asking PostgreSQL again
+/// (how long past that while PostgreSQL does not answer: the config's
+/// `key_stale_ok_secs`).
 const KEY_FRESH: Duration = Duration::from_secs(10);
-const KEY_STALE_OK: Duration = Duration::from_secs(3600);
 /// How long the node list is reused.
 const NODES_FRESH: Duration = Duration::from_secs(1);
 
@@ -186,7 +190,8 @@ pub async fn serve(cfg: GatewayConfig) -> anyhow::Result<()> {
 }
 
 /// Every request: sandbox traffic to its node, the REST API to [`rest`].
-async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
+async fn handle(State(g): State<Arc<Gateway>>, mut req: Request) -> Response {
+    strip_internal(req.headers_mut());
     let path = req.uri().path().to_string();
     if let Some(t) = crate::proxy::target(req.headers(), &path, &g.domain) {
         return g.sandbox_traffic(&t.sandbox, req).await;
@@ -214,6 +219,21 @@ async fn handle(State(g): State<Arc<Gateway>>, req: Request) -> Response {
     rest::route(&g, key, req)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Remove every `x-tine-*` header a client sent: those are how a gateway
+/// speaks to its nodes (the cluster secret, the caller's team, adopt, fork
+/// from a capture, locate), and a node trusts them next to the secret the
+/// gateway adds.
+fn strip_internal(headers: &mut http::HeaderMap) {
+    let internal: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with("x-tine-"))
+        .cloned()
+        .collect();
+    for k in internal {
+        headers.remove(k);
+    }
 }
 
 impl Gateway {
@@ -247,9 +267,10 @@ impl Gateway {
                     .remove(&hash);
                 Err(ApiError::unauthorized("invalid API key"))
             }
-            // PostgreSQL is down: a key seen lately still works.
+            // PostgreSQL is down: a key seen lately still works (a key
+            // revoked meanwhile too, for that long).
             Err(e) => match cached {
-                Some((k, at)) if at.elapsed() < KEY_STALE_OK => Ok(k),
+                Some((k, at)) if at.elapsed() < self.key_stale_ok() => Ok(k),
                 _ => Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     e.to_string(),
@@ -314,6 +335,10 @@ impl Gateway {
 
     async fn node(&self, id: &str) -> Option<Node> {
         self.nodes().await.into_iter().find(|n| n.id == id)
+    }
+
+    fn key_stale_ok(&self) -> Duration {
+        Duration::from_secs(self.cfg.key_stale_ok_secs)
     }
 
     fn grace_ms(&self) -> i64 {
@@ -389,33 +414,57 @@ impl Gateway {
     }
 
     /// A sandbox request that names no sandbox ([`crate::proxy::names_no_sandbox`]):
-    /// to each healthy node in turn until one knows the sandbox (the others
-    /// answer with [`crate::proxy::NO_SUCH_SANDBOX_HEADER`]). The body is
-    /// held in memory for that, up to `max_body_bytes`.
+    /// each healthy node is asked, with the request's head alone
+    /// ([`crate::proxy::LOCATE_HEADER`]), whether the sandbox it is for is
+    /// there; the request (its body streamed, never held here) then goes to
+    /// the node that has it. Nothing is read from the client before a node
+    /// has recognised its signature or token.
     async fn any_node(&self, req: Request) -> Response {
-        let (parts, body) = req.into_parts();
-        let bytes = match crate::api::body_bytes(body, self.cfg.max_body_bytes).await {
-            Ok(b) => b,
-            Err(e) => return e.into_response(),
-        };
-        let mut last = None;
-        for n in self
+        let nodes: Vec<Node> = self
             .nodes()
             .await
-            .iter()
+            .into_iter()
             .filter(|n| place::healthy(n, self.grace_ms()))
-        {
-            let again = http::Request::from_parts(parts.clone(), Body::from(bytes.clone()));
-            match forward::forward(&self.client, &n.id, &n.status.address, again, &[], &[]).await {
-                Ok(mut r)
-                    if r.headers()
-                        .contains_key(crate::proxy::NO_SUCH_SANDBOX_HEADER) =>
+            .collect();
+        let asks = nodes.iter().map(|n| {
+            let mut ask = http::Request::new(Body::empty());
+            *ask.method_mut() = req.method().clone();
+            *ask.uri_mut() = req.uri().clone();
+            *ask.headers_mut() = req.headers().clone();
+            for h in [http::header::CONTENT_LENGTH, http::header::TRANSFER_ENCODING] {
+                ask.headers_mut().remove(h);
+            }
+            let extra = [
+                (crate::cluster::SECRET_HEADER, self.secret.clone()),
+                (crate::proxy::LOCATE_HEADER, HeaderValue::from_static("1")),
+            ];
+            async move {
+                let r = forward::forward(&self.client, &n.id, &n.status.address, ask, &extra, &[]);
+                (n, r.await)
+            }
+        });
+        let mut last = None;
+        for (n, answer) in futures::future::join_all(asks).await {
+            match answer {
+                Ok(r) if r.status() == StatusCode::NO_CONTENT
+                    && r.headers().contains_key(crate::proxy::LOCATED_HEADER) =>
                 {
+                    return forward::forward(&self.client, &n.id, &n.status.address, req, &[], &[])
+                        .await
+                        .unwrap_or_else(ForwardError::into_response);
+                }
+                Ok(mut r) if r.headers().contains_key(crate::proxy::NO_SUCH_SANDBOX_HEADER) => {
                     r.headers_mut().remove(crate::proxy::NO_SUCH_SANDBOX_HEADER);
                     last = Some(r)
                 }
+                // The node that has the sandbox refused (an expired
+                // signature, …): its answer is the answer.
                 Ok(r) => return r,
-                Err(e) => last = Some(e.into_response()),
+                Err(e) => {
+                    if last.is_none() {
+                        last = Some(e.into_response())
+                    }
+                }
             }
         }
         last.unwrap_or_else(|| {
@@ -469,5 +518,35 @@ impl Gateway {
             drop,
         )
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The attack: a client names itself another team, asks for an adopt
+    /// or a fork from some capture, or poses as a locate, through the
+    /// gateway that then adds the cluster secret.
+    #[test]
+    fn a_clients_internal_headers_never_reach_a_node() {
+        let mut h = http::HeaderMap::new();
+        for (k, v) in [
+            (crate::cluster::TEAM_HEADER, "victims"),
+            (crate::cluster::ADOPT_HEADER, "1"),
+            (crate::cluster::FORK_FROM_HEADER, "cap-of-another-team"),
+            (crate::cluster::SPREAD_HEADER, "1"),
+            (crate::cluster::SECRET_HEADER, "guess"),
+            (crate::proxy::LOCATE_HEADER, "1"),
+            ("X-Tine-Anything", "x"),
+            ("x-api-key", "e2b_k"),
+            ("e2b-sandbox-id", "i1"),
+        ] {
+            h.insert(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        strip_internal(&mut h);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(h.contains_key("x-api-key") && h.contains_key("e2b-sandbox-id"));
     }
 }

@@ -20,6 +20,7 @@ mod inject;
 pub mod policy;
 pub mod site;
 mod sniff;
+pub mod suffix;
 pub mod transform;
 pub mod tunnel;
 

@@ -32,6 +32,11 @@ impl Domain {
         Some(Domain { name, wildcard })
     }
 
+    /// `*.example.com`: `Some("example.com")`.
+    pub fn wildcard_of(&self) -> Option<&str> {
+        self.wildcard.then_some(self.name.as_str())
+    }
+
     pub fn matches(&self, host: &str) -> bool {
         let host = host.trim_end_matches('.').to_ascii_lowercase();
         if self.wildcard {

@@ -94,6 +94,9 @@ impl Transforms {
             for rule in list {
                 headers.extend(rule_headers(key, rule)?);
             }
+            if headers.iter().any(HeaderSet::is_sensitive) {
+                check_sensitive_host(key, &host)?;
+            }
             if headers.len() > MAX_HEADERS {
                 return Err(format!(
                     "network.rules[{key:?}] sets {} headers; at most {MAX_HEADERS}",
@@ -164,6 +167,40 @@ impl Transforms {
     /// injecting proxy.
     pub fn intercepts(&self, ip: Ipv4Addr, host: Option<&str>) -> bool {
         self.for_request(ip, host).is_some()
+    }
+}
+
+impl HeaderSet {
+    /// Whether the value carries a secret or a workload identity token.
+    pub fn is_sensitive(&self) -> bool {
+        self.value.iter().any(|p| !matches!(p, Piece::Text(_)))
+    }
+}
+
+/// A rule that carries a secret goes only to hosts it names: by address,
+/// the guest would choose which site it reaches (one address serves many
+/// names behind a shared front end, with valid certificates); by a
+/// wildcard over a public suffix, anyone could own a matching name.
+fn check_sensitive_host(key: &str, host: &HostMatch) -> Result<(), String> {
+    let where_ = format!("network.rules[{key:?}]");
+    match host {
+        HostMatch::Net(_) => Err(format!(
+            "{where_}: a rule that carries a secret or an identity token must name its host \
+             (an address serves whichever site the sandbox names to it)"
+        )),
+        HostMatch::Name(d) => match (d.wildcard_of(), super::suffix::list()) {
+            (None, _) => Ok(()),
+            (Some(base), Some(list)) if !list.is_public(base) => Ok(()),
+            (Some(base), Some(_)) => Err(format!(
+                "{where_}: {base} is a public suffix (anyone can own a name under it): \
+                 a rule that carries a secret or an identity token must name its hosts"
+            )),
+            (Some(_), None) => Err(format!(
+                "{where_}: without the public suffix list ({}), a rule that carries a secret \
+                 or an identity token must name its host exactly",
+                super::suffix::DEFAULT_LIST
+            )),
+        },
     }
 }
 
@@ -370,5 +407,30 @@ mod tests {
         assert!(err(json!({"api.test": [{"match": 1}]})).contains("unknown rule field"));
         assert!(has_placeholder("x ${e2b.secrets.a}"));
         assert!(!has_placeholder("${HOME}"));
+    }
+
+    /// The attack: a secret keyed by an address (or every address), or by
+    /// a wildcard over a public suffix, reaches whatever site the guest
+    /// names there. Plain headers may still go by address.
+    #[test]
+    fn a_secret_goes_only_to_hosts_it_names() {
+        let secret = |host: &str| {
+            rules(json!({ host: [{"transform": {"headers": {"Authorization": "${e2b.secrets.k}"}}}] }))
+        };
+        for host in ["0.0.0.0/0", "203.0.113.7", "10.0.0.0/8"] {
+            let e = secret(host).unwrap_err();
+            assert!(e.contains(host) && e.contains("must name its host"), "{e}");
+        }
+        let e = rules(json!({"1.2.3.4": [{"transform": {"headers": {"X": "${e2b.identity.tokens.t}"}}}]}))
+            .unwrap_err();
+        assert!(e.contains("identity token"), "{e}");
+        for host in ["*.vercel.app", "*.com", "*.github.io"] {
+            let e = secret(host).unwrap_err();
+            assert!(e.contains("public suffix") && e.contains(&host[2..]), "{e}");
+        }
+        secret("api.example.com").unwrap();
+        secret("*.internal.example.com").unwrap();
+        secret("*.myapp.vercel.app").unwrap();
+        rules(json!({"0.0.0.0/0": [{"transform": {"headers": {"X-Plain": "p"}}}]})).unwrap();
     }
 }

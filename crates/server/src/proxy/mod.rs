@@ -103,8 +103,12 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
     if let Some(t) = target(req.headers(), req.uri().path(), &state.domain) {
         return proxy(state, t, req).await;
     }
+    let locating = is_locate(&state, &req);
     match signed_target(&state, &req) {
-        Some(Ok(t)) => return proxy(state, t, req).await,
+        Some(Ok(t)) if locating => return located(&t),
+        // A signed URL on the API's own origin (the console's too): what
+        // the guest answers is never content of that origin.
+        Some(Ok(t)) => return as_download(proxy(state, t, req).await),
         Some(Err(Refusal::Invalid)) => {
             return no_such_sandbox(error(
                 StatusCode::UNAUTHORIZED,
@@ -118,6 +122,7 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
         None => {}
     }
     match token_target(&state, &req) {
+        Some(Some(t)) if locating => located(&t),
         Some(Some(t)) => proxy(state, t, req).await,
         Some(None) => no_such_sandbox(error(
             StatusCode::BAD_GATEWAY,
@@ -126,6 +131,76 @@ pub async fn route(State(state): State<Arc<AppState>>, req: Request, next: Next)
         )),
         None => next.run(req).await,
     }
+}
+
+/// On a request that names no sandbox, from a cluster's gateway (with the
+/// cluster secret): "which sandbox is this for, if it is here?" The node
+/// answers 204 with the sandbox in [`LOCATED_HEADER`] (or as it would
+/// answer the request: [`NO_SUCH_SANDBOX_HEADER`]), without reading the
+/// body; the gateway then streams the request to that node alone.
+pub const LOCATE_HEADER: &str = "x-tine-locate";
+/// The sandbox of a [`LOCATE_HEADER`] request.
+pub const LOCATED_HEADER: &str = "x-tine-located";
+
+fn is_locate(state: &AppState, req: &Request) -> bool {
+    let given = req
+        .headers()
+        .get(CLUSTER_SECRET_HEADER)
+        .and_then(|v| v.to_str().ok());
+    req.headers().contains_key(LOCATE_HEADER)
+        && matches!((&state.cluster_secret, given), (Some(s), Some(g)) if secret_matches(s, g))
+}
+
+fn located(t: &Target) -> Response {
+    let mut r = StatusCode::NO_CONTENT.into_response();
+    if let Ok(v) = http::HeaderValue::from_str(&t.sandbox) {
+        r.headers_mut().insert(LOCATED_HEADER, v);
+    }
+    r
+}
+
+/// The header that carries the cluster secret from a gateway to a node.
+pub const CLUSTER_SECRET_HEADER: &str = "x-tine-cluster-secret";
+
+/// Whether `given` is the cluster secret, compared in constant time (over
+/// their SHA-256, so lengths leak nothing either).
+pub fn secret_matches(secret: &str, given: &str) -> bool {
+    use sha2::{Digest, Sha256};
+    same_secret(
+        &Sha256::digest(secret.as_bytes()),
+        &Sha256::digest(given.as_bytes()),
+    )
+}
+
+/// A guest's answer made inert for the origin it is served on: a browser
+/// that follows a signed `/files` URL on the API host saves the bytes
+/// (whatever type, script or page the guest claims) and never renders or
+/// runs them there. Root in the guest can replace envd, so the guest's own
+/// headers are not trusted; a file name it gives is kept.
+fn as_download(mut resp: Response) -> Response {
+    use http::HeaderValue;
+    let h = resp.headers_mut();
+    let disposition = h
+        .get(header::CONTENT_DISPOSITION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(';'))
+        .map(|(_, params)| format!("attachment;{params}"))
+        .and_then(|v| HeaderValue::from_str(&v).ok())
+        .unwrap_or(HeaderValue::from_static("attachment"));
+    h.insert(header::CONTENT_DISPOSITION, disposition);
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("sandbox"),
+    );
+    resp
 }
 
 /// Set on the answer to a request naming no sandbox whose secrets match
@@ -469,6 +544,27 @@ async fn proxy(state: Arc<AppState>, t: Target, mut req: Request) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a guest whose envd was replaced answers to a signed URL: a
+    /// page with script, claiming to be HTML, inline.
+    #[test]
+    fn a_guests_page_is_a_download_on_the_api_origin() {
+        let hostile = Response::builder()
+            .header(header::CONTENT_TYPE, "text/html; charset=utf-8")
+            .header(header::CONTENT_DISPOSITION, "inline; filename=\"x.html\"")
+            .header(header::CONTENT_SECURITY_POLICY, "script-src *")
+            .body(Body::from("<script>steal(document.cookie)</script>"))
+            .unwrap();
+        let r = as_download(hostile);
+        let h = r.headers();
+        assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
+        assert_eq!(h[header::CONTENT_DISPOSITION], "attachment; filename=\"x.html\"");
+        assert_eq!(h[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
+        assert_eq!(h[header::CONTENT_SECURITY_POLICY], "sandbox");
+        assert_eq!(h.get_all(header::CONTENT_SECURITY_POLICY).iter().count(), 1);
+        let plain = as_download(Response::new(Body::empty()));
+        assert_eq!(plain.headers()[header::CONTENT_DISPOSITION], "attachment");
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

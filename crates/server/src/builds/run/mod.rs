@@ -66,6 +66,9 @@ pub enum Base {
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub template: String,
+    /// The team whose build this is: its build contexts, its registry
+    /// credentials, its copies of private images.
+    pub team: String,
     pub build_id: String,
     pub base: Base,
     pub steps: Vec<Step>,
@@ -193,7 +196,7 @@ impl Runner<'_> {
             let content = match op {
                 Op::Copy {
                     files_hash, src, ..
-                } => Some(self.env.files.digest(files_hash).ok_or_else(|| {
+                } => Some(self.env.files.digest(&self.plan.team, files_hash).ok_or_else(|| {
                     fail(
                         num,
                         format!("COPY {src}: the files for hash {files_hash} were not uploaded"),
@@ -304,12 +307,19 @@ impl Runner<'_> {
         }
     }
 
+    /// Pull `reference` for this build's team: with the request's
+    /// credentials or those the operator gave the team. When the registry
+    /// cannot be reached or refuses, the local copy serves only a team
+    /// that pulled it itself, or any team if it was pulled without
+    /// credentials (another team's private image stays theirs).
     async fn pull(
         &self,
         reference: &str,
         creds: Option<&tine_image::Credentials>,
     ) -> Result<tine_image::ImageMeta, Failure> {
         let store = tine_image::ImageStore::new(&self.env.data_dir);
+        let team = self.plan.team.as_str();
+        let opts = self.env.registries.for_team(team);
         // Lazily (chunks on first read through the image daemon) unless
         // the pull needs credentials the daemon does not hold.
         let lazy = creds.is_none();
@@ -322,21 +332,35 @@ impl Runner<'_> {
                 );
             }
         };
-        match store
-            .pull(reference, &self.env.registries, creds, lazy, &mut progress)
-            .await
-        {
-            Ok(m) => Ok(m),
-            Err(e) => match store.get(reference) {
-                Ok(m) => {
-                    (self.log)(
-                        Level::Warn,
-                        format!("{reference}: {e}; using the local copy"),
-                    );
-                    Ok(m)
-                }
-                Err(_) => Err(fail("base", format!("image {reference}: {e}"))),
-            },
+        let err = match store.pull(reference, &opts, creds, lazy, &mut progress).await {
+            Ok(m) => {
+                let private = tine_image::ImageRef::parse(reference)
+                    .map(|r| opts.sends_credentials(&r, creds))
+                    .unwrap_or(true);
+                let owner = if private { team } else { crate::db::ANY_TEAM };
+                self.env
+                    .db
+                    .grant_image(&m.manifest_digest, owner)
+                    .map_err(|e| fail("base", e))?;
+                return Ok(m);
+            }
+            Err(e) => e,
+        };
+        let local = store.get(reference).ok().filter(|m| {
+            self.env
+                .db
+                .image_granted(&m.manifest_digest, team)
+                .unwrap_or(false)
+        });
+        match local {
+            Some(m) => {
+                (self.log)(
+                    Level::Warn,
+                    format!("{reference}: {err}; using the local copy"),
+                );
+                Ok(m)
+            }
+            None => Err(fail("base", format!("image {reference}: {err}"))),
         }
     }
 
