@@ -2,8 +2,11 @@
 //! firewall redirects the guest's new TCP connections to ports 80 and 443
 //! here (a listener inside the sandbox's namespace); the proxy reads the
 //! name the client asks for (SNI or Host), decides with the policy, and
-//! splices the connection to its original destination, dialled from the
-//! sandbox's namespace so the host's rules for sandboxes still apply.
+//! splices the connection to its destination, dialled from the sandbox's
+//! namespace so the host's rules for sandboxes still apply. A connection
+//! let out only for its name goes to an address the sandboxes' resolver
+//! gives for that name (the one dialled, if it is one of them), never to
+//! whatever address the guest sent an allowed name to.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
@@ -151,6 +154,25 @@ async fn serve(
             name.as_deref().unwrap_or("no name")
         )));
     }
+    let dst = match name.as_deref() {
+        Some(n) if !egress.policy.allows(&egress.site, *dst.ip(), None) => {
+            match egress.named_destination(dst, n).await {
+                Ok(to) => to,
+                Err(e) => {
+                    if head.first().is_some_and(|b| *b != 0x16) {
+                        let body = format!("{e}\n");
+                        let resp = format!(
+                            "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        );
+                        let _ = conn.write_all(resp.as_bytes()).await;
+                    }
+                    return Err(std::io::Error::other(format!("refused {dst} ({n}): {e}")));
+                }
+            }
+        }
+        _ => dst,
+    };
     if egress
         .policy
         .transforms

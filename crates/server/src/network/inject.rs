@@ -248,28 +248,18 @@ pub(super) async fn serve(
 }
 
 /// Where plain HTTP naming `host` goes: for a rule by name, an address the
-/// sandboxes' resolver gives for it that the policy allows; otherwise the
-/// address the guest dialled.
+/// sandboxes' resolver gives for it that the policy allows
+/// ([`Egress::named_destination`]); otherwise the address the guest
+/// dialled.
 async fn plain_destination(
     egress: &Egress,
     dst: SocketAddrV4,
     host: Option<&str>,
 ) -> Result<SocketAddrV4, String> {
-    let Some(name) = host.filter(|h| egress.policy.transforms.by_name(h)) else {
-        return Ok(dst);
-    };
-    let resolver = egress
-        .site
-        .resolver
-        .ok_or_else(|| format!("no resolver is configured to find {name} (network.dns)"))?;
-    let addrs = super::dns::resolve_a(SocketAddrV4::new(resolver, 53), name)
-        .await
-        .map_err(|e| format!("resolving {name}: {e}"))?;
-    addrs
-        .into_iter()
-        .find(|ip| egress.policy.allows(&egress.site, *ip, Some(name)))
-        .map(|ip| SocketAddrV4::new(ip, dst.port()))
-        .ok_or_else(|| format!("{name} resolves to no address the sandbox's policy allows"))
+    match host.filter(|h| egress.policy.transforms.by_name(h)) {
+        Some(name) => egress.named_destination(dst, name).await,
+        None => Ok(dst),
+    }
 }
 
 async fn handshake<S>(io: S, what: &str) -> Upstream

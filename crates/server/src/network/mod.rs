@@ -107,6 +107,33 @@ impl Egress {
         }
     }
 
+    /// Where a connection that the policy lets out only for the `name` it
+    /// sent (SNI or Host) goes: `dst` when the sandboxes' resolver gives
+    /// that address for the name, else the first address it gives that the
+    /// policy allows. A guest cannot send an allowed name to an address of
+    /// its own choosing.
+    pub async fn named_destination(
+        &self,
+        dst: std::net::SocketAddrV4,
+        name: &str,
+    ) -> Result<std::net::SocketAddrV4, String> {
+        let resolver = self
+            .site
+            .resolver
+            .ok_or_else(|| format!("no resolver is configured to find {name} (network.dns)"))?;
+        let addrs = dns::resolve_a(std::net::SocketAddrV4::new(resolver, 53), name)
+            .await
+            .map_err(|e| format!("resolving {name}: {e}"))?;
+        if addrs.contains(dst.ip()) {
+            return Ok(dst);
+        }
+        addrs
+            .into_iter()
+            .find(|ip| self.policy.allows(&self.site, *ip, Some(name)))
+            .map(|ip| std::net::SocketAddrV4::new(ip, dst.port()))
+            .ok_or_else(|| format!("{name} resolves to no address the sandbox's policy allows"))
+    }
+
     /// A stream to `dst`: from the sandbox's namespace, through its
     /// egress proxy when it has one.
     pub async fn dial(&self, dst: std::net::SocketAddrV4) -> std::io::Result<tunnel::Stream> {

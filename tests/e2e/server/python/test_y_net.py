@@ -212,6 +212,21 @@ def test_domains_pass_by_name_and_survive_pause_and_fork(fresh):
             k.kill()
 
 
+def test_an_allowed_name_sent_to_another_address_reaches_only_the_names_server(fresh):
+    """The attack: with only `allowed.test` let out, the guest sends that
+    name (Host, SNI) to an address of its choosing. The connection goes to
+    the address the sandboxes' resolver gives for the name (the stand-in
+    DNS answers INET for every name), never to INET2."""
+    s = fresh(network={"allow_out": ["allowed.test"], "deny_out": [ALL_TRAFFIC]})
+    for url, extra in [
+        ("http://allowed.test/", f"--resolve allowed.test:80:{INET2}"),
+        ("https://allowed.test/", f"-k --resolve allowed.test:443:{INET2}"),
+        (f"http://{INET2}/", "-H 'Host: allowed.test'"),
+    ]:
+        code, body = fetch(s, url, extra)
+        assert code == 0 and body == f"inet {INET} host=allowed.test\n", (url, body)
+
+
 def test_snapshot_keeps_the_policy(fresh):
     import inspect
 
