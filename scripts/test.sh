@@ -24,9 +24,11 @@
 # Every step prints its time; a table of them (and each step's budget)
 # ends the run, whether it passed or not. A step over its budget is named
 # there (a warning: the budgets keep CI's growth visible, they fail
-# nothing). The server and cluster suites run side by side, their lines
-# prefixed [server] and [cluster] (TINE_TEST_SERIAL=1: one after the
-# other). Must run as root (network namespaces, tap devices, QEMU).
+# nothing). The server suite runs in two shards on two servers side by
+# side, the cluster suite before the second shard; their lines are
+# prefixed [server], [cluster] and [server-b] (TINE_TEST_SERIAL=1: one
+# after the other). Must run as root (network namespaces, tap devices,
+# QEMU).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -58,7 +60,7 @@ need_root
 # template build, which a warm data dir skips).
 declare -A BUDGET=(
     [setup-host]=240 [build-agent]=180 [setup-e2e]=240 [build]=300
-    [unit]=120 [bench]=450 [agent]=60 [server]=2400 [cluster]=800
+    [unit]=120 [bench]=450 [agent]=60 [server]=1500 [server-b]=900 [cluster]=800
     [deploy]=240 [lint]=180
 )
 STEPS=()
@@ -78,26 +80,36 @@ step() {
     info "[$name] $([[ $rc -eq 0 ]] && echo passed || echo "FAILED (exit $rc)") in ${secs}s"
     return "$rc"
 }
-# side_by_side NAME:CMD...: steps at once, each line of their output
-# prefixed with [NAME]; fails if any failed. The end-to-end suites each
-# keep one guest busy at a time (one vCPU under TCG: one of CI's two
-# cores), so two of them side by side take about the time of the longer.
+# side_by_side STREAM...: streams at once, each a space-separated list of
+# steps (names of PART_CMD) run one after the other; each line of a step's
+# output is prefixed with [NAME]. Fails if any step failed. The end-to-end
+# suites each keep about one guest busy at a time (one vCPU under TCG: one
+# of CI's two cores), so two streams take about the time of the longer.
+declare -A PART_CMD=(
+    [server]="env TINE_E2E_SHARD=a tests/e2e/server/run.sh"
+    [server-b]="env TINE_E2E_SHARD=b tests/e2e/server/run.sh"
+    [cluster]="tests/e2e/cluster/run.sh"
+)
 side_by_side() {
-    local dir spec name cmd line rc=0
+    local dir stream name line rc=0
     dir=$(mktemp -d)
-    for spec in "$@"; do
-        name=${spec%%:*} cmd=${spec#*:}
+    for stream in "$@"; do
         (
             set +e
-            STEP_OUT="$dir/$name" step "$name" "$cmd" 2>&1 | sed -u "s/^/[$name] /" >&2
+            for name in $stream; do
+                # (word splitting of the command is meant: no paths with spaces)
+                # shellcheck disable=SC2086
+                STEP_OUT="$dir/$name" step "$name" ${PART_CMD[$name]} 2>&1 | sed -u "s/^/[$name] /" >&2
+            done
         ) &
     done
     wait
-    for spec in "$@"; do
-        name=${spec%%:*}
-        line=$(cat "$dir/$name" 2>/dev/null) || line="$name 0 1"
-        STEPS+=("$line")
-        [[ ${line##* } == 0 ]] || rc=1
+    for stream in "$@"; do
+        for name in $stream; do
+            line=$(cat "$dir/$name" 2>/dev/null) || line="$name 0 1"
+            STEPS+=("$line")
+            [[ ${line##* } == 0 ]] || rc=1
+        done
     done
     rm -rf "$dir"
     return "$rc"
@@ -161,17 +173,26 @@ fi
 if want agent; then
     step agent tests/e2e/agent/run.sh
 fi
-if want server && want cluster && [[ ${TINE_TEST_SERIAL:-0} != 1 ]]; then
+# The server suite in two shards on two servers, side by side; the
+# cluster suite before the second shard (TINE_TEST_SERIAL=1: all one
+# after the other, the server suite unsharded).
+if [[ ${TINE_TEST_SERIAL:-0} == 1 ]]; then
+    PART_CMD[server]="tests/e2e/server/run.sh"
+    for p in server cluster; do
+        if want "$p"; then
+            disk_report
+            step "$p" ${PART_CMD[$p]}
+        fi
+    done
+elif want server || want cluster; then
     disk_report
-    side_by_side server:tests/e2e/server/run.sh cluster:tests/e2e/cluster/run.sh
-else
+    second=""
+    want cluster && second="cluster"
+    want server && second+=" server-b"
     if want server; then
-        disk_report
-        step server tests/e2e/server/run.sh
-    fi
-    if want cluster; then
-        disk_report
-        step cluster tests/e2e/cluster/run.sh
+        side_by_side server "$second"
+    else
+        side_by_side cluster
     fi
 fi
 # (Chained with &&: `set -e` does not hold in a function run by `step`.)

@@ -82,8 +82,9 @@ up() {
     done
     ip -n "$NS" link set eth0 up
     ip -n "$NS" route add default via 203.0.113.1
+    # (9>&-: the server must not hold this script's lock)
     ip netns exec "$NS" python3 "$HERE/inet_server.py" "$STATE/cert.pem" "$STATE/key.pem" \
-        >"$STATE/log" 2>&1 &
+        >"$STATE/log" 2>&1 9>&- &
     echo $! >"$STATE/pid"
     for _ in $(seq 100); do
         grep -q ready "$STATE/log" 2>/dev/null && return 0

@@ -14,6 +14,12 @@
 # `-k list`); TINE_BIN=/path/to/tine skips the build; TINE_E2E_PORT
 # changes the port.
 #
+# Shards: TINE_E2E_SHARD=b runs only the pinned SDK's SHARD_B files (below)
+# against a second server of its own (data dir e2e-server-b, port
+# TINE_E2E_PORT or 3998, its own veth pool and jail uids), so that
+# scripts/test.sh runs it side by side with TINE_E2E_SHARD=a: everything
+# else, on the first server. No shard: everything on one server.
+#
 # State: the server gets its own data dir, $TINE_DATA_DIR/e2e-server (kept
 # between runs so the template snapshot is captured once), whose `current`
 # is a link to $TINE_DATA_DIR/current (the guest artifacts). It must not
@@ -30,7 +36,19 @@ VENV_BETWEEN="$BASE_DATA_DIR/venv-e2b-between"
 VENV_245="$BASE_DATA_DIR/venv-e2b-245"
 # schemathesis, which test_y_fuzz.py runs against the server.
 VENV_FUZZ="$BASE_DATA_DIR/venv-fuzz"
-PORT="${TINE_E2E_PORT:-3999}"
+SHARD="${TINE_E2E_SHARD:-}"
+case "$SHARD" in
+    "" | a) PORT="${TINE_E2E_PORT:-3999}" INSTANCE=e2e-server ;;
+    b) PORT="${TINE_E2E_PORT:-3998}" INSTANCE=e2e-server-b ;;
+    *) echo "error: TINE_E2E_SHARD is a or b, not $SHARD" >&2; exit 2 ;;
+esac
+# The pinned SDK's files of shard b: about 430 of the pinned suite's 1130 s
+# (pytest --durations), none of them needing the mcp-gateway template.
+# (The other stream of scripts/test.sh runs the cluster suite first.)
+SHARD_B=(
+    test_y_capture.py test_y_fuzz.py test_y_build.py test_y_secrets.py
+    test_volumes.py test_volume_mounts.py
+)
 
 # (each line with the seconds since this script started: where its time goes)
 log() { printf '==> [%4ss] %s\n' "$SECONDS" "$*" >&2; }
@@ -58,11 +76,24 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
     exit 1
 fi
 
-export TINE_DATA_DIR="$BASE_DATA_DIR/e2e-server"
-export TINE_SHM_DIR="${TINE_E2E_SHM_DIR:-/dev/shm/tine-e2e-server}"
+export TINE_DATA_DIR="$BASE_DATA_DIR/$INSTANCE"
+export TINE_SHM_DIR="${TINE_E2E_SHM_DIR:-/dev/shm/tine-$INSTANCE}"
 mkdir -p "$TINE_DATA_DIR"
 ln -sfn "$BASE_DATA_DIR/current" "$TINE_DATA_DIR/current"
-if [[ "${TINE_E2E_SKIP_MCP:-0}" != 1 ]]; then
+# The files of the pinned run, and whether the other SDKs' runs follow.
+pinned=() rest=1
+case "$SHARD" in
+    a)
+        for f in "$HERE"/python/test_*.py; do
+            f=${f##*/}
+            [[ " ${SHARD_B[*]} " == *" $f "* ]] || pinned+=("$f")
+        done
+        ;;
+    b) pinned=("${SHARD_B[@]}") rest=0 ;;
+esac
+# Files named on the command line are the run's own choice.
+[[ $# -eq 0 ]] || pinned=()
+if [[ "${TINE_E2E_SKIP_MCP:-0}" != 1 && $rest -eq 1 ]]; then
     log "template mcp-gateway (scripts/build-mcp-gateway.sh: once per recipe)"
     TINE_BIN="$TINE_BIN" "$ROOT/scripts/build-mcp-gateway.sh" || { echo "error: building the mcp-gateway template failed" >&2; exit 1; }
 fi
@@ -94,10 +125,12 @@ allow_private = ["10.99.1.0/24"]
 dns = "203.0.113.10"
 # The stand-in's test CA: destinations of header transforms verify with it.
 upstream_ca_file = "/run/tine-e2e-inet/ca.pem"
+$([[ $SHARD == b ]] && echo 'veth_pool = "10.234.0.0/16"  # (shard b: not the first server'"'"'s)')
 
 [jail]
 # Small, so a test can fill and rotate it quickly.
 console_max_bytes = 65536
+$([[ $SHARD == b ]] && echo 'uid_base = 2000000  # (shard b: not the first server'"'"'s)')
 
 # Short-lived workload identity tokens, so a test sees one expire.
 [identity]
@@ -165,8 +198,8 @@ log "starting tine serve on 127.0.0.1:$PORT (data dir $TINE_DATA_DIR, log $TINE_
 
 sdk_version() { "$1/bin/python" -c 'from importlib.metadata import version; print(version("e2b"))'; }
 log "Python SDK suite (e2b $(sdk_version "${TINE_E2E_VENV:-$VENV}"))"
-(cd "$HERE/python" && "${TINE_E2E_VENV:-$VENV}/bin/python" -m pytest -q -p no:cacheprovider "$@") || status=1
-if [[ $# -eq 0 && -z "${TINE_E2E_VENV:-}" ]]; then
+(cd "$HERE/python" && "${TINE_E2E_VENV:-$VENV}/bin/python" -m pytest -q -p no:cacheprovider "${pinned[@]}" "$@") || status=1
+if [[ $# -eq 0 && -z "${TINE_E2E_VENV:-}" && $rest -eq 1 ]]; then
     # Under 2.45 again, the files whose calls go through the SDK's whole
     # surface (sandbox, commands, files, PTY, watches, list, pause and
     # snapshots, the Template builder, bad input), so the next difference
@@ -186,7 +219,9 @@ if [[ $# -eq 0 && -z "${TINE_E2E_VENV:-}" ]]; then
         test_e2b_fidelity.py test_sandbox.py test_list.py) || status=1
 fi
 
-if [[ "${TINE_E2E_SKIP_JS:-0}" == 1 ]]; then
+if [[ $rest -eq 0 ]]; then
+    log "shard $SHARD: the pinned SDK's files only"
+elif [[ "${TINE_E2E_SKIP_JS:-0}" == 1 ]]; then
     log "JS SDK suite skipped (TINE_E2E_SKIP_JS=1)"
 else
     log "JS SDK suite (e2b $(node -p "require('$ROOT/tests/e2e/js/node_modules/e2b/package.json').version"))"
@@ -200,11 +235,13 @@ fi
 
 # The newest released SDKs (not pinned), on the fidelity files: a new SDK
 # release that breaks tine fails here (docs/compatibility.md).
-if [[ ( $# -eq 0 || "${TINE_E2E_NEWEST:-0}" == 1 ) && "${TINE_E2E_SKIP_NEWEST:-0}" != 1 ]]; then
+if [[ ( $# -eq 0 || "${TINE_E2E_NEWEST:-0}" == 1 ) && "${TINE_E2E_SKIP_NEWEST:-0}" != 1 && $rest -eq 1 ]]; then
     TINE_BASE_DATA_DIR="$BASE_DATA_DIR" "$HERE/newest-sdk.sh" || status=1
 fi
 
-if [[ "${TINE_E2E_SKIP_DOMAIN:-0}" == 1 ]]; then
+if [[ $rest -eq 0 ]]; then
+    :
+elif [[ "${TINE_E2E_SKIP_DOMAIN:-0}" == 1 ]]; then
     log "domain mode skipped (TINE_E2E_SKIP_DOMAIN=1)"
 else
     # The same server, restarted as `tine serve --domain tine.localhost:PORT
