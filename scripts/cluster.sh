@@ -170,6 +170,10 @@ ${TINE_CLUSTER_NODE_CONFIG:-}
 # One key for the cluster's secrets (in the catalog): the same on every node.
 secrets_key_file = "$CLUSTER_DIR/secrets.key"
 
+[registries]
+# The cluster's registry (and the tests' images) on loopback.
+allow_private = ["127.0.0.1/32"]
+
 [network]
 veth_pool = "10.$((240 + i)).0.0/16"
 

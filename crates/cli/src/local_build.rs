@@ -79,6 +79,8 @@ pub async fn build(paths: &Paths, db: Arc<Db>, req: Request) -> anyhow::Result<S
         files: req.files.clone(),
         data_dir: paths.data_dir.clone(),
         registries: req.registry.options()?,
+        // The operator's own build: any registry it names.
+        guard_registries: false,
         ready_timeout: req.ready_timeout,
         step_timeout: Duration::from_secs(3600),
         // The default policy with default settings (a server's [network]

@@ -63,6 +63,14 @@ pub struct RegistryOptions {
     pub mirrors: HashMap<String, Vec<String>>,
     /// Credentials per registry (`host:port`); a request's own win.
     pub credentials: HashMap<String, Credentials>,
+    /// For builds through the API: registries at these addresses (IPv4
+    /// CIDRs) may be reached though they are not on the internet
+    /// (loopback, private, link-local); the server checks it.
+    pub allow_private: Vec<String>,
+    /// An HTTP proxy every request goes through (the server's guard of a
+    /// build's registry requests); never from a config file.
+    #[serde(skip)]
+    pub proxy: Option<String>,
 }
 
 impl RegistryOptions {
@@ -147,6 +155,8 @@ pub(crate) fn client(reference: &ImageRef, opts: &RegistryOptions) -> Client {
     }
     Client::new(ClientConfig {
         protocol: ClientProtocol::HttpsExcept(plain),
+        http_proxy: opts.proxy.clone(),
+        https_proxy: opts.proxy.clone(),
         ..Default::default()
     })
 }

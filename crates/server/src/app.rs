@@ -104,6 +104,7 @@ pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result
         )),
         data_dir: paths.data_dir.clone(),
         registries: config.registries.clone(),
+        guard_registries: true,
         ready_timeout: std::time::Duration::from_secs(config.build_ready_timeout_secs),
         step_timeout: std::time::Duration::from_secs(config.build_step_timeout_secs),
         network: network.clone(),

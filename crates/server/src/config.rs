@@ -296,6 +296,8 @@ impl Config {
                 ));
             }
         }
+        crate::builds::registry_guard::parse_allowed(&self.registries.allow_private)
+            .map_err(ConfigError::Invalid)?;
         self.network.validate().map_err(ConfigError::Invalid)
     }
 

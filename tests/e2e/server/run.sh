@@ -118,6 +118,11 @@ max_concurrent_builds = 1
 build_context_max_bytes = 8388608
 volume_max_bytes = 16777216
 
+[registries]
+# The suites' registries run on loopback (builds through the API reach only
+# the internet and what is listed here).
+allow_private = ["127.0.0.1/32"]
+
 [network]
 # The stand-in internet's "operator mirror" and its DNS server
 # (tests/e2e/net/inet.sh).

@@ -24,6 +24,9 @@ use super::{Ctx, Out};
 const NS: &str = "tbench-inet";
 const HOST_IF: &str = "tbench0";
 const SERVER: &str = "198.51.100.10";
+/// The stand-in's HTTPS name: a transform that carries a secret names its
+/// host (an address would serve whatever site the guest names to it).
+const SERVER_NAME: &str = "inet.bench.test";
 const BYTES: u64 = 100 << 20;
 
 fn ip(args: &[&str]) -> anyhow::Result<()> {
@@ -89,7 +92,7 @@ impl StandIn {
         let (mut tls, mut ca_pem) = (None, None);
         if let Some(dir) = ca_dir {
             let ca = tine_server::network::ca::EgressCa::load_or_create(dir)?;
-            let acceptor = tokio_rustls::TlsAcceptor::from(ca.server_config(SERVER)?);
+            let acceptor = tokio_rustls::TlsAcceptor::from(ca.server_config(SERVER_NAME)?);
             ca_pem = Some(ca.pem().to_string());
             let listener = ns.listen_at(SocketAddr::from(([198, 51, 100, 10], 443)))?;
             let seen = authorized.clone();
@@ -178,17 +181,25 @@ async fn serve<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     let _ = conn.shutdown().await;
 }
 
-/// The guest's HTTPS client: REQUESTS requests, each on a new connection,
-/// verified (against CAFILE, else the guest's trust store); prints their
-/// latencies in ms as JSON.
+/// The guest's HTTPS client: REQUESTS requests to `SERVER_NAME` at
+/// `SERVER`, each on a new connection, verified (against CAFILE, else the
+/// guest's trust store); prints their latencies in ms as JSON.
 const HTTPS_CLIENT: &str = r#"
-import http.client, json, ssl, sys, time
+import http.client, json, socket, ssl, sys, time
 n, ca = int(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else None)
 ctx = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+
+class Conn(http.client.HTTPSConnection):
+    # inet.bench.test (the name the transform is for) at the stand-in's
+    # address, without a resolver.
+    def connect(self):
+        sock = socket.create_connection(("198.51.100.10", self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
 out = []
 for _ in range(n):
     t = time.perf_counter()
-    c = http.client.HTTPSConnection("198.51.100.10", 443, context=ctx, timeout=20)
+    c = Conn("inet.bench.test", 443, context=ctx, timeout=20)
     c.request("GET", "/small")
     r = c.getresponse()
     body = r.read()
@@ -240,7 +251,7 @@ async fn injected_https(ctx: &Ctx, inet: &StandIn, out: &mut Out) -> anyhow::Res
             Some(serde_json::json!({"name": secret, "value": "bench-token"})),
         )
         .await?;
-    let rules = serde_json::json!({"network": {"rules": {SERVER: [{"transform": {"headers": {
+    let rules = serde_json::json!({"network": {"rules": {SERVER_NAME: [{"transform": {"headers": {
         "Authorization": format!("Bearer ${{e2b.secrets.{secret}}}")}}}]}}});
     let result = async {
         let plain = ctx.api.create(ctx.args.cpus, ctx.args.memory_mb).await?;

@@ -12,6 +12,7 @@
 
 pub mod dockerfile;
 pub mod files;
+pub mod registry_guard;
 pub mod run;
 pub mod steps;
 

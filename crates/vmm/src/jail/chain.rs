@@ -17,7 +17,7 @@ pub enum Backing {
 
 /// The backing file named in a qcow2 header ([`crate::qcow2`]), or `None`
 /// (no backing, or not a qcow2 file: a raw image ends a chain). A damaged
-/// header is an error.
+/// header, or one with features tine never writes, is an error.
 fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
     use crate::qcow2::HeaderError;
     match crate::qcow2::read(path) {
@@ -26,7 +26,7 @@ fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
             .map(|name| String::from_utf8_lossy(&name).into_owned())),
         Err(HeaderError::NotQcow2(_)) => Ok(None),
         Err(HeaderError::Io { source, .. }) => Err(source),
-        Err(e @ HeaderError::Damaged { .. }) => Err(std::io::Error::new(
+        Err(e @ (HeaderError::Damaged { .. } | HeaderError::Unsupported { .. })) => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             e.to_string(),
         )),

@@ -12,7 +12,7 @@ import pytest
 from e2b import Template
 from e2b.exceptions import BuildException
 
-from conftest import API, http
+from conftest import API, API_KEY, RUN, http
 from test_y_image import GZ, Registry, add, tar_layer
 
 
@@ -92,7 +92,8 @@ def test_a_build_context_under_a_public_files_hash_is_never_another_teams(red, b
     """Blue computes the files hash of red's COPY (the SDK computes it from
     the files alone) and uploads its own files under it first; red's build
     must still copy red's files."""
-    (tmp_path / "app.txt").write_text("red's own app\n")
+    # (This run's own files: a team's map keeps what it was given.)
+    (tmp_path / "app.txt").write_text(f"red's own app {RUN}\n")
     template = (Template(file_context_path=str(tmp_path)).from_template("base")
                 .copy("app.txt", "/opt/app.txt"))
     h = files_hash(template)
@@ -123,7 +124,7 @@ def test_a_build_context_under_a_public_files_hash_is_never_another_teams(red, b
 
     build(template, "tenant-red-ctx", red, [])
     s = fresh(template="tenant-red-ctx", api_key=red)
-    assert s.commands.run("cat /opt/app.txt").stdout == "red's own app\n"
+    assert s.commands.run("cat /opt/app.txt").stdout == f"red's own app {RUN}\n"
 
 
 def test_a_guests_answer_to_a_signed_url_is_a_download_on_the_api_origin(fresh):
@@ -153,3 +154,17 @@ def test_a_secret_is_never_keyed_by_an_address_or_a_public_suffix():
         assert status == 400, (host, body)
         msg = json.loads(body)["message"]
         assert host in msg and ("must name its host" in msg or "public suffix" in msg), msg
+
+
+def test_a_build_cannot_make_the_server_reach_its_own_network():
+    """A key names, as its build's registry, a host on the server's private
+    network (the stand-in's 10.99.0.10, which answers on 80 and 443) or
+    the cloud metadata address: refused before any connection, and the
+    log says why, not what answers there."""
+    for ref in ["10.99.0.10/probe/x:v1", "10.99.0.10:80/probe/x:v1", "169.254.169.254/latest/x:v1"]:
+        logs = []
+        with pytest.raises(BuildException) as e:
+            build(Template().from_image(ref).run_cmd("true"), "tenant-ssrf", API_KEY, logs)
+        text = str(e.value) + "\n" + "\n".join(x.message for x in logs)
+        assert "not on the internet" in text and "allow_private" in text, text
+        assert "inet " not in text and "certificate" not in text.lower(), text

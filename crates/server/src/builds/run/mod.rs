@@ -42,6 +42,9 @@ pub struct BuildEnv {
     pub files: Arc<ContextStore>,
     pub data_dir: std::path::PathBuf,
     pub registries: tine_image::RegistryOptions,
+    /// Registry requests go through [`super::registry_guard`] (builds for
+    /// API callers; the operator's CLI builds reach any registry).
+    pub guard_registries: bool,
     /// How long a ready check may keep failing.
     pub ready_timeout: Duration,
     /// How long one step may run.
@@ -319,7 +322,24 @@ impl Runner<'_> {
     ) -> Result<tine_image::ImageMeta, Failure> {
         let store = tine_image::ImageStore::new(&self.env.data_dir);
         let team = self.plan.team.as_str();
-        let opts = self.env.registries.for_team(team);
+        let mut opts = self.env.registries.for_team(team);
+        let _guard = match self.env.guard_registries {
+            true => {
+                let allowed = super::registry_guard::parse_allowed(&opts.allow_private)
+                    .map_err(|e| fail("base", e))?;
+                if let Ok(r) = tine_image::ImageRef::parse(reference) {
+                    super::registry_guard::precheck(r.resolved_registry(), &allowed)
+                        .await
+                        .map_err(|e| fail("base", format!("image {reference}: {e}")))?;
+                }
+                let g = super::registry_guard::RegistryGuard::start(allowed)
+                    .await
+                    .map_err(|e| fail("base", format!("the registry guard: {e}")))?;
+                opts.proxy = Some(g.url());
+                Some(g)
+            }
+            false => None,
+        };
         // Lazily (chunks on first read through the image daemon) unless
         // the pull needs credentials the daemon does not hold.
         let lazy = creds.is_none();
