@@ -25,6 +25,7 @@
 # TINE_CLUSTER_PG_PORT (5433), TINE_CLUSTER_NODE_PORT (3100: node I listens
 # on 3100+I), TINE_CLUSTER_GATEWAY_PORT (3200: gateway J on 3200+J),
 # TINE_CLUSTER_NODE_CONFIG (top-level TOML keys added to every node's config),
+# TINE_CLUSTER_DNS (the nodes' `[network] dns`: the sandboxes' resolver),
 # TINE_CLUSTER_LAZY_PULL (true: nodes read pulled captures lazily; false:
 # they fetch them whole first),
 # TINE_CLUSTER_DOMAIN (the domain sandboxes are addressed under, the same
@@ -176,6 +177,7 @@ allow_private = ["127.0.0.1/32"]
 
 [network]
 veth_pool = "10.$((240 + i)).0.0/16"
+${TINE_CLUSTER_DNS:+dns = \"$TINE_CLUSTER_DNS\"}
 
 [jail]
 uid_base = $((1100000 + i * 100000))

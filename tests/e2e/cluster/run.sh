@@ -71,6 +71,9 @@ rm -rf "$TINE_CLUSTER_DIR/registry"
 # The stand-in internet (tests/e2e/net/inet.sh): the secrets test's
 # destination.
 "$ROOT/tests/e2e/net/inet.sh" up
+# Its DNS (every name is 203.0.113.10) is the sandboxes' resolver: the
+# secrets test's transform names its host.
+export TINE_CLUSTER_DNS=203.0.113.10
 "$CLUSTER" up --nodes 3 --gateways 2
 # The catalog's captures name what the emptied registry held.
 psql -h 127.0.0.1 -p "$TINE_CLUSTER_PG_PORT" -U postgres -d tine -tAqc "DELETE FROM tine_captures" >/dev/null

@@ -342,8 +342,9 @@ def test_volumes_through_either_gateway():
 def test_secrets_are_the_clusters_and_every_node_fills_them_in():
     """A secret made through one gateway is read, updated and destroyed
     through the other, and the egress proxy of a sandbox on any node fills
-    it into a header (plain HTTP to the stand-in internet by address, see
-    tests/e2e/net/inet.sh: its /headers answers each header's SHA-256). The
+    it into a header (plain HTTP to the stand-in internet by a name its DNS
+    answers, see tests/e2e/net/inet.sh: its /headers answers each header's
+    SHA-256; a rule with a secret names its host). The
     gateways' key set for workload identity holds every node's keys."""
     from e2b import Secret
 
@@ -357,7 +358,7 @@ def test_secrets_are_the_clusters_and_every_node_fills_them_in():
         r = api("GET", f"/secrets/{name}", gateway=g2)
         assert r.status_code == 200 and value not in r.text, r.text
         assert name not in [s["name"] for s in api("GET", "/secrets", key=OTHER_KEY).json()]
-        rule = {"203.0.113.10/32": [{"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}]}
+        rule = {"api.inet.test": [{"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}]}
         nodes = set()
         for _ in range(8):
             made.append(create(network={"rules": rule}))
@@ -367,7 +368,7 @@ def test_secrets_are_the_clusters_and_every_node_fills_them_in():
         assert len(nodes) >= 2, nodes
 
         def seen(s):
-            out = s.commands.run("curl -sS -m 20 http://203.0.113.10/headers", timeout=60).stdout
+            out = s.commands.run("curl -sS -m 20 http://api.inet.test/headers", timeout=60).stdout
             return json.loads(out)["authorization"]
 
         for s in made:

@@ -183,14 +183,7 @@ async fn forward(mut req: Request<Incoming>, to: SocketAddr) -> Result<Response<
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    let origin: http::Uri = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/")
-        .parse()
-        .map_err(|e: http::uri::InvalidUri| e.to_string())?;
-    *req.uri_mut() = origin;
+    *req.uri_mut() = crate::network::origin_form(req.uri());
     for h in ["proxy-connection", "proxy-authorization"] {
         req.headers_mut().remove(h);
     }

@@ -423,14 +423,7 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
         }
     }
     // Origin-form upstream, whatever the guest sent.
-    let origin: http::Uri = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/")
-        .parse()
-        .unwrap_or_else(|_| http::Uri::from_static("/"));
-    *req.uri_mut() = origin;
+    *req.uri_mut() = super::origin_form(req.uri());
     let host = c.host.clone();
     let ip = *c.dst.ip();
     if !c.egress.policy.allows(&c.egress.site, ip, host.as_deref()) {

@@ -133,11 +133,16 @@ def ram_usage(pid, under):
     return rss, pss, shared
 
 
-@pytest.fixture(scope="session")
-def other_key():
-    """An API key of another team (`vol-other`)."""
+def team_key(team, name=None):
+    """A new API key of `team` (made with the server's own CLI)."""
     out = subprocess.run(
-        [os.environ["TINE_BIN"], "keys", "create", "--name", "vol-other", "--team", "vol-other"],
+        [os.environ["TINE_BIN"], "keys", "create", "--name", name or f"e2e-{team}", "--team", team],
         check=True, capture_output=True, text=True, env={**os.environ},
     )
     return out.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def other_key():
+    """An API key of another team (`vol-other`)."""
+    return team_key("vol-other", "vol-other")

@@ -13,33 +13,22 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import NotFoundException
 
-from conftest import API, assert_error, http, new_sandbox, qemu_pid
+from conftest import API, assert_error, http, new_sandbox, qemu_pid, team_key
 
 DATA = os.environ["TINE_DATA_DIR"]
 SHM = os.environ["TINE_SHM_DIR"]
 
 
-def team_key(team):
-    out = subprocess.run(
-        [os.environ["TINE_BIN"], "keys", "create", "--name", f"iso-{team}", "--team", team],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ},
-    )
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def other_key():
-    return team_key("other")
+    return team_key("other", "iso-other")
 
 
 @pytest.fixture(scope="module")
 def limited_key():
     # [teams.limited] in run.sh's config: 1 sandbox, 1 vCPU, 512 MiB, 1
     # byte of snapshots.
-    return team_key("limited")
+    return team_key("limited", "iso-limited")
 
 
 def test_team_keys_are_checked_on_the_command_line():

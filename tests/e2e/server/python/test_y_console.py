@@ -22,7 +22,7 @@ import pytest
 from e2b import Template
 from e2b.exceptions import BuildException
 
-from conftest import API, HERE, RUN, assert_error, http
+from conftest import API, HERE, RUN, assert_error, http, team_key
 
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from browser import chromium, go, sign_in as open_console, wait  # noqa: E402
@@ -58,11 +58,7 @@ def no_csp_violations(d):
 
 @pytest.fixture(scope="module")
 def other_team_key():
-    out = subprocess.run(
-        [os.environ["TINE_BIN"], "keys", "create", "--name", "console-other", "--team", "console-other"],
-        check=True, capture_output=True, text=True,
-    )
-    return out.stdout.strip()
+    return team_key("console-other", "console-other")
 
 
 def test_the_page_its_headers_and_bad_requests():

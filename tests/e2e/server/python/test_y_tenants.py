@@ -3,7 +3,6 @@ is another's: a private image another team pulled, a build context under a
 public files hash, a guest's bytes on the API's origin."""
 
 import json
-import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -12,16 +11,8 @@ import pytest
 from e2b import Template
 from e2b.exceptions import BuildException
 
-from conftest import API, API_KEY, RUN, http
+from conftest import API, API_KEY, RUN, http, team_key
 from test_y_image import GZ, Registry, add, tar_layer
-
-
-def team_key(team):
-    out = subprocess.run(
-        [os.environ["TINE_BIN"], "keys", "create", "--name", f"tenant-{team}", "--team", team],
-        check=True, capture_output=True, text=True, env={**os.environ},
-    )
-    return out.stdout.strip()
 
 
 @pytest.fixture(scope="module")
