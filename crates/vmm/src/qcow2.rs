@@ -129,7 +129,10 @@ fn check_features(bytes: &[u8], version: u32) -> Result<(), Refusal> {
     let damaged = |what: String| Err(Refusal::Damaged(what));
     let ext_start = if version >= 3 {
         if bytes.len() < 104 {
-            return damaged(format!("{} bytes long, shorter than a version 3 header", bytes.len()));
+            return damaged(format!(
+                "{} bytes long, shorter than a version 3 header",
+                bytes.len()
+            ));
         }
         let incompatible = u64::from_be_bytes(bytes[72..80].try_into().expect("8 bytes"));
         if incompatible & !INCOMPAT_DIRTY != 0 {
@@ -308,7 +311,10 @@ mod tests {
         }
         // "dirty" names nothing outside the image.
         parse(&set(header(None, 1), 72, &1u64.to_be_bytes())).unwrap();
-        assert!(unsupported(&with_ext(0x4441_5441, 16)), "external data file");
+        assert!(
+            unsupported(&with_ext(0x4441_5441, 16)),
+            "external data file"
+        );
         assert!(unsupported(&with_ext(0x2385_2875, 16)), "bitmaps");
         assert!(unsupported(&with_ext(0x0537_be77, 16)), "encryption");
         parse(&with_ext(EXT_BACKING_FORMAT, 5)).unwrap();
@@ -321,7 +327,10 @@ mod tests {
         assert!(damaged(&long));
         assert!(damaged(&header(None, 1)[..104]), "no end of extensions");
         for len in [0u32, 100, 105, 1 << 20] {
-            assert!(damaged(&set(header(None, 1), 100, &len.to_be_bytes())), "length {len}");
+            assert!(
+                damaged(&set(header(None, 1), 100, &len.to_be_bytes())),
+                "length {len}"
+            );
         }
     }
 
@@ -378,7 +387,10 @@ mod tests {
             "1M",
         ]);
         let e = read(&ext).unwrap_err().to_string();
-        assert!(e.contains("ext.qcow2") && e.contains("does not write"), "{e}");
+        assert!(
+            e.contains("ext.qcow2") && e.contains("does not write"),
+            "{e}"
+        );
         // A name the header promises but the file does not hold.
         std::fs::write(&bad, header(Some((0x200, 10)), 1)).unwrap();
         assert!(matches!(read(&bad), Err(HeaderError::Io { .. })));

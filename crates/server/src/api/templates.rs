@@ -162,7 +162,9 @@ pub async fn file_link(
             .ok_or_else(|| ApiError::bad_request("a Host header is required"))?;
         body["url"] = format!(
             "http://{host}{}",
-            s.builds.files().upload_path(&key.team, &hash, UPLOAD_URL_TTL)
+            s.builds
+                .files()
+                .upload_path(&key.team, &hash, UPLOAD_URL_TTL)
         )
         .into();
     }

@@ -321,7 +321,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = ContextStore::new(dir.path(), 1 << 20);
         let evil = s.receive("mallory", H, stream(other_tar())).await.unwrap();
-        assert_eq!(s.digest("victim", H), None, "the victim's SDK uploads its own");
+        assert_eq!(
+            s.digest("victim", H),
+            None,
+            "the victim's SDK uploads its own"
+        );
         let good = s.receive("victim", H, stream(tar_bytes())).await.unwrap();
         assert_ne!(good, evil);
         assert_eq!(s.digest("victim", H).as_deref(), Some(good.as_str()));
@@ -348,7 +352,8 @@ mod tests {
         ));
         let s = ContextStore::new(dir.path(), 1 << 20);
         assert!(matches!(
-            s.receive("red", H, stream(b"not a tar at all".repeat(64))).await,
+            s.receive("red", H, stream(b"not a tar at all".repeat(64)))
+                .await,
             Err(FilesError::NotTar(_))
         ));
         assert_eq!(s.digest("red", H), None);

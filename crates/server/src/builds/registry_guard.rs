@@ -75,8 +75,9 @@ impl RegistryGuard {
 pub fn parse_allowed(list: &[String]) -> Result<Vec<Net4>, String> {
     list.iter()
         .map(|s| {
-            Net4::parse(s.trim())
-                .ok_or_else(|| format!("[registries] allow_private: {s:?} is not an IPv4 address or CIDR"))
+            Net4::parse(s.trim()).ok_or_else(|| {
+                format!("[registries] allow_private: {s:?} is not an IPv4 address or CIDR")
+            })
         })
         .collect()
 }
@@ -85,7 +86,9 @@ pub fn parse_allowed(list: &[String]) -> Result<Vec<Net4>, String> {
 pub fn permitted(ip: IpAddr, allowed: &[Net4]) -> bool {
     match ip {
         IpAddr::V4(v4) => {
-            !tine_vmm::firewall::NOT_INTERNET.iter().any(|n| n.contains(v4))
+            !tine_vmm::firewall::NOT_INTERNET
+                .iter()
+                .any(|n| n.contains(v4))
                 || allowed.iter().any(|n| n.contains(v4))
         }
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
@@ -139,7 +142,10 @@ fn text(status: StatusCode, msg: String) -> Response<Body> {
 
 async fn handle(req: Request<Incoming>, allowed: &[Net4]) -> Response<Body> {
     let Some(authority) = req.uri().authority().cloned() else {
-        return text(StatusCode::BAD_REQUEST, "a proxy request names its host".into());
+        return text(
+            StatusCode::BAD_REQUEST,
+            "a proxy request names its host".into(),
+        );
     };
     let connect = req.method() == Method::CONNECT;
     let port = authority
@@ -157,8 +163,8 @@ async fn handle(req: Request<Incoming>, allowed: &[Net4]) -> Response<Body> {
             match hyper::upgrade::on(req).await {
                 Ok(up) => {
                     if let Ok(mut server) = TcpStream::connect(to).await {
-                        let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(up), &mut server)
-                            .await;
+                        let _ =
+                            tokio::io::copy_bidirectional(&mut TokioIo::new(up), &mut server).await;
                     }
                 }
                 Err(e) => tracing::debug!("registry guard: CONNECT upgrade: {e}"),
@@ -224,10 +230,15 @@ mod tests {
         let target = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let port = target.local_addr().unwrap().port();
         let e = checked("127.0.0.1", port, &[]).await.unwrap_err();
-        assert!(e.contains("not on the internet") && e.contains("allow_private"), "{e}");
+        assert!(
+            e.contains("not on the internet") && e.contains("allow_private"),
+            "{e}"
+        );
         let e = checked("localhost", port, &[]).await.unwrap_err();
         assert!(e.contains("not on the internet"), "{e}");
-        let e = precheck(&format!("127.0.0.1:{port}"), &[]).await.unwrap_err();
+        let e = precheck(&format!("127.0.0.1:{port}"), &[])
+            .await
+            .unwrap_err();
         assert!(e.contains("not on the internet"), "{e}");
         precheck("203.0.113.9:5000", &[]).await.unwrap();
         let open = parse_allowed(&["127.0.0.1/32".into()]).unwrap();

@@ -431,7 +431,10 @@ impl Gateway {
             *ask.method_mut() = req.method().clone();
             *ask.uri_mut() = req.uri().clone();
             *ask.headers_mut() = req.headers().clone();
-            for h in [http::header::CONTENT_LENGTH, http::header::TRANSFER_ENCODING] {
+            for h in [
+                http::header::CONTENT_LENGTH,
+                http::header::TRANSFER_ENCODING,
+            ] {
                 ask.headers_mut().remove(h);
             }
             let extra = [
@@ -446,14 +449,18 @@ impl Gateway {
         let mut last = None;
         for (n, answer) in futures::future::join_all(asks).await {
             match answer {
-                Ok(r) if r.status() == StatusCode::NO_CONTENT
-                    && r.headers().contains_key(crate::proxy::LOCATED_HEADER) =>
+                Ok(r)
+                    if r.status() == StatusCode::NO_CONTENT
+                        && r.headers().contains_key(crate::proxy::LOCATED_HEADER) =>
                 {
                     return forward::forward(&self.client, &n.id, &n.status.address, req, &[], &[])
                         .await
                         .unwrap_or_else(ForwardError::into_response);
                 }
-                Ok(mut r) if r.headers().contains_key(crate::proxy::NO_SUCH_SANDBOX_HEADER) => {
+                Ok(mut r)
+                    if r.headers()
+                        .contains_key(crate::proxy::NO_SUCH_SANDBOX_HEADER) =>
+                {
                     r.headers_mut().remove(crate::proxy::NO_SUCH_SANDBOX_HEADER);
                     last = Some(r)
                 }
@@ -542,7 +549,10 @@ mod tests {
             ("x-api-key", "e2b_k"),
             ("e2b-sandbox-id", "i1"),
         ] {
-            h.insert(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+            h.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
         }
         strip_internal(&mut h);
         let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();

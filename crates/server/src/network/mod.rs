@@ -38,7 +38,6 @@ pub use site::Site;
 use egress::EgressProxy;
 use inject::Injector;
 
-
 /// `uri` in origin form (its path and query), as a request goes on to the
 /// server it was meant for, whatever form the client sent.
 pub fn origin_form(uri: &http::Uri) -> http::Uri {

@@ -90,15 +90,29 @@ pub fn list() -> Option<&'static Suffixes> {
 mod tests {
     use super::*;
 
-    const LIST: &str = "// comment\ncom\nco.uk\n*.ck\n!www.ck\n// ===BEGIN PRIVATE===\nvercel.app\n";
+    const LIST: &str =
+        "// comment\ncom\nco.uk\n*.ck\n!www.ck\n// ===BEGIN PRIVATE===\nvercel.app\n";
 
     #[test]
     fn suffixes_rules_wildcards_and_exceptions() {
         let s = Suffixes::parse(LIST);
-        for public in ["com", "co.uk", "vercel.app", "anything.ck", "VERCEL.app.", "org"] {
+        for public in [
+            "com",
+            "co.uk",
+            "vercel.app",
+            "anything.ck",
+            "VERCEL.app.",
+            "org",
+        ] {
             assert!(s.is_public(public), "{public}");
         }
-        for private in ["example.com", "foo.vercel.app", "www.ck", "a.b.ck", "bbc.co.uk"] {
+        for private in [
+            "example.com",
+            "foo.vercel.app",
+            "www.ck",
+            "a.b.ck",
+            "bbc.co.uk",
+        ] {
             assert!(!s.is_public(private), "{private}");
         }
     }

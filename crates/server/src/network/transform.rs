@@ -415,14 +415,18 @@ mod tests {
     #[test]
     fn a_secret_goes_only_to_hosts_it_names() {
         let secret = |host: &str| {
-            rules(json!({ host: [{"transform": {"headers": {"Authorization": "${e2b.secrets.k}"}}}] }))
+            rules(
+                json!({ host: [{"transform": {"headers": {"Authorization": "${e2b.secrets.k}"}}}] }),
+            )
         };
         for host in ["0.0.0.0/0", "203.0.113.7", "10.0.0.0/8"] {
             let e = secret(host).unwrap_err();
             assert!(e.contains(host) && e.contains("must name its host"), "{e}");
         }
-        let e = rules(json!({"1.2.3.4": [{"transform": {"headers": {"X": "${e2b.identity.tokens.t}"}}}]}))
-            .unwrap_err();
+        let e = rules(
+            json!({"1.2.3.4": [{"transform": {"headers": {"X": "${e2b.identity.tokens.t}"}}}]}),
+        )
+        .unwrap_err();
         assert!(e.contains("identity token"), "{e}");
         for host in ["*.vercel.app", "*.com", "*.github.io"] {
             let e = secret(host).unwrap_err();

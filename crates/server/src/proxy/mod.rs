@@ -558,7 +558,10 @@ mod tests {
         let r = as_download(hostile);
         let h = r.headers();
         assert_eq!(h[header::CONTENT_TYPE], "application/octet-stream");
-        assert_eq!(h[header::CONTENT_DISPOSITION], "attachment; filename=\"x.html\"");
+        assert_eq!(
+            h[header::CONTENT_DISPOSITION],
+            "attachment; filename=\"x.html\""
+        );
         assert_eq!(h[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
         assert_eq!(h[header::CONTENT_SECURITY_POLICY], "sandbox");
         assert_eq!(h.get_all(header::CONTENT_SECURITY_POLICY).iter().count(), 1);

@@ -26,10 +26,9 @@ fn backing_name(path: &Path) -> std::io::Result<Option<String>> {
             .map(|name| String::from_utf8_lossy(&name).into_owned())),
         Err(HeaderError::NotQcow2(_)) => Ok(None),
         Err(HeaderError::Io { source, .. }) => Err(source),
-        Err(e @ (HeaderError::Damaged { .. } | HeaderError::Unsupported { .. })) => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            e.to_string(),
-        )),
+        Err(e @ (HeaderError::Damaged { .. } | HeaderError::Unsupported { .. })) => Err(
+            std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
+        ),
     }
 }
 

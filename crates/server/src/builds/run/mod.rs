@@ -196,17 +196,23 @@ impl Runner<'_> {
                 self.info(shown.clone());
                 continue;
             }
-            let content = match op {
-                Op::Copy {
-                    files_hash, src, ..
-                } => Some(self.env.files.digest(&self.plan.team, files_hash).ok_or_else(|| {
-                    fail(
+            let content =
+                match op {
+                    Op::Copy {
+                        files_hash, src, ..
+                    } => Some(
+                        self.env
+                            .files
+                            .digest(&self.plan.team, files_hash)
+                            .ok_or_else(|| {
+                                fail(
                         num,
                         format!("COPY {src}: the files for hash {files_hash} were not uploaded"),
                     )
-                })?),
-                _ => None,
-            };
+                            })?,
+                    ),
+                    _ => None,
+                };
             key = layer_key(&key, op, &state, content.as_deref());
             if !forced && self.vm.is_none() {
                 if let Some(row) = self.env.db.find_layer(&key).map_err(|e| fail(num, e))? {
@@ -352,7 +358,10 @@ impl Runner<'_> {
                 );
             }
         };
-        let err = match store.pull(reference, &opts, creds, lazy, &mut progress).await {
+        let err = match store
+            .pull(reference, &opts, creds, lazy, &mut progress)
+            .await
+        {
             Ok(m) => {
                 let private = tine_image::ImageRef::parse(reference)
                     .map(|r| opts.sends_credentials(&r, creds))
