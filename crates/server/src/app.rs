@@ -23,6 +23,9 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// and serve until the process ends.
 pub async fn serve(config: Config, mut paths: tine_vmm::Paths) -> anyhow::Result<()> {
     config.validate()?;
+    // (Here, not in `validate`: the guard sits above the config's layer.)
+    builds::registry_guard::parse_allowed(&config.registries.allow_private)
+        .map_err(anyhow::Error::msg)?;
     let _lock = lock_data_dir(&paths.data_dir)?;
     paths.jail = config.jail.clone();
     if std::env::var("TINE_JAIL").is_ok_and(|v| v == "0" || v == "off") {

@@ -296,8 +296,6 @@ impl Config {
                 ));
             }
         }
-        crate::builds::registry_guard::parse_allowed(&self.registries.allow_private)
-            .map_err(ConfigError::Invalid)?;
         self.network.validate().map_err(ConfigError::Invalid)
     }
 

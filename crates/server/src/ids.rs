@@ -1,4 +1,5 @@
-//! Random identifiers and secrets from the operating system's CSPRNG.
+//! Random identifiers and secrets from the operating system's CSPRNG, and
+//! the shape of a team's name.
 
 /// `n` random bytes as lowercase hex.
 pub fn random_hex(n: usize) -> String {
@@ -18,4 +19,12 @@ pub fn random_index(len: usize) -> usize {
 /// host name (`<port>-<id>.<domain>`).
 pub fn sandbox_id() -> String {
     format!("i{}", random_hex(10))
+}
+
+/// A team name: 1-64 of `[A-Za-z0-9_-]`.
+pub fn valid_team(team: &str) -> bool {
+    (1..=64).contains(&team.len())
+        && team
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }

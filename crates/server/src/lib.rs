@@ -34,6 +34,7 @@ pub mod secrets;
 pub mod state;
 pub mod templates;
 pub mod tls;
+pub mod uri;
 pub mod volumes;
 
 pub use app::serve;

@@ -77,7 +77,7 @@ impl ContextStore {
     /// The digest of the archive `team` uploaded for `files_hash`, if it
     /// is here.
     pub fn digest(&self, team: &str, files_hash: &str) -> Option<String> {
-        if !valid_hash(files_hash) || !crate::db::valid_team(team) {
+        if !valid_hash(files_hash) || !crate::ids::valid_team(team) {
             return None;
         }
         let d = std::fs::read_to_string(self.alias(team, files_hash)).ok()?;
@@ -118,7 +118,7 @@ impl ContextStore {
         let Ok(sig) = decode_hex(signature) else {
             return Err(FilesError::BadSignature);
         };
-        if !crate::db::valid_team(team) {
+        if !crate::ids::valid_team(team) {
             return Err(FilesError::BadSignature);
         }
         self.mac(team, files_hash, expires)
@@ -195,7 +195,7 @@ impl ContextStore {
         tmp: tempfile::NamedTempFile,
         digest: &str,
     ) -> Result<String, FilesError> {
-        if !crate::db::valid_team(team) {
+        if !crate::ids::valid_team(team) {
             return Err(FilesError::BadSignature);
         }
         if let Some(kept) = self.digest(team, files_hash) {

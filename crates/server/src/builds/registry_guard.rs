@@ -189,7 +189,7 @@ async fn forward(mut req: Request<Incoming>, to: SocketAddr) -> Result<Response<
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    *req.uri_mut() = crate::network::origin_form(req.uri());
+    *req.uri_mut() = crate::uri::origin_form(req.uri());
     for h in ["proxy-connection", "proxy-authorization"] {
         req.headers_mut().remove(h);
     }

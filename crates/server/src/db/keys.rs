@@ -52,13 +52,7 @@ fn key_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKey> {
     })
 }
 
-/// A team name: 1-64 of `[A-Za-z0-9_-]`.
-pub fn valid_team(team: &str) -> bool {
-    (1..=64).contains(&team.len())
-        && team
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
+pub use crate::ids::valid_team;
 
 /// A new key's plaintext (E2B's shape).
 pub fn new_key_plaintext() -> String {

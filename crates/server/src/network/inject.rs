@@ -423,7 +423,7 @@ async fn handle(c: &Conn, mut req: Request<Incoming>) -> Response<Body> {
         }
     }
     // Origin-form upstream, whatever the guest sent.
-    *req.uri_mut() = super::origin_form(req.uri());
+    *req.uri_mut() = crate::uri::origin_form(req.uri());
     let host = c.host.clone();
     let ip = *c.dst.ip();
     if !c.egress.policy.allows(&c.egress.site, ip, host.as_deref()) {

@@ -38,16 +38,6 @@ pub use site::Site;
 use egress::EgressProxy;
 use inject::Injector;
 
-/// `uri` in origin form (its path and query), as a request goes on to the
-/// server it was meant for, whatever form the client sent.
-pub fn origin_form(uri: &http::Uri) -> http::Uri {
-    uri.path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/")
-        .parse()
-        .unwrap_or_else(|_| http::Uri::from_static("/"))
-}
-
 /// Where the injecting proxy reads secrets, and notes what it refused.
 #[async_trait::async_trait]
 pub trait Vault: Send + Sync {
